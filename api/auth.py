@@ -1,0 +1,85 @@
+"""API key authentication for the REST surfaces, and the decorator every API view wears."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse
+
+from api.errors import INVALID_KEY_MESSAGE, ApiError, Dialect, as_api_error, error_response
+from models_app import selectors, services
+from models_app.models import ApiKey
+
+AsyncView = Callable[..., Awaitable[HttpResponse]]
+
+
+def presented_key(request: HttpRequest) -> str:
+    """The key from `Authorization: Bearer …` or `x-api-key`; never from the query string."""
+    header = request.headers.get("Authorization", "")
+    if header[:7].lower() == "bearer ":
+        return header[7:].strip()
+    return request.headers.get("x-api-key", "").strip()
+
+
+def _authenticate_sync(raw_key: str) -> ApiKey | None:
+    key = selectors.apikey_authenticate(raw_key=raw_key)
+    if key is not None:
+        services.apikey_touch(key=key)
+    return key
+
+
+async def authenticate(request: HttpRequest) -> ApiKey:
+    """Resolve the request's API key.
+
+    Raises:
+        ApiError: 401 when the key is missing, unknown or revoked.
+    """
+    key = await sync_to_async(_authenticate_sync)(presented_key(request))
+    if key is None:
+        raise ApiError(401, INVALID_KEY_MESSAGE, "authentication_error", "invalid_api_key")
+    return key
+
+
+def json_body(request: HttpRequest) -> dict[str, Any]:
+    """The request body as a JSON object.
+
+    Raises:
+        ApiError: 400 when the body is not a JSON object.
+    """
+    try:
+        body = json.loads(request.body or b"null")
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "The request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def api_endpoint(*, dialect: Dialect, methods: tuple[str, ...], public: bool = False) -> Callable[[AsyncView], AsyncView]:
+    """Wrap an async API view: method check, API key auth (unless public), errors in the surface's envelope.
+
+    The view reads the caller from `request.api_key` and `request.tenant_id`.
+    """
+
+    def decorate(view: AsyncView) -> AsyncView:
+        @functools.wraps(view)
+        async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+            try:
+                if request.method not in methods:
+                    raise ApiError(405, f"Method {request.method} is not allowed here.", code="method_not_allowed")
+                if not public:
+                    key = await authenticate(request)
+                    request.api_key = key  # type: ignore[attr-defined]
+                    request.tenant_id = key.owner_id  # type: ignore[attr-defined]
+                return await view(request, *args, **kwargs)
+            except Exception as exc:  # every failure leaves in the surface's envelope
+                return error_response(as_api_error(exc, model=getattr(request, "requested_model", None)), dialect)
+
+        wrapper.csrf_exempt = True  # type: ignore[attr-defined]  # API keys, not cookies
+        return wrapper
+
+    return decorate

@@ -1,0 +1,70 @@
+"""The one place that builds this process's engine, lazily, and starts it (preloading pinned aliases)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+from mlxhost.engine import Engine, EngineConfig, ModelLoadError, ModelSpec
+
+logger = logging.getLogger(__name__)
+
+# Identifies this process's lifetime on every stored response (REG-4).
+BOOT_ID = uuid.uuid4().hex
+
+_engine: Engine | None = None
+
+
+def get_engine() -> Engine:
+    """This process's engine, built on first use (never in AppConfig.ready, which runs for migrate too)."""
+    global _engine
+    if _engine is None:
+        options = settings.MLXHOST_ENGINE
+        _engine = Engine(
+            EngineConfig(backend=options["BACKEND"], default_max_tokens=options["DEFAULT_MAX_TOKENS"])
+        )
+    return _engine
+
+
+def engine_if_started() -> Engine | None:
+    """The engine if something already built it; probes use this so they never load models."""
+    return _engine
+
+
+def set_engine(engine: Engine | None) -> None:
+    """Swap the process engine (tests install one with a fake backend or a fresh loop)."""
+    global _engine
+    _engine = engine
+
+
+def _pinned_specs() -> list[tuple[str, ModelSpec]]:
+    from models_app import selectors
+
+    return [
+        (alias.name, selectors.model_spec_for(alias=alias))
+        for alias in selectors.aliases_enabled().filter(pinned=True)
+    ]
+
+
+async def engine_start() -> None:
+    """Load every enabled pinned alias; a failed load is logged and shown in /readyz, not fatal."""
+    engine = get_engine()
+    for name, spec in await sync_to_async(_pinned_specs)():
+        try:
+            logger.info("loading pinned alias %s (instance %s)", name, spec.instance_id)
+            await engine.load(spec)
+            logger.info("alias %s ready", name)
+        except ModelLoadError as exc:
+            logger.error("alias %s failed to load: %s", name, exc)
+
+
+def schedule_engine_start() -> None:
+    """Called from asgi.py: start the engine once the server's event loop runs."""
+    if not settings.MLXHOST_ENGINE.get("PRELOAD", True):
+        return
+    loop = asyncio.get_event_loop()
+    loop.call_soon(lambda: loop.create_task(engine_start()))

@@ -1,0 +1,97 @@
+"""Errors for every surface: one table from exceptions to status/type/code, rendered per dialect."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+from django.http import HttpResponse
+
+from mlxhost.engine.errors import (
+    EngineClosedError,
+    EngineError,
+    InvalidModelFolderError,
+    ModelLoadError,
+    PromptTooLongError,
+    UnknownModelError,
+)
+from models_app.models import ModelAlias
+
+logger = logging.getLogger(__name__)
+
+Dialect = Literal["openai", "anthropic"]
+
+INVALID_KEY_MESSAGE = "Missing or invalid API key. Send it as 'Authorization: Bearer <key>' or 'x-api-key'."
+UNKNOWN_MODEL_MESSAGE = "The model {name!r} does not exist or is not enabled."
+LOAD_RETRY_AFTER_S = 5
+
+# Anthropic names its error types by status.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "api_error",
+    529: "overloaded_error",
+}
+
+
+@dataclass
+class ApiError(Exception):
+    """An error with its HTTP status, OpenAI `type` and machine `code`, safe to show a client."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None
+    retry_after: int | None = None
+
+
+# Engine and lookup errors -> (status, type, code, retry_after). Messages come from the exception.
+ERROR_TABLE: dict[type[Exception], tuple[int, str, str, int | None]] = {
+    UnknownModelError: (404, "invalid_request_error", "model_not_found", None),
+    PromptTooLongError: (400, "invalid_request_error", "context_length_exceeded", None),
+    InvalidModelFolderError: (503, "server_error", "model_load_failed", None),
+    ModelLoadError: (503, "server_error", "model_load_failed", LOAD_RETRY_AFTER_S),
+    EngineClosedError: (503, "server_error", "engine_closed", LOAD_RETRY_AFTER_S),
+}
+
+
+def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
+    """Map any exception to an ApiError; unknown ones become a bare 500 with nothing leaked."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, ModelAlias.DoesNotExist):
+        return ApiError(404, UNKNOWN_MODEL_MESSAGE.format(name=model or ""), code="model_not_found", param="model")
+    for kind, (status, type_, code, retry_after) in ERROR_TABLE.items():
+        if isinstance(exc, kind):
+            return ApiError(status, str(exc), type_, code, retry_after=retry_after)
+    if isinstance(exc, EngineError):
+        return ApiError(500, "The engine failed to handle the request.", "server_error", exc.code)
+    logger.exception("unhandled API error")
+    return ApiError(500, "Internal server error.", "server_error", "internal_error")
+
+
+def error_body(error: ApiError, dialect: Dialect) -> dict[str, object]:
+    if dialect == "anthropic":
+        kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": error.message}}
+    return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
+
+
+def error_response(error: ApiError, dialect: Dialect) -> HttpResponse:
+    response = HttpResponse(
+        json.dumps(error_body(error, dialect)), status=error.status, content_type="application/json"
+    )
+    if error.retry_after is not None:
+        response["Retry-After"] = str(error.retry_after)
+    if error.status == 401 and dialect == "openai":
+        response["WWW-Authenticate"] = 'Bearer realm="mlxhost"'
+    return response

@@ -1,0 +1,102 @@
+"""OpenAI chat completion shapes: engine events -> `chat.completion` objects and SSE chunks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.errors import ApiError, error_body
+from api.sse import SSE_DONE, sse_event
+from mlxhost.engine import Delta, Done, Failed, Generation, Usage
+
+# The engine's "cancelled" only reaches a client that is still reading (e.g. a server-side cancel).
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+@dataclass
+class ChatTurn:
+    """The identity of one completion, shared by every chunk of it."""
+
+    id: str
+    model: str
+    instance_id: int
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": f"fp_mlxhost_{self.instance_id}",
+        }
+
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        body = self.envelope("chat.completion.chunk")
+        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+async def chat_sse(turn: ChatTurn, generation: Generation) -> AsyncIterator[bytes]:
+    """Stream a generation as OpenAI chunks, ending with `data: [DONE]`.
+
+    An async generator on purpose: Django buffers sync iterators under ASGI. When the client
+    disconnects, Django cancels this generator and `Generation.stream()` sets the stop flag.
+    """
+    yield sse_event(turn.chunk({"role": "assistant", "content": ""}))
+    async for event in generation.stream():
+        if isinstance(event, Delta) and event.text:
+            yield sse_event(turn.chunk({"content": event.text}))
+        elif isinstance(event, Done):
+            yield sse_event(turn.chunk({}, FINISH_REASONS.get(event.finish_reason, "stop")))
+            if turn.include_usage:
+                final = turn.envelope("chat.completion.chunk")
+                final.update(choices=[], usage=usage_body(event.usage))
+                yield sse_event(final)
+        elif isinstance(event, Failed):
+            error = ApiError(500, event.message, "server_error", event.code)
+            yield sse_event(error_body(error, "openai"))
+    yield SSE_DONE
+
+
+async def chat_complete(turn: ChatTurn, generation: Generation) -> dict[str, Any]:
+    """Collect a generation into one `chat.completion` object.
+
+    Raises:
+        ApiError: 500 when the model failed mid-generation.
+    """
+    parts: list[str] = []
+    async for event in generation.stream():
+        if isinstance(event, Delta):
+            parts.append(event.text)
+        elif isinstance(event, Failed):
+            raise ApiError(500, event.message, "server_error", event.code)
+        elif isinstance(event, Done):
+            body = turn.envelope("chat.completion")
+            message = {"role": "assistant", "content": "".join(parts), "refusal": None}
+            body["choices"] = [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": FINISH_REASONS.get(event.finish_reason, "stop"),
+                }
+            ]
+            body["usage"] = usage_body(event.usage)
+            return body
+    raise ApiError(500, "The generation ended without a result.", "server_error", "generation_failed")

@@ -1,0 +1,89 @@
+"""OpenAI-compatible endpoints: POST /v1/chat/completions and GET /v1/models."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+
+from api.auth import api_endpoint, json_body
+from api.engine_client import engine_if_started, get_engine
+from api.errors import ApiError
+from api.openai.chat import ChatTurn, chat_complete, chat_sse
+from api.openai.serializers import ChatCompletionInput, first_error
+from mlxhost.engine import GenerationRequest, Message
+from models_app import selectors
+from models_app.models import ModelAlias
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def validated(serializer_class: type, body: dict[str, Any]) -> dict[str, Any]:
+    """Run a DRF serializer for validation only; the first error becomes a 400 with its `param`."""
+    serializer = serializer_class(data=body)
+    if not serializer.is_valid():
+        param, message = first_error(serializer.errors)
+        raise ApiError(400, f"{param}: {message}" if param else message, code="invalid_value", param=param or None)
+    return serializer.validated_data
+
+
+def _chat_request(alias: ModelAlias, data: dict[str, Any], request_id: str) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=request_id,
+        model=selectors.model_spec_for(alias=alias),
+        sampling=selectors.sampling_params_for(alias=alias, overrides=data),
+        messages=tuple(Message(role=m["role"], content=m["content"]) for m in data["messages"]),
+    )
+
+
+@api_endpoint(dialect="openai", methods=("POST",))
+async def chat_completions(request: HttpRequest) -> HttpResponse:
+    """POST /v1/chat/completions (OpenAI-compatible; SSE when `stream` is true)."""
+    body = json_body(request)
+    request.requested_model = body.get("model") if isinstance(body.get("model"), str) else None  # type: ignore[attr-defined]
+    data = validated(ChatCompletionInput, body)
+    alias = await sync_to_async(selectors.alias_resolve)(name=data["model"])
+    request_id = f"chatcmpl-{secrets.token_hex(12)}"
+    generation = await get_engine().submit(await sync_to_async(_chat_request)(alias, data, request_id))
+    include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+    turn = ChatTurn(id=request_id, model=alias.name, instance_id=alias.instance_id, include_usage=include_usage)
+    headers = {"X-Session-Cache": "fresh", "X-Request-Id": request_id}
+    if data["stream"]:
+        return StreamingHttpResponse(
+            chat_sse(turn, generation), content_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+        )
+    return JsonResponse(await chat_complete(turn, generation), headers=headers)
+
+
+def _model_list() -> list[dict[str, Any]]:
+    engine = engine_if_started()
+    states = {snap["instance_id"]: snap["state"] for snap in engine.snapshot()} if engine else {}
+    return [
+        {
+            "id": alias.name,
+            "object": "model",
+            "created": int(alias.created_at.timestamp()),
+            "owned_by": "mlxhost",
+            "instance_id": alias.instance_id,
+            "state": states.get(alias.instance_id, "unloaded"),
+        }
+        for alias in selectors.aliases_enabled()
+    ]
+
+
+@api_endpoint(dialect="openai", methods=("GET",))
+async def models_list(request: HttpRequest) -> HttpResponse:
+    """GET /v1/models: enabled aliases in OpenAI's list shape, with load state (REG-8)."""
+    return JsonResponse({"object": "list", "data": await sync_to_async(_model_list)()})
+
+
+@api_endpoint(dialect="openai", methods=("GET",))
+async def model_retrieve(request: HttpRequest, name: str) -> HttpResponse:
+    """GET /v1/models/{name}."""
+    request.requested_model = name  # type: ignore[attr-defined]
+    for item in await sync_to_async(_model_list)():
+        if item["id"] == name:
+            return JsonResponse(item)
+    raise ModelAlias.DoesNotExist

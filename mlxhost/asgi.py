@@ -1,0 +1,24 @@
+"""ASGI entry point: `daphne mlxhost.asgi:application` serves HTTP and WebSocket and owns the engine."""
+
+from __future__ import annotations
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mlxhost.settings")
+django_asgi_app = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter  # noqa: E402  (needs Django set up first)
+from django.conf import settings  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+
+from api.engine_client import schedule_engine_start  # noqa: E402
+
+# Daphne serves no static files itself; the admin's CSS and the dashboard's JS come from here.
+http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.MLXHOST_SERVE_STATIC else django_asgi_app
+application = ProtocolTypeRouter({"http": http_app})
+
+# Daphne installs its asyncio reactor before importing this module, so the engine starts on
+# the server's own loop as soon as it runs (pinned aliases load; /readyz reports progress).
+schedule_engine_start()

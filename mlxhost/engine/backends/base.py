@@ -1,0 +1,57 @@
+"""The backend interface: how the engine's worker thread loads and runs a model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from mlxhost.engine.types import Message, ModelSpec, SamplingParams
+
+ProgressCallback = Callable[[int, int], None]  # (done, total) in bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TokenStep:
+    """One generated token: its decoded text segment (may be empty) and id."""
+
+    text: str
+    token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepEnd:
+    """End of a backend generation: trailing text and why it stopped ("stop" or "length")."""
+
+    text: str
+    finish_reason: str
+    prefill_tps: float = 0.0
+
+
+class LoadedModel(Protocol):
+    """A model resident in memory. Only the instance's worker thread calls `generate`."""
+
+    def render_chat(self, messages: Sequence[Message]) -> list[int]:
+        """Apply the chat template with a generation prompt and return token ids."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize raw text (legacy completions)."""
+        ...
+
+    def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams
+    ) -> Iterator[TokenStep | StepEnd]:
+        """Yield one `TokenStep` per token, then exactly one `StepEnd` unless closed early."""
+        ...
+
+    def memory_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    name: str
+
+    def load(self, spec: ModelSpec, progress: ProgressCallback) -> LoadedModel: ...

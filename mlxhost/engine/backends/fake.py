@@ -1,0 +1,93 @@
+"""A deterministic in-memory backend for exact engine tests: scripted tokens, gates, history."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
+
+if TYPE_CHECKING:
+    from mlxhost.engine.types import Message, ModelSpec, SamplingParams
+
+DEFAULT_WORD = "tok "
+
+
+class FakeModel:
+    """Tokens are characters of the rendered prompt; outputs come from the backend's script."""
+
+    def __init__(self, backend: FakeBackend, spec: ModelSpec) -> None:
+        self._backend = backend
+        self.spec = spec
+        self.closed = False
+
+    def render_chat(self, messages: Sequence[Message]) -> list[int]:
+        text = "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>"
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) for ch in text]
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Iterator[TokenStep | StepEnd]:
+        backend = self._backend
+        backend.history.append((self.spec.instance_id, prompt_ids, sampling))
+        pieces = backend.next_script()
+        for index in range(sampling.max_tokens):
+            if pieces is not None and index >= len(pieces):
+                yield StepEnd(text="", finish_reason="stop")
+                return
+            backend.wait_for_gate()
+            backend.tokens_generated += 1
+            yield TokenStep(text=pieces[index] if pieces is not None else DEFAULT_WORD, token_id=index)
+        yield StepEnd(text="", finish_reason="length")
+
+    def memory_bytes(self) -> int:
+        return 1024
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeBackend:
+    """Test double for the mlx backend.
+
+    `enqueue(["Hel", "lo"])` scripts the next generation (otherwise it repeats `"tok "` up
+    to max_tokens); `history` records (instance_id, prompt_ids, sampling) per generation;
+    `gate` (a threading.Event) paces every token when `gated` is true; `load_failures`
+    makes the next loads raise.
+    """
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.history: list[tuple[int, list[int], SamplingParams]] = []
+        self.loads: list[int] = []
+        self.tokens_generated = 0
+        self.gate = threading.Event()
+        self.gated = False
+        self.load_failures = 0
+        self.load_gate: threading.Event | None = None
+        self._scripts: deque[list[str]] = deque()
+
+    def enqueue(self, pieces: list[str]) -> None:
+        self._scripts.append(list(pieces))
+
+    def next_script(self) -> list[str] | None:
+        return self._scripts.popleft() if self._scripts else None
+
+    def wait_for_gate(self) -> None:
+        if self.gated:
+            self.gate.wait(timeout=30)
+            self.gate.clear()
+
+    def load(self, spec: ModelSpec, progress: ProgressCallback) -> FakeModel:
+        if self.load_gate is not None:
+            self.load_gate.wait(timeout=30)
+        if self.load_failures:
+            self.load_failures -= 1
+            raise OSError("fake load failure")
+        progress(1, 1)
+        self.loads.append(spec.instance_id)
+        return FakeModel(self, spec)

@@ -1,0 +1,120 @@
+"""The real backend: mlx-lm load, chat templates and `stream_generate`, run on the worker thread."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+from mlx_lm import load as mlx_load
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
+from mlxhost.engine.errors import ModelLoadError
+from mlxhost.engine.weights import validate_model_folder
+
+if TYPE_CHECKING:
+    from mlxhost.engine.types import Message, ModelSpec, SamplingParams
+
+
+class MlxModel:
+    """A loaded mlx-lm model and tokenizer; `generate` runs only on the owning worker thread."""
+
+    def __init__(self, model: Any, tokenizer: Any, path: Path) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self.path = path
+        self._bytes = sum(p.stat().st_size for p in path.glob("model*.safetensors"))
+
+    def render_chat(self, messages: Sequence[Message]) -> list[int]:
+        chat = [{"role": m.role, "content": m.content} for m in messages]
+        ids = self._tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        # transformers 5 may return a BatchEncoding-like mapping instead of a list.
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Iterator[TokenStep | StepEnd]:
+        if sampling.seed is not None:
+            mx.random.seed(sampling.seed)
+        sampler = make_sampler(
+            temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k
+        )
+        processors = make_logits_processors(
+            logit_bias=dict(sampling.logit_bias) or None,
+            repetition_penalty=sampling.repetition_penalty,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+        )
+        eos = set(self._tokenizer.eos_token_ids)
+        responses = stream_generate(
+            self._model,
+            self._tokenizer,
+            prompt_ids,
+            max_tokens=sampling.max_tokens,
+            sampler=sampler,
+            logits_processors=processors,
+        )
+        try:
+            for response in responses:
+                if response.finish_reason is None:
+                    yield TokenStep(text=response.text, token_id=int(response.token))
+                    continue
+                # The last response carries either the EOS token (not text) or the final token.
+                text = response.text
+                if response.finish_reason == "length" and response.token not in eos:
+                    yield TokenStep(text=text, token_id=int(response.token))
+                    text = ""
+                yield StepEnd(text=text, finish_reason=response.finish_reason, prefill_tps=response.prompt_tps)
+                return
+        finally:
+            responses.close()
+
+    def memory_bytes(self) -> int:
+        return self._bytes
+
+    def close(self) -> None:
+        self._model = None
+        mx.clear_cache()
+
+
+class MlxBackend:
+    name = "mlx"
+
+    def load(self, spec: ModelSpec, progress: ProgressCallback) -> MlxModel:
+        """Load a local folder (validated first) or a Hugging Face repo id at a pinned revision.
+
+        Raises:
+            ModelLoadError: the folder is unsafe or incomplete, or the hub cannot be reached.
+        """
+        path = Path(spec.source)
+        if path.is_absolute():
+            validate_model_folder(path)
+        else:
+            path = _download(spec.source, spec.revision, progress)
+            validate_model_folder(path)
+        total = sum(p.stat().st_size for p in path.glob("*") if p.is_file())
+        progress(0, total)
+        try:
+            model, tokenizer = mlx_load(str(path))
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"mlx-lm could not load the model: {exc}") from exc
+        progress(total, total)
+        return MlxModel(model, tokenizer, path)
+
+
+def _download(repo_id: str, revision: str | None, progress: ProgressCallback) -> Path:
+    # Real users register hub repos; offline this fails in about a second (LocalEntryNotFoundError).
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "model*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+    try:
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+    except Exception as exc:
+        raise ModelLoadError(f"Could not fetch {repo_id}@{revision or 'main'} from the hub: {exc}") from exc
+    return Path(folder)

@@ -1,0 +1,50 @@
+"""Engine errors: one base class, one subclass per way a request can be refused or fail."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class for every error the engine raises."""
+
+    code = "engine_error"
+
+
+class UnknownModelError(EngineError):
+    """The requested model instance is not registered with the engine."""
+
+    code = "model_not_found"
+
+
+class ModelLoadError(EngineError):
+    """The model's weights could not be loaded (bad folder, missing files, offline hub)."""
+
+    code = "model_load_failed"
+
+
+class InvalidModelFolderError(EngineError):
+    """A model folder is unsafe or incomplete (remote code, non-safetensors weights, no config)."""
+
+    code = "invalid_model_folder"
+
+
+class PromptTooLongError(EngineError):
+    """The rendered prompt has more tokens than the model's `max_input_tokens` allows."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(f"The prompt has {prompt_tokens} tokens; this model accepts at most {limit}.")
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+class GenerationFailedError(EngineError):
+    """The worker thread raised while generating; the message is safe to show a client."""
+
+    code = "generation_failed"
+
+
+class EngineClosedError(EngineError):
+    """The engine is shutting down and accepts no new work."""
+
+    code = "engine_closed"

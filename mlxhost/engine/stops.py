@@ -1,0 +1,41 @@
+"""Text stop sequences: hold back what could still become a stop string, cut at the first match."""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    """Feeds streamed text through, withholding any suffix that may start a stop sequence.
+
+    `feed(text)` returns `(safe_text, stopped)`: text that can be sent now, and whether a
+    stop sequence completed (the stop string itself is never emitted). `flush()` returns
+    the withheld tail when generation ends without a match.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = tuple(s for s in stops if s)
+        self._held = ""
+        self._longest = max((len(s) for s in self._stops), default=0)
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self._stops:
+            return text, False
+        buffer = self._held + text
+        cut = min((i for i in (buffer.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            return buffer[:cut], True
+        keep = self._partial_suffix(buffer)
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+    def _partial_suffix(self, buffer: str) -> int:
+        # Longest suffix of `buffer` that is a proper prefix of some stop string.
+        for size in range(min(self._longest - 1, len(buffer)), 0, -1):
+            tail = buffer[-size:]
+            if any(s.startswith(tail) for s in self._stops):
+                return size
+        return 0

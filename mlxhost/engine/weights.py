@@ -1,0 +1,100 @@
+"""Model folders on disk: safety checks and the weights fingerprint that identifies an instance."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+from mlxhost.engine.errors import InvalidModelFolderError
+
+# Weight formats that can execute code or that mlx-lm cannot read safely.
+UNSAFE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt", ".gguf")
+REMOTE_CODE_KEYS = ("auto_map", "model_file")
+_FINGERPRINT_CHUNK = 8 * 1024 * 1024
+
+_memo: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
+_memo_lock = threading.Lock()
+
+
+def validate_model_folder(folder: Path) -> None:
+    """Refuse folders mlx-lm should not load: no config, remote code, or non-safetensors weights.
+
+    Raises:
+        InvalidModelFolderError: with a message that names the problem.
+    """
+    if not folder.is_dir():
+        raise InvalidModelFolderError(f"{folder.name!r} is not a folder.")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise InvalidModelFolderError(f"{folder.name!r} has no config.json.")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidModelFolderError(f"{folder.name!r} has an unreadable config.json.") from exc
+    wanted = [key for key in REMOTE_CODE_KEYS if key in config]
+    if wanted:
+        raise InvalidModelFolderError(
+            f"{folder.name!r} asks for remote code ({', '.join(wanted)} in config.json); refused."
+        )
+    unsafe = sorted(p.name for p in folder.iterdir() if p.suffix in UNSAFE_WEIGHT_SUFFIXES)
+    if unsafe:
+        raise InvalidModelFolderError(
+            f"{folder.name!r} holds non-safetensors weights ({', '.join(unsafe)}); refused."
+        )
+    if not any(folder.glob("model*.safetensors")):
+        raise InvalidModelFolderError(f"{folder.name!r} has no model*.safetensors weights.")
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
+        raise InvalidModelFolderError(f"{folder.name!r} has no tokenizer.json.")
+
+
+def looks_like_model_folder(folder: Path) -> bool:
+    """True when `folder` passes `validate_model_folder` (for listing choices in the admin)."""
+    try:
+        validate_model_folder(folder)
+    except InvalidModelFolderError:
+        return False
+    return True
+
+
+def folder_fingerprint(folder: Path) -> str:
+    """SHA-256 over every file's relative name and contents; memoised by (name, size, mtime)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    stats = tuple((str(p.relative_to(folder)), (s := p.stat()).st_size, s.st_mtime_ns) for p in files)
+    key = (str(folder.resolve()), stats)
+    with _memo_lock:
+        if key in _memo:
+            return _memo[key]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(path.relative_to(folder)).encode() + b"\0")
+        with path.open("rb") as handle:
+            while chunk := handle.read(_FINGERPRINT_CHUNK):
+                digest.update(chunk)
+        digest.update(b"\0")
+    result = digest.hexdigest()
+    with _memo_lock:
+        _memo[key] = result
+    return result
+
+
+def hub_fingerprint(repo_id: str, revision: str) -> str:
+    """A Hugging Face commit is immutable, so repo id + pinned revision identify the weights."""
+    return hashlib.sha256(f"hf\0{repo_id}\0{revision}".encode()).hexdigest()
+
+
+def resolve_under(root: Path, relative: str) -> Path:
+    """Resolve `relative` inside `root`, refusing absolute paths and `..` escapes.
+
+    Raises:
+        InvalidModelFolderError: the path leaves `root`.
+    """
+    if not relative or os.path.isabs(relative):
+        raise InvalidModelFolderError("The folder must be a path relative to MODELS_ROOT.")
+    root = root.resolve()
+    target = (root / relative).resolve()
+    if target != root and root not in target.parents:
+        raise InvalidModelFolderError("The folder must stay inside MODELS_ROOT.")
+    return target

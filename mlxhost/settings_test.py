@@ -1,0 +1,19 @@
+"""Test settings: the same code paths, with tasks run eagerly and the in-memory layers."""
+
+from __future__ import annotations
+
+from .settings import *  # noqa: F403
+from .settings import BASE_DIR, DATABASES, REDIS_URL
+
+CELERY_TASK_ALWAYS_EAGER = True
+CELERY_TASK_EAGER_PROPAGATES = True
+if not REDIS_URL:
+    CELERY_BROKER_URL = "memory://"
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]  # fast user fixtures
+# A persistent, git-ignored cache: the tiny model is built once and reused across runs.
+MODELS_ROOT = (BASE_DIR / ".cache" / "test-models").resolve()
+MODELS_ROOT.mkdir(parents=True, exist_ok=True)
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # A file, not :memory:, so a daphne subprocess in the end-to-end tests can share it.
+    DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR / ".cache" / "test-db.sqlite3")}
+MLXHOST_ENGINE = {"BACKEND": "mlx", "PRELOAD": False, "DEFAULT_MAX_TOKENS": 64}

@@ -1,0 +1,17 @@
+"""Root URL configuration: the admin, the API surfaces and the landing page."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.urls import include, path
+from django.views.generic import RedirectView
+
+admin.site.site_header = "mlxhost"
+admin.site.site_title = "mlxhost admin"
+admin.site.index_title = "Models, keys and stored responses"
+
+urlpatterns = [
+    path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    path("admin/", admin.site.urls),
+    path("", include("api.urls")),
+]

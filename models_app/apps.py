@@ -1,0 +1,8 @@
+"""App config for models_app. `ready()` stays empty: the engine is built lazily by api/engine_client."""
+
+from django.apps import AppConfig
+
+
+class ModelsAppConfig(AppConfig):
+    name = "models_app"
+    verbose_name = "Models"

