@@ -241,8 +241,8 @@ def _tokenizer_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str,
         return None if index is None else tokens[int(index)]
 
     result: dict[str, Any] = {
-        # A model-specific class (LlamaTokenizer) makes transformers 5 rebuild the
-        # pipeline from vocab/merges, losing the pre-tokenizer; this one loads tokenizer.json.
+        # The generic class loads tokenizer.json as is; transformers 5 may rebuild
+        # parts of the pipeline for model-specific classes.
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": token("bos"),
         "eos_token": token("eos"),

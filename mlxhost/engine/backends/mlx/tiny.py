@@ -125,8 +125,8 @@ def _train_tokenizer() -> Tokenizer:
 
 def _tokenizer_config() -> dict[str, Any]:
     return {
-        # A model-specific class (e.g. LlamaTokenizer) makes transformers 5 rebuild
-        # the pipeline from vocab/merges; this one loads tokenizer.json as is.
+        # The generic class loads tokenizer.json as is; transformers 5 may rebuild
+        # parts of the pipeline for model-specific classes.
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
         "eos_token": IM_END,

@@ -1,0 +1,95 @@
+"""A real daphne process serving mlxhost against the test database, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def database_url() -> str:
+    """A URL for the test database that pytest-django created, so daphne sees the tests' rows."""
+    db = connection.settings_dict
+    if db["ENGINE"].endswith("sqlite3"):
+        return f"sqlite:///{db['NAME']}"
+    user = db.get("USER") or "postgres"
+    host, port = db.get("HOST") or "127.0.0.1", db.get("PORT") or 5432
+    password = f":{db['PASSWORD']}" if db.get("PASSWORD") else ""
+    return f"postgres://{user}{password}@{host}:{port}/{db['NAME']}"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_up(server: Server, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"daphne exited early:\n{server.output()}")
+        try:
+            if httpx.get(f"{server.url}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"daphne did not come up in {timeout}s:\n{server.output()}")
+
+
+@pytest.fixture(scope="module")
+def daphne_server(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Server]:
+    from django.conf import settings
+
+    with django_db_blocker.unblock():
+        url = database_url()
+    port = free_port()
+    log = tmp_path_factory.mktemp("daphne") / "daphne.log"
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "mlxhost.settings",
+        "DATABASE_URL": url,
+        "MODELS_ROOT": str(settings.MODELS_ROOT),
+        "MLXHOST_PRELOAD": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "mlxhost.asgi:application"],
+            cwd=ROOT,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    server = Server(url=f"http://127.0.0.1:{port}", process=process, log=log)
+    try:
+        wait_until_up(server)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

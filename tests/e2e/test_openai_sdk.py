@@ -1,0 +1,102 @@
+"""End to end: a real daphne process, the official `openai` SDK, the tiny real MLX model."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+HELLO = [{"role": "user", "content": "Tell me a story"}]
+
+
+@pytest.fixture
+def client(daphne_server, api_key) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{daphne_server.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def test_sdk_streams_a_chat_completion(client, tiny_alias, tiny_eos_id):
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=HELLO,
+        stream=True,
+        max_tokens=10,
+        stream_options={"include_usage": True},
+        logit_bias={str(tiny_eos_id): -100},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens > 0
+
+
+def test_sdk_non_streaming_matches_streaming_under_greedy(client, tiny_alias):
+    kwargs = {"model": "tiny", "messages": HELLO, "max_tokens": 12, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs)
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs) if c.choices
+    )
+    assert whole.choices[0].message.content == streamed
+    assert whole.object == "chat.completion"
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+
+def test_sdk_lists_models(client, tiny_alias):
+    """REG-8: the SDK's models.list() parses our /v1/models."""
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_sdk_raises_typed_errors(client, daphne_server, tiny_alias):
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="nope", messages=HELLO)
+    assert missing.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="tiny", messages=HELLO, temperature=-1)
+    assert bad.value.body["param"] == "temperature"
+    anonymous = openai.OpenAI(base_url=f"{daphne_server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        anonymous.chat.completions.create(model="tiny", messages=HELLO)
+
+
+def instance_snapshot(server, instance_id: int) -> dict:
+    body = httpx.get(f"{server.url}/readyz", timeout=5).json()
+    return next(i for i in body["instances"] if i["instance_id"] == instance_id)
+
+
+def test_client_disconnect_mid_stream_stops_generation(daphne_server, api_key, tiny_alias, tiny_eos_id):
+    """LANE-6: a client that hangs up mid-stream stops the worker; the slot is freed."""
+    body = {
+        "model": "tiny",
+        "messages": HELLO,
+        "stream": True,
+        "max_tokens": 100_000,
+        "logit_bias": {str(tiny_eos_id): -100},
+    }
+    headers = {"Authorization": f"Bearer {api_key}"}
+    with httpx.Client(timeout=30) as http, http.stream(
+        "POST", f"{daphne_server.url}/v1/chat/completions", json=body, headers=headers
+    ) as response:
+        assert response.status_code == 200
+        seen = 0
+        for line in response.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 20:
+                break
+    # The connection is closed here. The worker must stop well short of max_tokens.
+    deadline = time.monotonic() + 20
+    snap = instance_snapshot(daphne_server, tiny_alias.instance_id)
+    while snap["active"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        snap = instance_snapshot(daphne_server, tiny_alias.instance_id)
+    assert snap["active"] == 0, daphne_server.output()
+    assert snap["requests_cancelled"] == 1
+    produced = snap["tokens_generated"]
+    time.sleep(0.5)
+    assert instance_snapshot(daphne_server, tiny_alias.instance_id)["tokens_generated"] == produced
+    assert produced < 100_000
