@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import uuid
 
 from asgiref.sync import sync_to_async
@@ -62,9 +63,24 @@ async def engine_start() -> None:
             logger.error("alias %s failed to load: %s", name, exc)
 
 
+_start_tasks: set[asyncio.Task[None]] = set()
+
+
+def _start_on_running_loop() -> None:
+    task = asyncio.get_running_loop().create_task(engine_start())
+    _start_tasks.add(task)  # keep a reference until done, or the task may be collected
+    task.add_done_callback(_start_tasks.discard)
+
+
 def schedule_engine_start() -> None:
-    """Called from asgi.py: start the engine once the server's event loop runs."""
-    if not settings.MLXHOST_ENGINE.get("PRELOAD", True):
+    """Called from asgi.py: start the engine once daphne's reactor (and its asyncio loop) runs.
+
+    Daphne imports the application before it sets its loop as current, so the start is
+    deferred with the reactor's `callWhenRunning`. Under other ASGI servers models load on
+    their first request instead.
+    """
+    if not settings.MLXHOST_ENGINE.get("PRELOAD", True) or "twisted.internet.reactor" not in sys.modules:
         return
-    loop = asyncio.get_event_loop()
-    loop.call_soon(lambda: loop.create_task(engine_start()))
+    from twisted.internet import reactor
+
+    reactor.callWhenRunning(lambda: asyncio.get_event_loop().call_soon(_start_on_running_loop))
