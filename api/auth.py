@@ -59,7 +59,9 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
     return body
 
 
-def api_endpoint(*, dialect: Dialect, methods: tuple[str, ...], public: bool = False) -> Callable[[AsyncView], AsyncView]:
+def api_endpoint(
+    *, dialect: Dialect, methods: tuple[str, ...], public: bool = False
+) -> Callable[[AsyncView], AsyncView]:
     """Wrap an async API view: method check, API key auth (unless public), errors in the surface's envelope.
 
     The view reads the caller from `request.api_key` and `request.tenant_id`.
@@ -70,14 +72,18 @@ def api_endpoint(*, dialect: Dialect, methods: tuple[str, ...], public: bool = F
         async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
             try:
                 if request.method not in methods:
-                    raise ApiError(405, f"Method {request.method} is not allowed here.", code="method_not_allowed")
+                    raise ApiError(
+                        405, f"Method {request.method} is not allowed here.", code="method_not_allowed"
+                    )
                 if not public:
                     key = await authenticate(request)
                     request.api_key = key  # type: ignore[attr-defined]
                     request.tenant_id = key.owner_id  # type: ignore[attr-defined]
                 return await view(request, *args, **kwargs)
             except Exception as exc:  # every failure leaves in the surface's envelope
-                return error_response(as_api_error(exc, model=getattr(request, "requested_model", None)), dialect)
+                return error_response(
+                    as_api_error(exc, model=getattr(request, "requested_model", None)), dialect
+                )
 
         wrapper.csrf_exempt = True  # type: ignore[attr-defined]  # API keys, not cookies
         return wrapper

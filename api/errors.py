@@ -69,7 +69,9 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, ModelAlias.DoesNotExist):
-        return ApiError(404, UNKNOWN_MODEL_MESSAGE.format(name=model or ""), code="model_not_found", param="model")
+        return ApiError(
+            404, UNKNOWN_MODEL_MESSAGE.format(name=model or ""), code="model_not_found", param="model"
+        )
     for kind, (status, type_, code, retry_after) in ERROR_TABLE.items():
         if isinstance(exc, kind):
             return ApiError(status, str(exc), type_, code, retry_after=retry_after)

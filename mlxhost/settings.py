@@ -12,7 +12,8 @@ VAR_DIR = Path(environ.Env().str("MLXHOST_VAR_DIR", default=str(BASE_DIR / "var"
 VAR_DIR.mkdir(parents=True, exist_ok=True)
 
 env = environ.Env()
-environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
+if (BASE_DIR / ".env").is_file():
+    environ.Env.read_env(BASE_DIR / ".env", overwrite=False)
 
 
 def _secret_key() -> str:
@@ -145,5 +146,8 @@ from celery.schedules import crontab  # noqa: E402
 
 CELERY_BEAT_SCHEDULE = {
     # https://crontab.guru/#17_*_*_*_* : hourly, off the top of the hour
-    "responses-purge-expired": {"task": "models_app.tasks.responses_purge_expired", "schedule": crontab(minute="17")},
+    "responses-purge-expired": {
+        "task": "models_app.tasks.responses_purge_expired",
+        "schedule": crontab(minute="17"),
+    },
 }

@@ -12,11 +12,19 @@ from django.http import HttpRequest
 from models_app import services
 from models_app.models import ApiKey, ModelAlias, ModelInstance, StoredResponse
 
+ALIAS_FORM_FIELDS = (
+    "name", "description", "enabled", "pinned",
+    "source_kind", "local_path", "hf_repo", "hf_revision",
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
+    "max_output_tokens", "max_input_tokens",
+    "concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s", "keep_alive_s",
+)  # fmt: skip
+
 
 class ModelAliasForm(forms.ModelForm):
     class Meta:
         model = ModelAlias
-        fields = "__all__"
+        fields = ALIAS_FORM_FIELDS
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()
@@ -31,7 +39,15 @@ class ModelAliasForm(forms.ModelForm):
 @admin.register(ModelAlias)
 class ModelAliasAdmin(admin.ModelAdmin):
     form = ModelAliasForm
-    list_display = ("name", "source_label", "instance_id_display", "enabled", "pinned", "concurrency", "updated_at")
+    list_display = (
+        "name",
+        "source_label",
+        "instance_id_display",
+        "enabled",
+        "pinned",
+        "concurrency",
+        "updated_at",
+    )
     list_filter = ("enabled", "pinned", "source_kind")
     search_fields = ("name", "local_path", "hf_repo", "description")
     readonly_fields = ("instance", "created_at", "updated_at")
@@ -62,7 +78,15 @@ class ModelAliasAdmin(admin.ModelAdmin):
 
 @admin.register(ModelInstance)
 class ModelInstanceAdmin(admin.ModelAdmin):
-    list_display = ("id", "source_kind", "source", "revision", "short_fingerprint", "created_at", "retired_at")
+    list_display = (
+        "id",
+        "source_kind",
+        "source",
+        "revision",
+        "short_fingerprint",
+        "created_at",
+        "retired_at",
+    )
     readonly_fields = [f.name for f in ModelInstance._meta.fields]
 
     @admin.display(description="fingerprint")

@@ -66,23 +66,32 @@ class ModelAlias(BaseModel):
     min_p = models.FloatField(default=0.0, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)])
     repetition_penalty = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.01)])
     max_tokens = models.PositiveIntegerField(
-        default=512, validators=[MinValueValidator(1)], help_text="Default output length when the request gives none."
+        default=512,
+        validators=[MinValueValidator(1)],
+        help_text="Default output length when the request gives none.",
     )
     max_output_tokens = models.PositiveIntegerField(
-        default=4096, validators=[MinValueValidator(1)], help_text="Hard clamp on any request's output length."
+        default=4096,
+        validators=[MinValueValidator(1)],
+        help_text="Hard clamp on any request's output length.",
     )
     max_input_tokens = models.PositiveIntegerField(
         null=True, blank=True, help_text="Refuse prompts longer than this (empty: no limit)."
     )
 
     concurrency = models.PositiveSmallIntegerField(
-        default=1, validators=[MinValueValidator(1), MaxValueValidator(64)], help_text="1 = exclusive; N = batched."
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(64)],
+        help_text="1 = exclusive; N = batched.",
     )
     queue_depth = models.PositiveIntegerField(default=16, help_text="Waiters beyond the running requests.")
     queue_unbounded = models.BooleanField(default=False)
     queue_timeout_s = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.1)])
     keep_alive_s = models.PositiveIntegerField(
-        null=True, blank=True, default=1800, help_text="Free memory after this many idle seconds (empty: never)."
+        null=True,
+        blank=True,
+        default=1800,
+        help_text="Free memory after this many idle seconds (empty: never).",
     )
 
     class Meta:

@@ -64,7 +64,9 @@ def sampling_params_for(*, alias: ModelAlias, overrides: Mapping[str, Any]) -> S
     wanted = overrides.get("max_tokens") or alias.max_tokens
     values["max_tokens"] = max(1, min(int(wanted), alias.max_output_tokens))
     values["stop"] = tuple(overrides.get("stop") or ())
-    values["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in (overrides.get("logit_bias") or {}).items()))
+    values["logit_bias"] = tuple(
+        sorted((int(k), float(v)) for k, v in (overrides.get("logit_bias") or {}).items())
+    )
     return SamplingParams(**values)
 
 

@@ -48,7 +48,11 @@ def alias_source_check(*, alias: ModelAlias) -> tuple[str, str, str]:
 def instance_register(*, source_kind: str, source: str, revision: str, fingerprint: str) -> ModelInstance:
     """The live instance for these exact weights, created with a fresh sequence id if new (REG-3)."""
     instance = ModelInstance.objects.filter(
-        source_kind=source_kind, source=source, revision=revision, fingerprint=fingerprint, retired_at__isnull=True
+        source_kind=source_kind,
+        source=source,
+        revision=revision,
+        fingerprint=fingerprint,
+        retired_at__isnull=True,
     ).first()
     if instance is None:
         instance = ModelInstance.objects.create(

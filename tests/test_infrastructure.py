@@ -22,7 +22,7 @@ def test_redis_url_selects_redis_for_channels_and_celery():
     backend = settings.CHANNEL_LAYERS["default"]["BACKEND"]
     if os.environ.get("REDIS_URL"):
         assert backend == "channels_redis.core.RedisChannelLayer"
-        assert settings.CELERY_BROKER_URL == os.environ["REDIS_URL"]
+        assert os.environ["REDIS_URL"] == settings.CELERY_BROKER_URL
     else:
         assert backend == "channels.layers.InMemoryChannelLayer"
         assert settings.CELERY_BROKER_URL == "memory://"

@@ -23,7 +23,11 @@ def content_text(value: Any) -> str:
     if isinstance(value, list):
         texts = []
         for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
                 raise serializers.ValidationError("Only text content parts are supported.")
             texts.append(part["text"])
         return "".join(texts)
@@ -64,7 +68,9 @@ class ChatCompletionInput(serializers.Serializer):
     top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
     top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0)
     min_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    repetition_penalty = serializers.FloatField(required=False, allow_null=True, min_value=0.01, max_value=10.0)
+    repetition_penalty = serializers.FloatField(
+        required=False, allow_null=True, min_value=0.01, max_value=10.0
+    )
     presence_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
     frequency_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
     max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)

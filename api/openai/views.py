@@ -25,7 +25,9 @@ def validated(serializer_class: type, body: dict[str, Any]) -> dict[str, Any]:
     serializer = serializer_class(data=body)
     if not serializer.is_valid():
         param, message = first_error(serializer.errors)
-        raise ApiError(400, f"{param}: {message}" if param else message, code="invalid_value", param=param or None)
+        raise ApiError(
+            400, f"{param}: {message}" if param else message, code="invalid_value", param=param or None
+        )
     return serializer.validated_data
 
 
@@ -48,7 +50,9 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     request_id = f"chatcmpl-{secrets.token_hex(12)}"
     generation = await get_engine().submit(await sync_to_async(_chat_request)(alias, data, request_id))
     include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
-    turn = ChatTurn(id=request_id, model=alias.name, instance_id=alias.instance_id, include_usage=include_usage)
+    turn = ChatTurn(
+        id=request_id, model=alias.name, instance_id=alias.instance_id, include_usage=include_usage
+    )
     headers = {"X-Session-Cache": "fresh", "X-Request-Id": request_id}
     if data["stream"]:
         return StreamingHttpResponse(

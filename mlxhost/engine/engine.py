@@ -100,6 +100,4 @@ class Engine:
     async def shutdown(self) -> None:
         self._closed = True
         timeout = self.config.shutdown_timeout_s
-        await asyncio.gather(
-            *(asyncio.to_thread(i.shutdown, timeout) for i in self._instances.values())
-        )
+        await asyncio.gather(*(asyncio.to_thread(i.shutdown, timeout) for i in self._instances.values()))

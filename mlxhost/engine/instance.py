@@ -28,7 +28,9 @@ class LoadProgress:
 class Instance:
     """Owns the worker thread that holds the model; the asyncio side only awaits it."""
 
-    def __init__(self, spec: ModelSpec, backend: Backend, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, spec: ModelSpec, backend: Backend, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.spec = spec
         self.state: State = "unloaded"
         self.last_error: str | None = None

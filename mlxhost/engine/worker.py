@@ -98,7 +98,9 @@ class InstanceWorker:
         except Exception:
             logger.exception("generation %s failed", generation.request_id)
             self.stats.requests_failed += 1
-            generation.post_threadsafe(Failed(code="generation_failed", message="The model failed while generating."))
+            generation.post_threadsafe(
+                Failed(code="generation_failed", message="The model failed while generating.")
+            )
         finally:
             self.stats.active_request = None
 
@@ -144,7 +146,13 @@ class InstanceWorker:
         self._finish(job, finish, count, started, queue_ms, first_token_at)
 
     def _finish(
-        self, job: GenerateJob, finish: str, count: int, started: float, queue_ms: float, first_at: float | None
+        self,
+        job: GenerateJob,
+        finish: str,
+        count: int,
+        started: float,
+        queue_ms: float,
+        first_at: float | None,
     ) -> None:
         now = self._clock()
         first_at = first_at or now

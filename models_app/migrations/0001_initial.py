@@ -7,7 +7,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -16,99 +15,291 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='ModelInstance',
+            name="ModelInstance",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('source_kind', models.CharField(choices=[('local', 'Local folder under MODELS_ROOT'), ('hub', 'Hugging Face repo id')], max_length=8)),
-                ('source', models.CharField(help_text='Folder relative to MODELS_ROOT, or a repo id.', max_length=512)),
-                ('revision', models.CharField(blank=True, max_length=128)),
-                ('fingerprint', models.CharField(db_index=True, max_length=64)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('retired_at', models.DateTimeField(blank=True, db_index=True, null=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "source_kind",
+                    models.CharField(
+                        choices=[
+                            ("local", "Local folder under MODELS_ROOT"),
+                            ("hub", "Hugging Face repo id"),
+                        ],
+                        max_length=8,
+                    ),
+                ),
+                (
+                    "source",
+                    models.CharField(
+                        help_text="Folder relative to MODELS_ROOT, or a repo id.", max_length=512
+                    ),
+                ),
+                ("revision", models.CharField(blank=True, max_length=128)),
+                ("fingerprint", models.CharField(db_index=True, max_length=64)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("retired_at", models.DateTimeField(blank=True, db_index=True, null=True)),
             ],
             options={
-                'ordering': ['-id'],
+                "ordering": ["-id"],
             },
         ),
         migrations.CreateModel(
-            name='ApiKey',
+            name="ApiKey",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('created_at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('name', models.CharField(max_length=100)),
-                ('prefix', models.CharField(max_length=16, unique=True)),
-                ('secret_hash', models.CharField(max_length=64)),
-                ('last_used_at', models.DateTimeField(blank=True, null=True)),
-                ('revoked_at', models.DateTimeField(blank=True, db_index=True, null=True)),
-                ('owner', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='api_keys', to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                ("name", models.CharField(max_length=100)),
+                ("prefix", models.CharField(max_length=16, unique=True)),
+                ("secret_hash", models.CharField(max_length=64)),
+                ("last_used_at", models.DateTimeField(blank=True, null=True)),
+                ("revoked_at", models.DateTimeField(blank=True, db_index=True, null=True)),
+                (
+                    "owner",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="api_keys",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'API key',
+                "verbose_name": "API key",
             },
         ),
         migrations.CreateModel(
-            name='ModelAlias',
+            name="ModelAlias",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('created_at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('name', models.SlugField(max_length=64, unique=True)),
-                ('description', models.CharField(blank=True, max_length=200)),
-                ('source_kind', models.CharField(choices=[('local', 'Local folder under MODELS_ROOT'), ('hub', 'Hugging Face repo id')], default='local', max_length=8)),
-                ('local_path', models.CharField(blank=True, help_text='A folder relative to MODELS_ROOT.', max_length=512)),
-                ('hf_repo', models.CharField(blank=True, max_length=200, verbose_name='Hugging Face repo id')),
-                ('hf_revision', models.CharField(blank=True, help_text='A commit hash or tag.', max_length=128, verbose_name='pinned revision')),
-                ('enabled', models.BooleanField(db_index=True, default=True)),
-                ('pinned', models.BooleanField(default=False, help_text='Load at start and never unload for idleness.')),
-                ('temperature', models.FloatField(default=0.7, validators=[django.core.validators.MinValueValidator(0.0), django.core.validators.MaxValueValidator(2.0)])),
-                ('top_p', models.FloatField(default=1.0, validators=[django.core.validators.MinValueValidator(0.0), django.core.validators.MaxValueValidator(1.0)])),
-                ('top_k', models.PositiveIntegerField(default=0, help_text='0 disables top-k.')),
-                ('min_p', models.FloatField(default=0.0, validators=[django.core.validators.MinValueValidator(0.0), django.core.validators.MaxValueValidator(1.0)])),
-                ('repetition_penalty', models.FloatField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(0.01)])),
-                ('max_tokens', models.PositiveIntegerField(default=512, help_text='Default output length when the request gives none.', validators=[django.core.validators.MinValueValidator(1)])),
-                ('max_output_tokens', models.PositiveIntegerField(default=4096, help_text="Hard clamp on any request's output length.", validators=[django.core.validators.MinValueValidator(1)])),
-                ('max_input_tokens', models.PositiveIntegerField(blank=True, help_text='Refuse prompts longer than this (empty: no limit).', null=True)),
-                ('concurrency', models.PositiveSmallIntegerField(default=1, help_text='1 = exclusive; N = batched.', validators=[django.core.validators.MinValueValidator(1), django.core.validators.MaxValueValidator(64)])),
-                ('queue_depth', models.PositiveIntegerField(default=16, help_text='Waiters beyond the running requests.')),
-                ('queue_unbounded', models.BooleanField(default=False)),
-                ('queue_timeout_s', models.FloatField(blank=True, null=True, validators=[django.core.validators.MinValueValidator(0.1)])),
-                ('keep_alive_s', models.PositiveIntegerField(blank=True, default=1800, help_text='Free memory after this many idle seconds (empty: never).', null=True)),
-                ('instance', models.ForeignKey(blank=True, editable=False, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='aliases', to='models_app.modelinstance')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                ("name", models.SlugField(max_length=64, unique=True)),
+                ("description", models.CharField(blank=True, max_length=200)),
+                (
+                    "source_kind",
+                    models.CharField(
+                        choices=[
+                            ("local", "Local folder under MODELS_ROOT"),
+                            ("hub", "Hugging Face repo id"),
+                        ],
+                        default="local",
+                        max_length=8,
+                    ),
+                ),
+                (
+                    "local_path",
+                    models.CharField(
+                        blank=True, help_text="A folder relative to MODELS_ROOT.", max_length=512
+                    ),
+                ),
+                (
+                    "hf_repo",
+                    models.CharField(blank=True, max_length=200, verbose_name="Hugging Face repo id"),
+                ),
+                (
+                    "hf_revision",
+                    models.CharField(
+                        blank=True,
+                        help_text="A commit hash or tag.",
+                        max_length=128,
+                        verbose_name="pinned revision",
+                    ),
+                ),
+                ("enabled", models.BooleanField(db_index=True, default=True)),
+                (
+                    "pinned",
+                    models.BooleanField(
+                        default=False, help_text="Load at start and never unload for idleness."
+                    ),
+                ),
+                (
+                    "temperature",
+                    models.FloatField(
+                        default=0.7,
+                        validators=[
+                            django.core.validators.MinValueValidator(0.0),
+                            django.core.validators.MaxValueValidator(2.0),
+                        ],
+                    ),
+                ),
+                (
+                    "top_p",
+                    models.FloatField(
+                        default=1.0,
+                        validators=[
+                            django.core.validators.MinValueValidator(0.0),
+                            django.core.validators.MaxValueValidator(1.0),
+                        ],
+                    ),
+                ),
+                ("top_k", models.PositiveIntegerField(default=0, help_text="0 disables top-k.")),
+                (
+                    "min_p",
+                    models.FloatField(
+                        default=0.0,
+                        validators=[
+                            django.core.validators.MinValueValidator(0.0),
+                            django.core.validators.MaxValueValidator(1.0),
+                        ],
+                    ),
+                ),
+                (
+                    "repetition_penalty",
+                    models.FloatField(
+                        blank=True, null=True, validators=[django.core.validators.MinValueValidator(0.01)]
+                    ),
+                ),
+                (
+                    "max_tokens",
+                    models.PositiveIntegerField(
+                        default=512,
+                        help_text="Default output length when the request gives none.",
+                        validators=[django.core.validators.MinValueValidator(1)],
+                    ),
+                ),
+                (
+                    "max_output_tokens",
+                    models.PositiveIntegerField(
+                        default=4096,
+                        help_text="Hard clamp on any request's output length.",
+                        validators=[django.core.validators.MinValueValidator(1)],
+                    ),
+                ),
+                (
+                    "max_input_tokens",
+                    models.PositiveIntegerField(
+                        blank=True, help_text="Refuse prompts longer than this (empty: no limit).", null=True
+                    ),
+                ),
+                (
+                    "concurrency",
+                    models.PositiveSmallIntegerField(
+                        default=1,
+                        help_text="1 = exclusive; N = batched.",
+                        validators=[
+                            django.core.validators.MinValueValidator(1),
+                            django.core.validators.MaxValueValidator(64),
+                        ],
+                    ),
+                ),
+                (
+                    "queue_depth",
+                    models.PositiveIntegerField(default=16, help_text="Waiters beyond the running requests."),
+                ),
+                ("queue_unbounded", models.BooleanField(default=False)),
+                (
+                    "queue_timeout_s",
+                    models.FloatField(
+                        blank=True, null=True, validators=[django.core.validators.MinValueValidator(0.1)]
+                    ),
+                ),
+                (
+                    "keep_alive_s",
+                    models.PositiveIntegerField(
+                        blank=True,
+                        default=1800,
+                        help_text="Free memory after this many idle seconds (empty: never).",
+                        null=True,
+                    ),
+                ),
+                (
+                    "instance",
+                    models.ForeignKey(
+                        blank=True,
+                        editable=False,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="aliases",
+                        to="models_app.modelinstance",
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'model alias',
-                'verbose_name_plural': 'model aliases',
-                'ordering': ['name'],
+                "verbose_name": "model alias",
+                "verbose_name_plural": "model aliases",
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='StoredResponse',
+            name="StoredResponse",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('created_at', models.DateTimeField(auto_now_add=True, db_index=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('public_id', models.CharField(max_length=64, unique=True)),
-                ('alias_name', models.CharField(max_length=64)),
-                ('instance_id', models.BigIntegerField()),
-                ('weights_fingerprint', models.CharField(max_length=64)),
-                ('boot_id', models.CharField(max_length=32)),
-                ('previous_response_id', models.CharField(blank=True, db_index=True, max_length=64)),
-                ('request', models.JSONField(default=dict)),
-                ('output', models.JSONField(default=list)),
-                ('output_text', models.TextField(blank=True)),
-                ('usage', models.JSONField(default=dict)),
-                ('status', models.CharField(choices=[('pending', 'Pending'), ('in_progress', 'In Progress'), ('completed', 'Completed'), ('incomplete', 'Incomplete'), ('failed', 'Failed'), ('cancelled', 'Cancelled')], db_index=True, default='pending', max_length=16)),
-                ('expires_at', models.DateTimeField(db_index=True)),
-                ('alias', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to='models_app.modelalias')),
-                ('owner', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='responses', to=settings.AUTH_USER_MODEL)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True, db_index=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                ("public_id", models.CharField(max_length=64, unique=True)),
+                ("alias_name", models.CharField(max_length=64)),
+                ("instance_id", models.BigIntegerField()),
+                ("weights_fingerprint", models.CharField(max_length=64)),
+                ("boot_id", models.CharField(max_length=32)),
+                ("previous_response_id", models.CharField(blank=True, db_index=True, max_length=64)),
+                ("request", models.JSONField(default=dict)),
+                ("output", models.JSONField(default=list)),
+                ("output_text", models.TextField(blank=True)),
+                ("usage", models.JSONField(default=dict)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("pending", "Pending"),
+                            ("in_progress", "In Progress"),
+                            ("completed", "Completed"),
+                            ("incomplete", "Incomplete"),
+                            ("failed", "Failed"),
+                            ("cancelled", "Cancelled"),
+                        ],
+                        db_index=True,
+                        default="pending",
+                        max_length=16,
+                    ),
+                ),
+                ("expires_at", models.DateTimeField(db_index=True)),
+                (
+                    "alias",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to="models_app.modelalias",
+                    ),
+                ),
+                (
+                    "owner",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="responses",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at'],
+                "ordering": ["-created_at"],
             },
         ),
         migrations.AddConstraint(
-            model_name='modelalias',
-            constraint=models.CheckConstraint(condition=models.Q(('max_tokens__lte', models.F('max_output_tokens'))), name='alias_default_max_tokens_within_clamp'),
+            model_name="modelalias",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("max_tokens__lte", models.F("max_output_tokens"))),
+                name="alias_default_max_tokens_within_clamp",
+            ),
         ),
     ]

@@ -94,7 +94,9 @@ async def test_max_tokens_is_clamped_by_the_alias(tiny_alias, api_key, mlx_engin
     tiny_alias.max_tokens = 5
     await tiny_alias.asave()
     bias = {str(tiny_eos_id): -100}
-    response = await post({"model": "tiny", "messages": HELLO, "max_tokens": 500, "logit_bias": bias}, api_key)
+    response = await post(
+        {"model": "tiny", "messages": HELLO, "max_tokens": 500, "logit_bias": bias}, api_key
+    )
     assert response.json()["usage"]["completion_tokens"] == 5
 
 
@@ -115,7 +117,9 @@ async def test_wrong_key_is_401(tiny_alias, api_key):
 async def test_x_api_key_header_is_accepted(tiny_alias, api_key, mlx_engine):
     client = AsyncClient()
     body = {"model": "tiny", "messages": HELLO, "max_tokens": 2}
-    response = await client.post(URL, data=json.dumps(body), content_type="application/json", headers={"x-api-key": api_key})
+    response = await client.post(
+        URL, data=json.dumps(body), content_type="application/json", headers={"x-api-key": api_key}
+    )
     assert response.status_code == 200
 
 
@@ -178,7 +182,9 @@ async def test_bad_input_is_400_with_param(tiny_alias, api_key, patch, param):
 
 async def test_malformed_json_is_400(api_key):
     client = AsyncClient()
-    response = await client.post(URL, data="{not json", content_type="application/json", headers=auth(api_key))
+    response = await client.post(
+        URL, data="{not json", content_type="application/json", headers=auth(api_key)
+    )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_json"
 

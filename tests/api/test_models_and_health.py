@@ -12,7 +12,9 @@ async def test_models_lists_enabled_aliases_in_openai_shape(tiny_alias, api_key)
     """REG-8: enabled aliases, OpenAI list shape, with load state."""
     from models_app import services
 
-    await services_call(services.alias_register, name="hidden", source_kind="local", local_path="tiny-llama", enabled=False)
+    await services_call(
+        services.alias_register, name="hidden", source_kind="local", local_path="tiny-llama", enabled=False
+    )
     response = await AsyncClient().get("/v1/models", headers={"Authorization": f"Bearer {api_key}"})
     assert response.status_code == 200
     body = response.json()

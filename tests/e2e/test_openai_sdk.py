@@ -40,7 +40,9 @@ def test_sdk_non_streaming_matches_streaming_under_greedy(client, tiny_alias):
     kwargs = {"model": "tiny", "messages": HELLO, "max_tokens": 12, "temperature": 0}
     whole = client.chat.completions.create(**kwargs)
     streamed = "".join(
-        c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs) if c.choices
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(stream=True, **kwargs)
+        if c.choices
     )
     assert whole.choices[0].message.content == streamed
     assert whole.object == "chat.completion"
@@ -79,9 +81,12 @@ def test_client_disconnect_mid_stream_stops_generation(daphne_server, api_key, t
         "logit_bias": {str(tiny_eos_id): -100},
     }
     headers = {"Authorization": f"Bearer {api_key}"}
-    with httpx.Client(timeout=30) as http, http.stream(
-        "POST", f"{daphne_server.url}/v1/chat/completions", json=body, headers=headers
-    ) as response:
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream(
+            "POST", f"{daphne_server.url}/v1/chat/completions", json=body, headers=headers
+        ) as response,
+    ):
         assert response.status_code == 200
         seen = 0
         for line in response.iter_lines():

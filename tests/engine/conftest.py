@@ -24,7 +24,9 @@ def spec(instance_id: int = 1, **overrides) -> ModelSpec:
     return ModelSpec(instance_id=instance_id, source="/models/fake", fingerprint="f" * 64, **overrides)
 
 
-def request(request_id: str = "req-1", *, instance_id: int = 1, text: str = "hi", **sampling) -> GenerationRequest:
+def request(
+    request_id: str = "req-1", *, instance_id: int = 1, text: str = "hi", **sampling
+) -> GenerationRequest:
     return GenerationRequest(
         request_id=request_id,
         model=spec(instance_id),

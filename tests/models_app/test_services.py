@@ -95,7 +95,9 @@ def test_hub_alias_requires_a_pinned_revision():
     [
         pytest.param(lambda d: _edit_config(d, auto_map={"AutoModel": "x.Y"}), "remote code", id="auto-map"),
         pytest.param(lambda d: _edit_config(d, model_file="modeling.py"), "remote code", id="model-file"),
-        pytest.param(lambda d: (d / "pytorch_model.bin").write_bytes(b"x"), "non-safetensors", id="pickle-weights"),
+        pytest.param(
+            lambda d: (d / "pytorch_model.bin").write_bytes(b"x"), "non-safetensors", id="pickle-weights"
+        ),
         pytest.param(lambda d: (d / "model.safetensors").unlink(), "no model", id="no-weights"),
         pytest.param(lambda d: (d / "config.json").unlink(), "no config.json", id="no-config"),
     ],
@@ -123,13 +125,27 @@ def test_local_path_must_stay_under_models_root(path, tiny_model_dir):
 
 def test_sampling_merge_prefers_request_then_alias(tiny_alias):
     tiny_alias.temperature, tiny_alias.top_p, tiny_alias.max_tokens = 0.3, 0.9, 40
-    params = selectors.sampling_params_for(alias=tiny_alias, overrides={"top_p": 0.5, "seed": 7, "stop": ["x"]})
-    assert (params.temperature, params.top_p, params.max_tokens, params.seed, params.stop) == (0.3, 0.5, 40, 7, ("x",))
+    params = selectors.sampling_params_for(
+        alias=tiny_alias, overrides={"top_p": 0.5, "seed": 7, "stop": ["x"]}
+    )
+    assert (params.temperature, params.top_p, params.max_tokens, params.seed, params.stop) == (
+        0.3,
+        0.5,
+        40,
+        7,
+        ("x",),
+    )
 
 
 def test_purge_expired_responses_is_idempotent(user):
     now = timezone.now()
-    common = {"owner": user, "alias_name": "tiny", "instance_id": 1, "weights_fingerprint": "f", "boot_id": "b"}
+    common = {
+        "owner": user,
+        "alias_name": "tiny",
+        "instance_id": 1,
+        "weights_fingerprint": "f",
+        "boot_id": "b",
+    }
     StoredResponse.objects.create(public_id="resp_old", expires_at=now - timedelta(seconds=1), **common)
     StoredResponse.objects.create(public_id="resp_new", expires_at=now + timedelta(days=1), **common)
     from models_app.tasks import responses_purge_expired

@@ -40,9 +40,7 @@ class LoadedModel(Protocol):
         """Tokenize raw text (legacy completions)."""
         ...
 
-    def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams
-    ) -> Iterator[TokenStep | StepEnd]:
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Iterator[TokenStep | StepEnd]:
         """Yield one `TokenStep` per token, then exactly one `StepEnd` unless closed early."""
         ...
 

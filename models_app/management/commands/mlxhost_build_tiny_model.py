@@ -28,5 +28,7 @@ class Command(BaseCommand):
         build_tiny_model(dest, seed=options["seed"])
         self.stdout.write(f"tiny model ready at {dest}")
         if options["alias"]:
-            alias = services.alias_register(name=options["alias"], source_kind="local", local_path=options["folder"])
+            alias = services.alias_register(
+                name=options["alias"], source_kind="local", local_path=options["folder"]
+            )
             self.stdout.write(f"alias {alias.name!r} -> instance #{alias.instance_id}")

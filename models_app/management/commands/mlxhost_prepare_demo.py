@@ -45,6 +45,8 @@ class Command(BaseCommand):
             local_path=folder,
             description=DEMO_DESCRIPTION,
             pinned=True,
-            temperature=0.2,
+            # Greedy by default: a 135M model wanders and loops when sampled; requests may override.
+            temperature=0.0,
+            repetition_penalty=1.1,
         )
         self.stdout.write(f"alias {alias.name!r} -> instance #{alias.instance_id} (pinned)")
