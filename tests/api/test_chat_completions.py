@@ -101,6 +101,7 @@ async def test_max_tokens_is_clamped_by_the_alias(tiny_alias, api_key, mlx_engin
 
 
 async def test_missing_key_is_401_with_envelope(tiny_alias):
+    """API-5: every API call needs a key; API-4: the 401 uses OpenAI's envelope."""
     response = await post({"model": "tiny", "messages": HELLO}, None)
     assert response.status_code == 401
     error = response.json()["error"]
@@ -115,6 +116,7 @@ async def test_wrong_key_is_401(tiny_alias, api_key):
 
 
 async def test_x_api_key_header_is_accepted(tiny_alias, api_key, mlx_engine):
+    """API-5: keys are accepted as Bearer or x-api-key."""
     client = AsyncClient()
     body = {"model": "tiny", "messages": HELLO, "max_tokens": 2}
     response = await client.post(
@@ -172,6 +174,7 @@ async def test_disabled_alias_is_404(tiny_alias, api_key):
     ],
 )
 async def test_bad_input_is_400_with_param(tiny_alias, api_key, patch, param):
+    """API-4 (OpenAI surface): bad input is a 400 in the envelope with `param`, never a 5xx."""
     body = {"model": "tiny", "messages": HELLO, **patch}
     response = await post(body, api_key)
     assert response.status_code == 400, response.content

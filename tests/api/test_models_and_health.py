@@ -41,6 +41,7 @@ async def test_models_needs_a_key():
 
 
 async def test_healthz_is_public_and_minimal():
+    """OPS-2 (healthz) and API-5's allowlist: the liveness probe needs no key and says nothing more."""
     response = await AsyncClient().get("/healthz")
     assert response.status_code == 200
     assert response.json() == {"status": "ok"}

@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.django_db]
 
 
 def test_api_key_secret_is_never_stored_in_plaintext(user):
+    """API-5: API keys are stored hashed; the table holds no secret."""
     key, raw = services.apikey_create(owner=user, name="ci")
     secret = raw.split("_", 2)[2]
     with connection.cursor() as cursor:
@@ -138,6 +139,7 @@ def test_sampling_merge_prefers_request_then_alias(tiny_alias):
 
 
 def test_purge_expired_responses_is_idempotent(user):
+    """PER-5 (expired rows): the periodic task deletes expired responses and is idempotent."""
     now = timezone.now()
     common = {
         "owner": user,
