@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from mlxhost.engine.backends import make_backend
 from mlxhost.engine.config import EngineConfig
-from mlxhost.engine.errors import EngineClosedError, PromptTooLongError, UnknownModelError
+from mlxhost.engine.errors import EngineClosedError, ModelLoadError, PromptTooLongError, UnknownModelError
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.instance import Instance
 
@@ -81,6 +81,8 @@ class Engine:
         try:
             await instance.ensure_loaded()
             model = instance.model
+            if model is None:  # unloaded between the load wait and now; the client may retry
+                raise ModelLoadError("The model was unloaded while the request waited; retry.")
             if request.prompt is not None:
                 prompt_ids = await asyncio.to_thread(model.encode, request.prompt)
             else:
