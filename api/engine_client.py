@@ -83,4 +83,6 @@ def schedule_engine_start() -> None:
         return
     from twisted.internet import reactor
 
+    # callWhenRunning fires as the reactor starts, before asyncio's loop is "running";
+    # call_soon defers once more so create_task sees a running loop.
     reactor.callWhenRunning(lambda: asyncio.get_event_loop().call_soon(_start_on_running_loop))

@@ -32,6 +32,7 @@ def validated(serializer_class: type, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _chat_request(alias: ModelAlias, data: dict[str, Any], request_id: str) -> GenerationRequest:
+    # No database access: alias_resolve already joined the instance, so this runs on the loop.
     return GenerationRequest(
         request_id=request_id,
         model=selectors.model_spec_for(alias=alias),
@@ -48,7 +49,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     data = validated(ChatCompletionInput, body)
     alias = await sync_to_async(selectors.alias_resolve)(name=data["model"])
     request_id = f"chatcmpl-{secrets.token_hex(12)}"
-    generation = await get_engine().submit(await sync_to_async(_chat_request)(alias, data, request_id))
+    generation = await get_engine().submit(_chat_request(alias, data, request_id))
     include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
     turn = ChatTurn(
         id=request_id, model=alias.name, instance_id=alias.instance_id, include_usage=include_usage

@@ -61,13 +61,13 @@ class Instance:
         if self._loading is None or self._loading.done():
             self._loading = asyncio.get_running_loop().create_future()
             self.state, self.last_error = "loading", None
-            self._run_on_worker(self._load, self._loading)
+            self._run_on_worker(self._load, self._loading, is_load=True)
         await asyncio.shield(self._loading)
 
     async def unload(self) -> None:
         """Free the model's memory on the worker thread (after any queued work)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._run_on_worker(self._close_model, future)
+        self._run_on_worker(self._close_model, future, is_load=False)
         await future
         self.state = "unloaded"
 
@@ -110,9 +110,8 @@ class Instance:
     def _on_progress(self, done: int, total: int) -> None:
         self.progress = LoadProgress(done, total)
 
-    def _run_on_worker(self, fn: Callable[[], None], future: asyncio.Future[None]) -> None:
+    def _run_on_worker(self, fn: Callable[[], None], future: asyncio.Future[None], *, is_load: bool) -> None:
         loop = future.get_loop()
-        is_load = fn == self._load
 
         def settle(_result: object, error: BaseException | None) -> None:
             loop.call_soon_threadsafe(self._settle, future, error, is_load)

@@ -26,7 +26,6 @@ class StepEnd:
 
     text: str
     finish_reason: str
-    prefill_tps: float = 0.0
 
 
 class LoadedModel(Protocol):

@@ -68,7 +68,6 @@ class FakeBackend:
         self.gate = threading.Event()
         self.gated = False
         self.load_failures = 0
-        self.load_gate: threading.Event | None = None
         self._scripts: deque[list[str]] = deque()
 
     def enqueue(self, pieces: list[str]) -> None:
@@ -83,8 +82,6 @@ class FakeBackend:
             self.gate.clear()
 
     def load(self, spec: ModelSpec, progress: ProgressCallback) -> FakeModel:
-        if self.load_gate is not None:
-            self.load_gate.wait(timeout=30)
         if self.load_failures:
             self.load_failures -= 1
             raise OSError("fake load failure")

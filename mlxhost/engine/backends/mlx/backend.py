@@ -70,9 +70,7 @@ class MlxModel:
                 if response.finish_reason == "length" and response.token not in eos:
                     yield TokenStep(text=text, token_id=int(response.token))
                     text = ""
-                yield StepEnd(
-                    text=text, finish_reason=response.finish_reason, prefill_tps=response.prompt_tps
-                )
+                yield StepEnd(text=text, finish_reason=response.finish_reason)
                 return
         finally:
             responses.close()
