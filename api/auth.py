@@ -44,6 +44,14 @@ async def authenticate(request: HttpRequest) -> ApiKey:
     return key
 
 
+async def may_see_internals(request: HttpRequest) -> bool:
+    """True for a valid API key or a logged-in staff member (probe details, dashboard data)."""
+    if presented_key(request):
+        return await sync_to_async(_authenticate_sync)(presented_key(request)) is not None
+    user = await request.auser()
+    return bool(user.is_active and user.is_staff)
+
+
 def json_body(request: HttpRequest) -> dict[str, Any]:
     """The request body as a JSON object.
 

@@ -24,11 +24,21 @@ def get_engine() -> Engine:
     """This process's engine, built on first use (never in AppConfig.ready, which runs for migrate too)."""
     global _engine
     if _engine is None:
-        options = settings.MLXHOST_ENGINE
-        _engine = Engine(
-            EngineConfig(backend=options["BACKEND"], default_max_tokens=options["DEFAULT_MAX_TOKENS"])
-        )
+        _engine = Engine(engine_config())
     return _engine
+
+
+def engine_config() -> EngineConfig:
+    """The engine's settings from `settings.MLXHOST_ENGINE` (the only place that reads them)."""
+    options = settings.MLXHOST_ENGINE
+    return EngineConfig(
+        backend=options["BACKEND"],
+        default_max_tokens=options["DEFAULT_MAX_TOKENS"],
+        max_sessions=options.get("MAX_SESSIONS", 8),
+        max_session_bytes=options.get("MAX_SESSION_BYTES", 2 << 30),
+        session_ttl_s=options.get("SESSION_TTL_S", 1800.0),
+        shutdown_timeout_s=options.get("SHUTDOWN_TIMEOUT_S", 10.0),
+    )
 
 
 def engine_if_started() -> Engine | None:
@@ -57,7 +67,7 @@ async def engine_start() -> None:
     for name, spec in await sync_to_async(_pinned_specs)():
         try:
             logger.info("loading pinned alias %s (instance %s)", name, spec.instance_id)
-            await engine.load(spec)
+            await engine.load(spec, name=name)
             logger.info("alias %s ready", name)
         except ModelLoadError as exc:
             logger.error("alias %s failed to load: %s", name, exc)

@@ -10,11 +10,16 @@ from typing import Literal
 from django.http import HttpResponse
 
 from mlxhost.engine.errors import (
+    DrainingError,
+    DuplicateRequestError,
     EngineClosedError,
     EngineError,
     InvalidModelFolderError,
     ModelLoadError,
     PromptTooLongError,
+    QueueFullError,
+    QueueTimeoutError,
+    RequestCancelledError,
     UnknownModelError,
 )
 from models_app.models import ModelAlias
@@ -61,7 +66,15 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str, str, int | None]] = {
     InvalidModelFolderError: (503, "server_error", "model_load_failed", None),
     ModelLoadError: (503, "server_error", "model_load_failed", LOAD_RETRY_AFTER_S),
     EngineClosedError: (503, "server_error", "engine_closed", LOAD_RETRY_AFTER_S),
+    # Admission (LANE-2/5/6/7/8); Retry-After comes from the lane's estimate when it has one.
+    QueueFullError: (429, "rate_limit_error", "queue_full", 1),
+    DrainingError: (503, "server_error", "draining", LOAD_RETRY_AFTER_S),
+    QueueTimeoutError: (503, "server_error", "queue_timeout", 1),
+    DuplicateRequestError: (409, "invalid_request_error", "duplicate_request", None),
+    RequestCancelledError: (409, "invalid_request_error", "request_cancelled", None),
 }
+# Anthropic reports an overloaded server as 529 where OpenAI says 429 (LANE-2).
+_ANTHROPIC_STATUS = {"queue_full": 529}
 
 
 def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
@@ -74,6 +87,7 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
         )
     for kind, (status, type_, code, retry_after) in ERROR_TABLE.items():
         if isinstance(exc, kind):
+            retry_after = getattr(exc, "retry_after", None) or retry_after
             return ApiError(status, str(exc), type_, code, retry_after=retry_after)
     if isinstance(exc, EngineError):
         return ApiError(500, "The engine failed to handle the request.", "server_error", exc.code)
@@ -83,14 +97,21 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
 
 def error_body(error: ApiError, dialect: Dialect) -> dict[str, object]:
     if dialect == "anthropic":
-        kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+        kind = _ANTHROPIC_TYPES.get(error_status(error, dialect), "api_error")
         return {"type": "error", "error": {"type": kind, "message": error.message}}
     return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
 
 
+def error_status(error: ApiError, dialect: Dialect) -> int:
+    if dialect == "anthropic":
+        return _ANTHROPIC_STATUS.get(error.code or "", error.status)
+    return error.status
+
+
 def error_response(error: ApiError, dialect: Dialect) -> HttpResponse:
+    status = error_status(error, dialect)
     response = HttpResponse(
-        json.dumps(error_body(error, dialect)), status=error.status, content_type="application/json"
+        json.dumps(error_body(error, dialect)), status=status, content_type="application/json"
     )
     if error.retry_after is not None:
         response["Retry-After"] = str(error.retry_after)

@@ -7,7 +7,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from api.auth import api_endpoint
+from api.auth import api_endpoint, may_see_internals
 from api.engine_client import engine_if_started
 from models_app import selectors
 
@@ -25,19 +25,33 @@ def _aliases_by_instance() -> dict[int, list[str]]:
     return names
 
 
+def instance_status(snap: dict[str, Any]) -> str:
+    """OPS-2's ladder: ok | loading | degraded (saturated queue, stuck generation) | error | unloaded."""
+    state = snap["state"]
+    if state == "ready" and (not snap["worker_alive"] or snap["stalled"] or snap["lane"]["saturated"]):
+        return "degraded"
+    return {"ready": "ok", "loading": "loading", "error": "error"}.get(state, "unloaded")
+
+
 @api_endpoint(dialect="openai", methods=("GET", "HEAD"), public=True)
 async def readyz(request: HttpRequest) -> HttpResponse:
-    """Per-instance state; 503 while any pinned instance is loading or failed to load."""
+    """Ready when no instance is loading or failed; per-instance detail for API keys and staff.
+
+    Load balancers probe it without credentials and get the status alone; the counters
+    (LANE-9: active, queued, permits, capacity, limit, saturated) need a key or a staff login.
+    """
     engine = engine_if_started()
     snapshots: list[dict[str, Any]] = engine.snapshot() if engine else []
-    names = await sync_to_async(_aliases_by_instance)()
-    instances = []
-    for snap in snapshots:
-        state = snap["state"]
-        status = {"ready": "ok", "loading": "loading", "error": "error"}.get(state, "unloaded")
-        if state == "ready" and not snap["worker_alive"]:
-            status = "degraded"
-        instances.append({"aliases": names.get(snap["instance_id"], []), "status": status, **snap})
-    ready = engine is not None and all(i["status"] in ("ok", "unloaded") for i in instances)
-    body = {"status": "ok" if ready else "starting" if engine is None else "degraded", "instances": instances}
+    instances = [{**snap, "status": instance_status(snap)} for snap in snapshots]
+    ready = engine is not None and all(i["status"] in ("ok", "unloaded", "degraded") for i in instances)
+    degraded = any(i["status"] == "degraded" for i in instances)
+    status = "starting" if engine is None else "ok" if ready and not degraded else "degraded"
+    body: dict[str, Any] = {"status": status}
+    if await may_see_internals(request):
+        names = await sync_to_async(_aliases_by_instance)()
+        for item in instances:
+            # Names bound in this engine (routing truth here) plus the database's view.
+            bound = [name for name in item["aliases"] if not name.startswith("instance:")]
+            item["aliases"] = sorted({*bound, *names.get(item["instance_id"], [])})
+        body["instances"] = instances
     return JsonResponse(body, status=200 if ready else 503)

@@ -125,6 +125,11 @@ MLXHOST_ENGINE = {
     "BACKEND": env.str("MLXHOST_ENGINE_BACKEND", default="mlx"),
     "PRELOAD": env.bool("MLXHOST_PRELOAD", default=True),
     "DEFAULT_MAX_TOKENS": env.int("MLXHOST_DEFAULT_MAX_TOKENS", default=512),
+    # Warm sessions per instance (SES-1).
+    "MAX_SESSIONS": env.int("MLXHOST_MAX_SESSIONS", default=8),
+    "MAX_SESSION_BYTES": env.int("MLXHOST_MAX_SESSION_BYTES", default=2 << 30),
+    "SESSION_TTL_S": env.float("MLXHOST_SESSION_TTL_S", default=1800.0),
+    "SHUTDOWN_TIMEOUT_S": env.float("MLXHOST_SHUTDOWN_TIMEOUT_S", default=10.0),
 }
 MLXHOST_MAX_REQUEST_BYTES = env.int("MLXHOST_MAX_REQUEST_BYTES", default=4 * 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MLXHOST_MAX_REQUEST_BYTES

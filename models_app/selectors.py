@@ -9,7 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import QuerySet
 
-from mlxhost.engine import ModelSpec, SamplingParams
+from mlxhost.engine import LaneSettings, ModelSpec, SamplingParams
 from mlxhost.engine.weights import resolve_under
 from models_app.apikeys import key_matches, key_prefix
 from models_app.models import ApiKey, ModelAlias, ModelInstance
@@ -49,6 +49,12 @@ def model_spec_for(*, alias: ModelAlias) -> ModelSpec:
         revision=revision,
         fingerprint=instance.fingerprint,
         max_input_tokens=alias.max_input_tokens,
+        lane=LaneSettings(
+            capacity=alias.concurrency,
+            queue_depth=alias.queue_depth,
+            unbounded=alias.queue_unbounded,
+            queue_timeout_s=alias.queue_timeout_s,
+        ),
     )
 
 

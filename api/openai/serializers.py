@@ -83,6 +83,9 @@ class ChatCompletionInput(serializers.Serializer):
     )
     logprobs = StrictBooleanField(required=False, allow_null=True)
     user = serializers.CharField(required=False, allow_blank=True, max_length=256)
+    # Warm-session scoping (SES-2/3): only HMAC fingerprints of these are kept.
+    prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
+    cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)
 
     def validate_stop(self, value: Any) -> list[str]:
         stops = [value] if isinstance(value, str) else value

@@ -13,7 +13,7 @@ from api.engine_client import engine_if_started, get_engine
 from api.errors import ApiError
 from api.openai.chat import ChatTurn, chat_complete, chat_sse
 from api.openai.serializers import ChatCompletionInput, first_error
-from mlxhost.engine import GenerationRequest, Message
+from mlxhost.engine import Engine, GenerationRequest, Message
 from models_app import selectors
 from models_app.models import ModelAlias
 
@@ -31,13 +31,26 @@ def validated(serializer_class: type, body: dict[str, Any]) -> dict[str, Any]:
     return serializer.validated_data
 
 
-def _chat_request(alias: ModelAlias, data: dict[str, Any], request_id: str) -> GenerationRequest:
+def _chat_request(
+    alias: ModelAlias, data: dict[str, Any], request_id: str, tenant: str, engine: Engine
+) -> GenerationRequest:
     # No database access: alias_resolve already joined the instance, so this runs on the loop.
+    messages = tuple(Message(role=m["role"], content=m["content"]) for m in data["messages"])
+    # Stateless: no previous id, so the engine reuses the longest cached prefix in this
+    # tenant's (and salt's) cache domain (SES-8), or the prompt_cache_key's session (SES-2).
+    session = engine.scoper.query(
+        tenant=tenant,
+        salt=data.get("cache_salt"),
+        instructions="\n".join(m.content for m in messages if m.role == "system"),
+        prompt_cache_key=data.get("prompt_cache_key"),
+    )
     return GenerationRequest(
         request_id=request_id,
         model=selectors.model_spec_for(alias=alias),
         sampling=selectors.sampling_params_for(alias=alias, overrides=data),
-        messages=tuple(Message(role=m["role"], content=m["content"]) for m in data["messages"]),
+        messages=messages,
+        binding=alias.name,
+        session=session,
     )
 
 
@@ -49,12 +62,16 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     data = validated(ChatCompletionInput, body)
     alias = await sync_to_async(selectors.alias_resolve)(name=data["model"])
     request_id = f"chatcmpl-{secrets.token_hex(12)}"
-    generation = await get_engine().submit(_chat_request(alias, data, request_id))
+    engine = get_engine()
+    tenant = str(request.tenant_id)  # type: ignore[attr-defined]
+    generation = await engine.submit(_chat_request(alias, data, request_id, tenant, engine))
+    # Wait for a slot before any header goes out, so a queue timeout or drain is a 503 (LANE-7/8).
+    await generation.admitted()
     include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
     turn = ChatTurn(
-        id=request_id, model=alias.name, instance_id=alias.instance_id, include_usage=include_usage
+        id=request_id, model=alias.name, instance_id=generation.instance_id, include_usage=include_usage
     )
-    headers = {"X-Session-Cache": "fresh", "X-Request-Id": request_id}
+    headers = {"X-Session-Cache": generation.session_outcome, "X-Request-Id": request_id}
     if data["stream"]:
         return StreamingHttpResponse(
             chat_sse(turn, generation), content_type="text/event-stream", headers={**SSE_HEADERS, **headers}

@@ -11,3 +11,11 @@ class EngineConfig:
     default_max_tokens: int = 512
     load_timeout_s: float = 600.0
     shutdown_timeout_s: float = 10.0
+    # Warm sessions per instance (SES-1): entries, bytes and time to live.
+    max_sessions: int = 8
+    max_session_bytes: int = 2 << 30
+    session_ttl_s: float = 1800.0
+    # A worker that holds a request this long without a token is reported as stuck (OPS-2).
+    stall_after_s: float = 30.0
+    # A cancel for an id the engine has not seen yet is remembered this long (LANE-6).
+    early_cancel_ttl_s: float = 60.0

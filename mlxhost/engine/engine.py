@@ -3,23 +3,45 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from mlxhost.engine.backends import make_backend
 from mlxhost.engine.config import EngineConfig
-from mlxhost.engine.errors import EngineClosedError, ModelLoadError, PromptTooLongError, UnknownModelError
+from mlxhost.engine.errors import (
+    DuplicateRequestError,
+    EngineClosedError,
+    ModelLoadError,
+    PromptTooLongError,
+    RequestCancelledError,
+)
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.instance import Instance
+from mlxhost.engine.registry import Registry
+from mlxhost.engine.sessions import SessionScoper
+from mlxhost.engine.types import Done, Failed, Timings, Usage
+from mlxhost.engine.worker import GenerateJob, JobResult
 
 if TYPE_CHECKING:
     from mlxhost.engine.backends.base import Backend
+    from mlxhost.engine.lane import Ticket
     from mlxhost.engine.types import GenerationRequest, ModelSpec
+
+logger = logging.getLogger(__name__)
+
+EARLY_CANCEL_LIMIT = 4096
 
 
 class Engine:
-    """Hosts instances keyed by instance id (REG-2: aliases of one instance share it)."""
+    """Hosts instances, one per distinct weights, bound to names by the registry (REG-2).
+
+    `submit` is two-phase (DESIGN.md): reserve a lane permit synchronously, do the async
+    pre-work under it (load, template, count), then hand the permit into the lane. Every
+    refusal before the first event raises, so the API answers with a proper status code.
+    """
 
     def __init__(
         self,
@@ -30,76 +52,259 @@ class Engine:
     ) -> None:
         self.config = config or EngineConfig()
         self.backend = backend or make_backend(self.config.backend)
+        self.scoper = SessionScoper()
+        self.registry = Registry(self._create_instance, self._schedule_teardown)
         self._clock = clock
-        self._instances: dict[int, Instance] = {}
+        self._live: dict[str, Generation] = {}
+        self._early_cancels: OrderedDict[str, float] = OrderedDict()
+        self._teardowns: set[asyncio.Task[None]] = set()
         self._closed = False
 
-    def register(self, spec: ModelSpec) -> Instance:
-        """Return the instance for `spec.instance_id`, creating it (unloaded) on first sight.
+    # Registry -----------------------------------------------------------------------------
 
-        Settings that may change in place (max_input_tokens) take effect for the next request.
+    def bind(self, name: str, spec: ModelSpec) -> Instance:
+        """Bind a name (an alias) to the instance of `spec`'s weights; see `Registry.bind`.
+
+        Raises:
+            EngineClosedError: the engine is shutting down.
         """
         if self._closed:
             raise EngineClosedError("The engine is shutting down.")
-        instance = self._instances.get(spec.instance_id)
-        if instance is None:
-            instance = Instance(spec, self.backend, self._clock)
-            self._instances[spec.instance_id] = instance
-        else:
-            instance.spec = spec
-        return instance
+        return self.registry.bind(name, spec)
+
+    def unbind(self, name: str) -> None:
+        self.registry.unbind(name)
 
     def get(self, instance_id: int) -> Instance:
-        try:
-            return self._instances[instance_id]
-        except KeyError:
-            raise UnknownModelError(f"Instance {instance_id} is not registered.") from None
+        return self.registry.get(instance_id)
 
-    async def load(self, spec: ModelSpec) -> Instance:
-        """Register and load `spec`; returns once the weights are resident.
+    async def load(self, spec: ModelSpec, *, name: str = "") -> Instance:
+        """Bind (by `name`, or by instance id) and load `spec`; returns once the weights are resident.
 
         Raises:
             ModelLoadError: the weights could not be loaded.
         """
-        instance = self.register(spec)
+        instance = self.bind(name or _default_name(spec), spec)
         await instance.ensure_loaded()
         return instance
 
     async def unload(self, instance_id: int) -> None:
+        """Free an instance's memory once its lane is empty; it stays registered (REG-3)."""
         await self.get(instance_id).unload()
 
+    async def drain(
+        self, instance_id: int, mode: Literal["wait", "abort"] = "wait", timeout: float | None = None
+    ) -> None:
+        """Drain an instance (LANE-7): refuse arrivals, cancel the queue, finish or abort, free."""
+        instance = self.get(instance_id)
+        await instance.lane.drain(mode, timeout)
+        try:
+            await instance.free()
+        finally:
+            instance.lane.reopen()  # the next request loads it again
+
+    # Requests -----------------------------------------------------------------------------
+
     async def submit(self, request: GenerationRequest) -> Generation:
-        """Admit `request`: load its instance if needed, render and count the prompt, queue it.
+        """Admit `request`: reserve, load if needed, render and count the prompt, enter the lane.
 
         Raises:
+            QueueFullError: the lane is over budget (LANE-2); nothing was rendered.
+            DrainingError: the lane is draining (LANE-7).
+            DuplicateRequestError: a request with this id is live (LANE-5).
+            RequestCancelledError: a cancel for this id arrived first (LANE-6).
             ModelLoadError: the model could not be loaded.
             PromptTooLongError: the prompt exceeds the model's max_input_tokens.
             EngineClosedError: the engine is shutting down.
         """
-        instance = self.register(request.model)
-        instance.waiting += 1
-        try:
-            await instance.ensure_loaded()
-            model = instance.model
-            if model is None:  # unloaded between the load wait and now; the client may retry
-                raise ModelLoadError("The model was unloaded while the request waited; retry.")
-            if request.prompt is not None:
-                prompt_ids = await asyncio.to_thread(model.encode, request.prompt)
-            else:
-                prompt_ids = await asyncio.to_thread(model.render_chat, request.messages)
-        finally:
-            instance.waiting -= 1
-        limit = request.model.max_input_tokens
-        if limit and len(prompt_ids) > limit:
-            raise PromptTooLongError(len(prompt_ids), limit)
+        request_id = request.request_id
+        if request_id in self._live:
+            raise DuplicateRequestError(f"A request with id {request_id!r} is already in flight.")
+        instance = self.bind(request.binding or _default_name(request.model), request.model)
+        ticket = instance.lane.reserve(request_id)
         generation = Generation(request, asyncio.get_running_loop())
-        instance.submit(generation, prompt_ids)
+        generation.instance_id = instance.instance_id
+        self._live[request_id] = generation
+        self.registry.lease(instance)
+        try:
+            if self._take_early_cancel(request_id):
+                raise RequestCancelledError("The request was cancelled before it started.")
+            prompt_ids = await self._prepare(instance, request)
+            if generation.cancelled:
+                raise RequestCancelledError("The request was cancelled before it started.")
+            self._enter(instance, ticket, generation, prompt_ids)
+        except BaseException:
+            instance.lane.release(ticket)
+            self._forget(instance, generation)
+            raise
         return generation
 
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a queued or running request; an unknown id is remembered for its arrival (LANE-6)."""
+        generation = self._live.get(request_id)
+        if generation is not None:
+            generation.cancel()
+            return True
+        self._early_cancels[request_id] = self._clock() + self.config.early_cancel_ttl_s
+        while len(self._early_cancels) > EARLY_CANCEL_LIMIT:
+            self._early_cancels.popitem(last=False)
+        return False
+
+    async def _prepare(self, instance: Instance, request: GenerationRequest) -> list[int]:
+        await instance.ensure_loaded()
+        model = instance.model
+        if model is None:  # unloaded between the load wait and now; the client may retry
+            raise ModelLoadError("The model was unloaded while the request waited; retry.")
+        # Templating and tokenizing run off the loop; they never touch the KV cache.
+        if request.prompt is not None:
+            prompt_ids = await asyncio.to_thread(model.encode, request.prompt)
+        else:
+            prompt_ids = await asyncio.to_thread(model.render_chat, request.messages)
+        limit = instance.spec.max_input_tokens
+        if limit and len(prompt_ids) > limit:
+            raise PromptTooLongError(len(prompt_ids), limit)
+        return prompt_ids
+
+    def _enter(
+        self, instance: Instance, ticket: Ticket, generation: Generation, prompt_ids: list[int]
+    ) -> None:
+        entered_at = self._clock()
+        ticket.on_admit = lambda _t: self._dispatch(instance, ticket, generation, prompt_ids, entered_at)
+        ticket.on_position = generation.queued
+        ticket.on_abort = generation.stop_flag.set
+        generation.on_cancel(lambda: instance.lane.cancel(generation.request_id))
+        ticket.admitted.add_done_callback(lambda f: self._left_queue(instance, ticket, generation, f))
+        instance.lane.enter(ticket)
+
+    def _left_queue(
+        self, instance: Instance, ticket: Ticket, generation: Generation, future: asyncio.Future[None]
+    ) -> None:
+        if future.cancelled() or future.exception() is None:
+            return  # admitted (dispatch runs from on_admit), or released by submit's cleanup
+        error = future.exception()
+        if isinstance(error, RequestCancelledError):
+            generation.post(_cancelled_done(len(generation.request.messages)))
+        else:
+            generation.post(
+                Failed(
+                    code=getattr(error, "code", "engine_error"),
+                    message=str(error),
+                    retry_after=getattr(error, "retry_after", None),
+                )
+            )
+        generation.refuse(error)  # type: ignore[arg-type]
+        instance.lane.release(ticket)
+        self._forget(instance, generation)
+
+    def _dispatch(
+        self,
+        instance: Instance,
+        ticket: Ticket,
+        generation: Generation,
+        prompt_ids: list[int],
+        entered_at: float,
+    ) -> None:
+        query = generation.request.session
+        lease = None
+        if query is not None:
+            lease, generation.session_outcome = instance.sessions.lease(query, prompt_ids)
+        generation.cached_tokens = lease.reuse_tokens if lease else 0
+        loop = asyncio.get_running_loop()
+
+        def on_end(result: JobResult) -> None:
+            loop.call_soon_threadsafe(self._finished, instance, ticket, generation, lease, result)
+
+        job = GenerateJob(generation, prompt_ids, entered_at, on_end)
+        if lease is not None:
+            job.session_kv, job.session_tokens = lease.entry.kv, lease.entry.tokens
+            job.reuse_tokens = lease.reuse_tokens
+        generation.admit()
+        instance.dispatch(job)
+
+    def _finished(
+        self, instance: Instance, ticket: Ticket, generation: Generation, lease, result: JobResult
+    ) -> None:  # noqa: ANN001
+        instance.lane.release(ticket)
+        if lease is not None and not result.touched:
+            instance.sessions.give_back(lease)
+        if result.kv is not None:
+            query = generation.request.session
+            # Only clean finishes become warm sessions (SES-1): never cancelled, failed or truncated.
+            if query is not None and result.finish_reason == "stop" and not generation.cancelled:
+                instance.sessions.adopt(
+                    response_id=generation.request_id,
+                    query=query,
+                    tokens=result.kv_tokens,
+                    kv=result.kv,
+                    nbytes=result.kv_nbytes,
+                )
+            else:
+                instance.sessions.discard(result.kv)
+        self._forget(instance, generation)
+
+    def _forget(self, instance: Instance, generation: Generation) -> None:
+        if self._live.get(generation.request_id) is generation:
+            del self._live[generation.request_id]
+            self.registry.unlease(instance)
+
+    def _take_early_cancel(self, request_id: str) -> bool:
+        now = self._clock()
+        while self._early_cancels and next(iter(self._early_cancels.values())) < now:
+            self._early_cancels.popitem(last=False)
+        return self._early_cancels.pop(request_id, None) is not None
+
+    # Lifecycle ----------------------------------------------------------------------------
+
+    def _create_instance(self, spec: ModelSpec) -> Instance:
+        return Instance(spec, self.backend, self.config, self._clock)
+
+    def _schedule_teardown(self, instance: Instance) -> None:
+        # The registry already forgot it; free memory and the thread without blocking the caller.
+        logger.info("tearing down instance %s", instance.instance_id)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            instance.stop(self.config.shutdown_timeout_s)
+            return
+        task = loop.create_task(self._teardown(instance))
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
+
+    async def _teardown(self, instance: Instance) -> None:
+        await instance.lane.drain("wait", self.config.shutdown_timeout_s)
+        instance.sessions.clear()
+        await asyncio.to_thread(instance.stop, self.config.shutdown_timeout_s)
+        instance.state = "unloaded"
+
+    def sweep(self) -> int:
+        """Dispose expired warm sessions on every instance; returns how many went."""
+        return sum(instance.sessions.sweep() for instance in self.registry.instances())
+
     def snapshot(self) -> list[dict[str, object]]:
-        return [instance.snapshot() for instance in self._instances.values()]
+        snapshots = []
+        for instance in self.registry.instances():
+            snap = instance.snapshot()
+            snap["aliases"] = self.registry.names_of(instance)
+            snap["stalled"] = snap["stalled_s"] >= self.config.stall_after_s  # type: ignore[operator]
+            snapshots.append(snap)
+        return snapshots
 
     async def shutdown(self) -> None:
+        """Drain every instance (LANE-7, OPS-5), then stop the workers."""
         self._closed = True
         timeout = self.config.shutdown_timeout_s
-        await asyncio.gather(*(asyncio.to_thread(i.shutdown, timeout) for i in self._instances.values()))
+        instances = self.registry.instances()
+        await asyncio.gather(*(i.lane.drain("wait", timeout) for i in instances), return_exceptions=True)
+        for instance in instances:
+            instance.sessions.clear()
+        await asyncio.gather(*(asyncio.to_thread(i.stop, timeout) for i in instances))
+        if self._teardowns:
+            await asyncio.gather(*self._teardowns, return_exceptions=True)
+
+
+def _default_name(spec: ModelSpec) -> str:
+    return f"instance:{spec.instance_id}"
+
+
+def _cancelled_done(_messages: int) -> Done:
+    return Done(finish_reason="cancelled", usage=Usage(0, 0), timings=Timings(0.0, 0.0, 0.0, 0.0))

@@ -48,3 +48,47 @@ class EngineClosedError(EngineError):
     """The engine is shutting down and accepts no new work."""
 
     code = "engine_closed"
+
+
+class QueueFullError(EngineError):
+    """The lane is over budget (active + queued + permits >= capacity + queue depth)."""
+
+    code = "queue_full"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class DrainingError(EngineError):
+    """The lane is draining for unload or shutdown and refuses new work."""
+
+    code = "draining"
+
+    def __init__(
+        self, message: str = "The model is draining for unload; retry shortly.", *, retry_after: int = 5
+    ) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueTimeoutError(EngineError):
+    """The request waited in the lane's queue longer than the queue timeout."""
+
+    code = "queue_timeout"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class DuplicateRequestError(EngineError):
+    """A request with this id is already queued, running or being torn down."""
+
+    code = "duplicate_request"
+
+
+class RequestCancelledError(EngineError):
+    """The request was cancelled (by id, or before it reached the engine)."""
+
+    code = "request_cancelled"

@@ -1,4 +1,4 @@
-"""An `Instance`: one registration of weights (REG-3) with its worker thread and load state."""
+"""An `Instance`: one registration of weights (REG-3) with its lane, warm sessions and worker thread."""
 
 from __future__ import annotations
 
@@ -6,15 +6,18 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mlxhost.engine.errors import ModelLoadError
+from mlxhost.engine.lane import Lane
+from mlxhost.engine.sessions import SessionCache
 from mlxhost.engine.worker import CallJob, GenerateJob, InstanceWorker
 
 if TYPE_CHECKING:
-    from mlxhost.engine.backends.base import Backend
-    from mlxhost.engine.generation import Generation
+    from mlxhost.engine.backends.base import Backend, LoadedModel
+    from mlxhost.engine.config import EngineConfig
     from mlxhost.engine.types import ModelSpec
+    from mlxhost.engine.worker import WorkerStats
 
 State = Literal["unloaded", "loading", "ready", "error"]
 
@@ -26,32 +29,60 @@ class LoadProgress:
 
 
 class Instance:
-    """Owns the worker thread that holds the model; the asyncio side only awaits it."""
+    """Owns the worker thread that holds the model; the asyncio side only awaits it.
+
+    Loads and unloads are the lane's writers (LANE-4): they wait for running requests to
+    finish, and nothing is admitted while they run.
+    """
 
     def __init__(
-        self, spec: ModelSpec, backend: Backend, clock: Callable[[], float] = time.monotonic
+        self,
+        spec: ModelSpec,
+        backend: Backend,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.instance_id = spec.instance_id
         self.spec = spec
         self.state: State = "unloaded"
         self.last_error: str | None = None
         self.progress = LoadProgress()
         self.last_used = clock()
-        self.waiting = 0
         self._backend = backend
+        self._config = config
         self._clock = clock
+        self.lane = Lane(clock=clock)
+        self._configure_lane(spec)
+        self.sessions = SessionCache(
+            max_entries=config.max_sessions,
+            max_bytes=config.max_session_bytes,
+            ttl_s=config.session_ttl_s,
+            clock=clock,
+            dispose=self._dispose_kv,
+        )
         self._worker = InstanceWorker(str(spec.instance_id), clock)
         self._loading: asyncio.Future[None] | None = None
 
     @property
-    def model(self):  # noqa: ANN201 - the backend's LoadedModel
+    def model(self) -> LoadedModel | None:
         return self._worker.model
 
     @property
-    def stats(self):  # noqa: ANN201
+    def stats(self) -> WorkerStats:
         return self._worker.stats
 
+    def update_spec(self, spec: ModelSpec) -> None:
+        """New settings for the next request (REG-5); the identity (instance id) never changes."""
+        if spec.instance_id != self.instance_id:
+            from dataclasses import replace
+
+            spec = replace(spec, instance_id=self.instance_id)
+        if spec.lane != self.spec.lane:
+            self._configure_lane(spec)
+        self.spec = spec
+
     async def ensure_loaded(self) -> None:
-        """Load the weights on the worker thread unless resident; concurrent callers share one load.
+        """Load the weights unless resident; concurrent callers share one load.
 
         Raises:
             ModelLoadError: the load failed (the reason is kept in `last_error`).
@@ -59,44 +90,76 @@ class Instance:
         if self.state == "ready":
             return
         if self._loading is None or self._loading.done():
-            self._loading = asyncio.get_running_loop().create_future()
-            self.state, self.last_error = "loading", None
-            self._run_on_worker(self._load, self._loading, is_load=True)
+            self._loading = asyncio.ensure_future(self._load_exclusive())
         await asyncio.shield(self._loading)
 
     async def unload(self) -> None:
-        """Free the model's memory on the worker thread (after any queued work)."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._run_on_worker(self._close_model, future, is_load=False)
-        await future
+        """Free the model's memory and its warm sessions once the lane is empty (a writer)."""
+        async with self.lane.exclusive():
+            await self.free()
+
+    async def free(self) -> None:
+        """Free the model and its warm sessions now; the caller guarantees the lane is empty."""
+        self.sessions.clear()
+        await self._on_worker(self._close_model)
         self.state = "unloaded"
 
-    def submit(self, generation: Generation, prompt_ids: list[int]) -> None:
+    def dispatch(self, job: GenerateJob) -> None:
         self.last_used = self._clock()
-        self._worker.submit(GenerateJob(generation, prompt_ids, self._clock()))
+        self._worker.submit(job)
 
-    def shutdown(self, timeout: float) -> None:
+    def stop(self, timeout: float) -> None:
+        """Free the model and end the worker thread (blocking; call off the loop)."""
         self._worker.submit(CallJob(self._close_model, lambda _r, _e: None))
         self._worker.shutdown(timeout)
 
-    def snapshot(self) -> dict[str, object]:
-        stats = self._worker.stats
-        model = self._worker.model
+    def stalled_for(self) -> float:
+        """Seconds the worker has held a request without producing a token (OPS-2)."""
+        if self.stats.active_request is None:
+            return 0.0
+        return max(0.0, self._clock() - self.stats.last_progress_at)
+
+    def snapshot(self) -> dict[str, Any]:
+        stats, model, sessions = self._worker.stats, self._worker.model, self.sessions.stats
         return {
-            "instance_id": self.spec.instance_id,
+            "instance_id": self.instance_id,
             "state": self.state,
             "last_error": self.last_error,
-            "active": 1 if stats.active_request else 0,
-            "waiting": self.waiting,
+            "lane": self.lane.probe().as_dict(),
             "tokens_generated": stats.tokens_generated,
             "requests_finished": stats.requests_finished,
             "requests_cancelled": stats.requests_cancelled,
             "requests_failed": stats.requests_failed,
             "decode_tps": round(stats.last_decode_tps, 2),
+            "stalled_s": round(self.stalled_for(), 1),
             "memory_bytes": model.memory_bytes() if model is not None else 0,
             "load_progress": {"done": self.progress.done, "total": self.progress.total},
+            "sessions": {"entries": sessions.entries, "bytes": sessions.bytes, "hits": sessions.hits},
             "worker_alive": self._worker.alive,
         }
+
+    async def _load_exclusive(self) -> None:
+        async with self.lane.exclusive():
+            if self.state == "ready":
+                return
+            self.state, self.last_error = "loading", None
+            try:
+                await self._on_worker(self._load)
+            except Exception as exc:
+                self.state, self.last_error = "error", _describe(exc)
+                raise ModelLoadError(self.last_error) from exc
+            self.state = "ready"
+            if self.model is not None and self.model.shared_cache:
+                self.sessions.max_entries = 1  # one shared mutable cache: one warm session (SES-5)
+
+    def _configure_lane(self, spec: ModelSpec) -> None:
+        settings = spec.lane
+        self.lane.configure(
+            capacity=settings.capacity,
+            queue_depth=settings.queue_depth,
+            unbounded=settings.unbounded,
+            queue_timeout_s=settings.queue_timeout_s,
+        )
 
     def _load(self) -> None:
         if self._worker.model is None:
@@ -107,27 +170,32 @@ class Instance:
         if model is not None:
             model.close()
 
+    def _dispose_kv(self, kv: object) -> None:
+        model = self._worker.model
+        if model is not None:
+            model.dispose_cache(kv)
+
     def _on_progress(self, done: int, total: int) -> None:
         self.progress = LoadProgress(done, total)
 
-    def _run_on_worker(self, fn: Callable[[], None], future: asyncio.Future[None], *, is_load: bool) -> None:
-        loop = future.get_loop()
+    async def _on_worker(self, fn: Callable[[], None]) -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
 
         def settle(_result: object, error: BaseException | None) -> None:
-            loop.call_soon_threadsafe(self._settle, future, error, is_load)
+            loop.call_soon_threadsafe(_settle, future, error)
 
         self._worker.submit(CallJob(fn, settle))
+        await future
 
-    def _settle(self, future: asyncio.Future[None], error: BaseException | None, is_load: bool) -> None:
-        if is_load:
-            self.state = "error" if error else "ready"
-            self.last_error = _describe(error) if error else None
-        if future.done():
-            return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(ModelLoadError(_describe(error)) if is_load else error)
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 def _describe(error: BaseException) -> str:

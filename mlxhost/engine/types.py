@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from mlxhost.engine.sessions import SessionQuery
 
 Role = Literal["system", "user", "assistant"]
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -33,14 +36,34 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, slots=True)
+class LaneSettings:
+    """Admission settings of an instance's lane (LANE-1/2/8), edited on the alias."""
+
+    capacity: int = 1
+    queue_depth: int = 16
+    unbounded: bool = False
+    queue_timeout_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """What the engine needs to host one registration of weights (REG-3); never an alias."""
+    """What the engine needs to host one registration of weights (REG-3); never an alias.
+
+    `instance_id` is the caller's id for these weights (a database sequence); the registry
+    may keep an older id for the same weights (a live binding or a tombstone, REG-7).
+    """
 
     instance_id: int
     source: str  # an absolute local folder, or a Hugging Face repo id
     fingerprint: str
     revision: str | None = None
     max_input_tokens: int | None = None
+    lane: LaneSettings = field(default_factory=LaneSettings)
+
+    @property
+    def weights_key(self) -> tuple[str, str, str]:
+        """What makes two specs the same weights (REG-2): source, revision and file fingerprint."""
+        return (self.source, self.revision or "", self.fingerprint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +73,8 @@ class GenerationRequest:
     sampling: SamplingParams
     messages: tuple[Message, ...] = ()
     prompt: str | None = None  # raw text completion instead of a chat template
+    binding: str = ""  # the name the registry binds the weights under (an alias); "" = by instance id
+    session: SessionQuery | None = None  # warm-session lookup and adoption; None = neither
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +94,13 @@ class Timings:
     ttft_ms: float
     prefill_tps: float
     decode_tps: float
+
+
+@dataclass(frozen=True, slots=True)
+class Queued:
+    """The request waits in its lane; `position` is 1 for the next one in."""
+
+    position: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +126,7 @@ class Done:
 class Failed:
     code: str
     message: str
+    retry_after: int | None = None
 
 
-Event = Started | Delta | Done | Failed
+Event = Queued | Started | Delta | Done | Failed

@@ -22,10 +22,29 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class JobResult:
+    """What the worker hands back when a generation ends, for the lane and the session cache.
+
+    `kv` is the request's cache (None when the model was never touched); `kv_tokens` are the
+    exact tokens it holds. `touched` is false when the job ended before using a leased session.
+    """
+
+    finish_reason: str
+    kv: object | None = None
+    kv_tokens: tuple[int, ...] = ()
+    kv_nbytes: int = 0
+    touched: bool = False
+
+
+@dataclass(slots=True)
 class GenerateJob:
     generation: Generation
     prompt_ids: list[int]
-    submitted_at: float
+    submitted_at: float  # when it entered the lane: queue time counts from here
+    on_end: Callable[[JobResult], None]  # called once on the worker thread
+    session_kv: object | None = None  # a leased warm session's cache...
+    session_tokens: tuple[int, ...] = ()  # ...the tokens it holds...
+    reuse_tokens: int = 0  # ...and how many of them prefix this prompt (SES-8)
 
 
 @dataclass(slots=True)
@@ -48,6 +67,7 @@ class WorkerStats:
     requests_failed: int = 0
     active_request: str | None = None
     last_decode_tps: float = 0.0
+    last_progress_at: float = 0.0  # the active request's last token (or start): a stall shows here
 
 
 class InstanceWorker:
@@ -93,44 +113,63 @@ class InstanceWorker:
     def _generate(self, job: GenerateJob) -> None:
         generation = job.generation
         self.stats.active_request = generation.request_id
+        self.stats.last_progress_at = self._clock()
+        result = JobResult("error")
         try:
-            self._generate_tokens(job)
+            result = self._generate_tokens(job)
         except Exception:
             logger.exception("generation %s failed", generation.request_id)
             self.stats.requests_failed += 1
             generation.post_threadsafe(
                 Failed(code="generation_failed", message="The model failed while generating.")
             )
+            result = JobResult("error", kv=job.session_kv, touched=True)
         finally:
             self.stats.active_request = None
+            job.on_end(result)
 
-    def _generate_tokens(self, job: GenerateJob) -> None:
+    def _generate_tokens(self, job: GenerateJob) -> JobResult:
         generation, model = job.generation, self.model
-        request = generation.request
         started = self._clock()
         queue_ms = (started - job.submitted_at) * 1000
         if model is None:
             generation.post_threadsafe(Failed(code="model_not_loaded", message="The model is not loaded."))
-            return
+            return JobResult("error")
         if generation.stop_flag.is_set():  # cancelled while it waited: never touches the model
             self._finish(job, "cancelled", 0, started, queue_ms, None)
-            return
-        generation.post_threadsafe(Started(prompt_tokens=len(job.prompt_ids)))
-        matcher = StopMatcher(request.sampling.stop)
-        steps = model.generate(job.prompt_ids, request.sampling)
-        count, first_token_at, finish = 0, None, "length"
+            return JobResult("cancelled")
+        kv, reuse = job.session_kv, job.reuse_tokens
+        if kv is None:
+            kv, reuse = model.new_cache(), 0
+        else:  # keep only the prefix this prompt shares, feed the rest (MLX-NOTES: trim, then suffix)
+            model.trim_cache(kv, model.cache_length(kv) - reuse)
+        generation.post_threadsafe(Started(prompt_tokens=len(job.prompt_ids), cached_tokens=reuse))
+        finish, generated, first_at = self._decode(job, model, kv, reuse)
+        self._finish(job, finish, len(generated), started, queue_ms, first_at, reuse)
+        length = model.cache_length(kv)
+        tokens = (*job.prompt_ids, *generated)[:length]
+        return JobResult(finish, kv, tokens, model.cache_nbytes(kv), touched=True)
+
+    def _decode(
+        self, job: GenerateJob, model: LoadedModel, kv: object, reuse: int
+    ) -> tuple[str, list[int], float | None]:
+        generation = job.generation
+        matcher = StopMatcher(generation.request.sampling.stop)
+        steps = model.generate(job.prompt_ids[reuse:], generation.request.sampling, kv)
+        generated: list[int] = []
+        first_at, finish = None, "length"
         try:
             for step in steps:
                 if isinstance(step, StepEnd):
                     finish = step.finish_reason
-                    text, _ = matcher.feed(step.text)
-                    text += matcher.flush()
+                    text = matcher.feed(step.text)[0] + matcher.flush()
                     if text:
                         generation.post_threadsafe(Delta(text=text))
                     break
-                count += 1
+                generated.append(step.token_id)
                 self.stats.tokens_generated += 1
-                first_token_at = first_token_at or self._clock()
+                self.stats.last_progress_at = self._clock()
+                first_at = first_at or self.stats.last_progress_at
                 text, stopped = matcher.feed(step.text)
                 if text or stopped:
                     generation.post_threadsafe(Delta(text=text, token_ids=(step.token_id,)))
@@ -143,7 +182,7 @@ class InstanceWorker:
                     break
         finally:
             steps.close()  # type: ignore[attr-defined]
-        self._finish(job, finish, count, started, queue_ms, first_token_at)
+        return finish, generated, first_at
 
     def _finish(
         self,
@@ -153,6 +192,7 @@ class InstanceWorker:
         started: float,
         queue_ms: float,
         first_at: float | None,
+        cached: int = 0,
     ) -> None:
         now = self._clock()
         first_at = first_at or now
@@ -167,8 +207,8 @@ class InstanceWorker:
         timings = Timings(
             queue_ms=queue_ms,
             ttft_ms=(first_at - job.submitted_at) * 1000,
-            prefill_tps=len(job.prompt_ids) / prefill_s,
+            prefill_tps=(len(job.prompt_ids) - cached) / prefill_s,
             decode_tps=decode_tps,
         )
-        usage = Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=count)
+        usage = Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=count, cached_tokens=cached)
         job.generation.post_threadsafe(Done(finish_reason=finish, usage=usage, timings=timings))  # type: ignore[arg-type]

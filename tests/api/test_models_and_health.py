@@ -47,17 +47,40 @@ async def test_healthz_is_public_and_minimal():
     assert response.json() == {"status": "ok"}
 
 
-async def test_readyz_lists_instances_with_state(tiny_alias, mlx_engine):
+async def test_readyz_lists_instances_with_lane_counters_for_key_holders(tiny_alias, api_key, mlx_engine):
+    """OPS-2, LANE-9: per-instance state and lane counters, for callers with a key."""
     from models_app import selectors
 
     spec = await services_call(selectors.model_spec_for, alias=tiny_alias)
-    await mlx_engine.load(spec)
-    response = await AsyncClient().get("/readyz")
+    await mlx_engine.load(spec, name="tiny")
+    response = await AsyncClient().get("/readyz", headers={"Authorization": f"Bearer {api_key}"})
     assert response.status_code == 200
     [instance] = response.json()["instances"]
     assert instance["aliases"] == ["tiny"]
     assert instance["status"] == "ok"
     assert instance["memory_bytes"] > 0
+    assert instance["lane"] == {
+        "active": 0,
+        "queued": 0,
+        "permits": 0,
+        "writers": 0,
+        "capacity": 1,
+        "limit": 17,
+        "saturated": False,
+        "draining": False,
+    }
+
+
+async def test_readyz_without_credentials_says_only_the_status(tiny_alias, mlx_engine):
+    """OPS-2: an anonymous probe learns ready or not, never the instances or counters."""
+    from models_app import selectors
+
+    await mlx_engine.load(await services_call(selectors.model_spec_for, alias=tiny_alias), name="tiny")
+    response = await AsyncClient().get("/readyz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+    bad = await AsyncClient().get("/readyz", headers={"Authorization": "Bearer mlxh_nope"})
+    assert "instances" not in bad.json()
 
 
 async def services_call(fn, **kwargs):

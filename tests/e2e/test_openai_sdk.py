@@ -66,9 +66,11 @@ def test_sdk_raises_typed_errors(client, daphne_server, tiny_alias):
         anonymous.chat.completions.create(model="tiny", messages=HELLO)
 
 
-def instance_snapshot(server, instance_id: int) -> dict:
-    body = httpx.get(f"{server.url}/readyz", timeout=5).json()
-    return next(i for i in body["instances"] if i["instance_id"] == instance_id)
+def instance_snapshot(server, alias: str, api_key: str) -> dict:
+    # By alias: the server process keeps its instance ids while the test database is rebuilt.
+    headers = {"Authorization": f"Bearer {api_key}"}
+    body = httpx.get(f"{server.url}/readyz", headers=headers, timeout=5).json()
+    return next(i for i in body["instances"] if alias in i["aliases"])
 
 
 def test_client_disconnect_mid_stream_stops_generation(daphne_server, api_key, tiny_alias, tiny_eos_id):
@@ -95,13 +97,13 @@ def test_client_disconnect_mid_stream_stops_generation(daphne_server, api_key, t
                 break
     # The connection is closed here. The worker must stop well short of max_tokens.
     deadline = time.monotonic() + 20
-    snap = instance_snapshot(daphne_server, tiny_alias.instance_id)
-    while snap["active"] and time.monotonic() < deadline:
+    snap = instance_snapshot(daphne_server, "tiny", api_key)
+    while snap["lane"]["active"] and time.monotonic() < deadline:
         time.sleep(0.1)
-        snap = instance_snapshot(daphne_server, tiny_alias.instance_id)
-    assert snap["active"] == 0, daphne_server.output()
+        snap = instance_snapshot(daphne_server, "tiny", api_key)
+    assert snap["lane"]["active"] == 0, daphne_server.output()
     assert snap["requests_cancelled"] == 1
     produced = snap["tokens_generated"]
     time.sleep(0.5)
-    assert instance_snapshot(daphne_server, tiny_alias.instance_id)["tokens_generated"] == produced
+    assert instance_snapshot(daphne_server, "tiny", api_key)["tokens_generated"] == produced
     assert produced < 100_000

@@ -21,7 +21,8 @@ async def engine(backend: FakeBackend):
 
 
 def spec(instance_id: int = 1, **overrides) -> ModelSpec:
-    return ModelSpec(instance_id=instance_id, source="/models/fake", fingerprint="f" * 64, **overrides)
+    overrides.setdefault("source", f"/models/fake-{instance_id}")
+    return ModelSpec(instance_id=instance_id, fingerprint="f" * 64, **overrides)
 
 
 def request(

@@ -29,7 +29,14 @@ class StepEnd:
 
 
 class LoadedModel(Protocol):
-    """A model resident in memory. Only the instance's worker thread calls `generate`."""
+    """A model resident in memory. Only the instance's worker thread calls `generate`.
+
+    A KV cache (`kv`) is an opaque per-request object holding the tokens fed so far; the
+    engine keeps finished ones as warm sessions and feeds only a new prompt's suffix.
+    `shared_cache` is true for models whose cache is one shared mutable state (SES-5).
+    """
+
+    shared_cache: bool
 
     def render_chat(self, messages: Sequence[Message]) -> list[int]:
         """Apply the chat template with a generation prompt and return token ids."""
@@ -39,9 +46,26 @@ class LoadedModel(Protocol):
         """Tokenize raw text (legacy completions)."""
         ...
 
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Iterator[TokenStep | StepEnd]:
-        """Yield one `TokenStep` per token, then exactly one `StepEnd` unless closed early."""
+    def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, kv: object
+    ) -> Iterator[TokenStep | StepEnd]:
+        """Feed `prompt_ids` on top of `kv`, then yield one `TokenStep` per token and one `StepEnd`.
+
+        The cache grows in place; `cache_length(kv)` says how many tokens it then holds.
+        """
         ...
+
+    def new_cache(self) -> object: ...
+
+    def trim_cache(self, kv: object, n: int) -> None:
+        """Drop the last `n` tokens from `kv`."""
+        ...
+
+    def cache_length(self, kv: object) -> int: ...
+
+    def cache_nbytes(self, kv: object) -> int: ...
+
+    def dispose_cache(self, kv: object) -> None: ...
 
     def memory_bytes(self) -> int: ...
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 
 class MlxModel:
     """A loaded mlx-lm model and tokenizer; `generate` runs only on the owning worker thread."""
+
+    shared_cache = False  # every request gets its own prompt cache object
 
     def __init__(self, model: Any, tokenizer: Any, path: Path) -> None:
         self._model = model
@@ -39,7 +42,27 @@ class MlxModel:
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text))
 
-    def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Iterator[TokenStep | StepEnd]:
+    def new_cache(self) -> list[Any]:
+        return make_prompt_cache(self._model)
+
+    def trim_cache(self, kv: object, n: int) -> None:
+        if n and not can_trim_prompt_cache(kv):
+            raise ValueError("This model's cache cannot be trimmed.")
+        if n:
+            trim_prompt_cache(kv, n)
+
+    def cache_length(self, kv: object) -> int:
+        return int(kv[0].offset) if kv else 0  # type: ignore[index]
+
+    def cache_nbytes(self, kv: object) -> int:
+        return sum(int(layer.nbytes) for layer in kv)  # type: ignore[attr-defined]
+
+    def dispose_cache(self, kv: object) -> None:
+        kv.clear()  # type: ignore[attr-defined]  # dropping the arrays frees them
+
+    def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, kv: object
+    ) -> Iterator[TokenStep | StepEnd]:
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)
         sampler = make_sampler(
@@ -59,6 +82,7 @@ class MlxModel:
             max_tokens=sampling.max_tokens,
             sampler=sampler,
             logits_processors=processors,
+            prompt_cache=kv,
         )
         try:
             for response in responses:

@@ -1,0 +1,341 @@
+"""Warm sessions: finished turns' KV caches, scoped by HMAC fingerprints, leased out single-use."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+logger = logging.getLogger(__name__)
+
+Outcome = Literal["hit", "cold_replay", "fresh"]
+Tier = Literal["response_id", "cache_key", "warm_any", "prefix"]
+
+_PREFIX_CHUNK = 256  # tuple slices compare in C; only the mismatching chunk is walked in Python
+
+
+@dataclass(frozen=True, slots=True)
+class SessionQuery:
+    """What a request may reuse; every field except the ids is a fingerprint, never a raw value."""
+
+    domain: str  # fingerprint of (tenant, cache salt): the cache domain
+    instructions: str  # fingerprint of the instructions / system prompt
+    previous_response_id: str | None = None  # tier 1
+    cache_key: str | None = None  # tier 2: tenant-scoped fingerprint of prompt_cache_key
+    warm_any: bool = False  # tier 3 (Anthropic messages): any warm slot of the instance
+
+
+class SessionScoper:
+    """Fingerprints under a per-boot secret; raw keys and salts never leave this object."""
+
+    __slots__ = ("_secret",)
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret if secret is not None else secrets.token_bytes(32)
+
+    def __repr__(self) -> str:
+        return "SessionScoper(<secret>)"
+
+    def query(
+        self,
+        *,
+        tenant: str,
+        salt: str | None = None,
+        instructions: str = "",
+        previous_response_id: str | None = None,
+        prompt_cache_key: str | None = None,
+        warm_any: bool = False,
+    ) -> SessionQuery:
+        """Build a `SessionQuery` bound to `tenant` (SES-3): another tenant gets other fingerprints."""
+        salt = salt or ""
+        key = None if prompt_cache_key is None else self._mac("key", tenant, salt, prompt_cache_key)
+        return SessionQuery(
+            domain=self._mac("domain", tenant, salt),
+            instructions=self._mac("instr", instructions),
+            previous_response_id=previous_response_id,
+            cache_key=key,
+            warm_any=warm_any,
+        )
+
+    def _mac(self, *parts: str) -> str:
+        message = "\0".join(parts).encode()
+        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
+
+
+@dataclass(slots=True)
+class SessionEntry:
+    response_id: str
+    domain: str
+    instructions: str
+    cache_key: str | None
+    tokens: tuple[int, ...]
+    kv: object  # owned by the backend; this cache never inspects it
+    nbytes: int
+    created_at: float
+    last_used_at: float
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SessionLease:
+    entry: SessionEntry
+    reuse_tokens: int  # common prefix with the new prompt, capped so at least one token is fed
+    tier: Tier
+
+
+@dataclass(slots=True)
+class SessionStats:
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    adopted: int = 0
+    evicted: int = 0
+    expired: int = 0
+    disposed: int = 0
+    dispose_failures: int = 0
+    dispose_retries: int = 0
+
+
+class SessionCache:
+    """Warm sessions of one model instance, bounded by entries, bytes and TTL (SES-1).
+
+    Not thread-safe: the engine calls it from the asyncio loop thread only.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_entries: int = 8,
+        max_bytes: int = 2 << 30,
+        ttl_s: float = 1800.0,
+        clock: Callable[[], float] = time.monotonic,
+        dispose: Callable[[object], None] = lambda kv: None,
+    ) -> None:
+        self._entries: dict[str, SessionEntry] = {}  # insertion order breaks last_used_at ties
+        self._by_key: dict[tuple[str, str], str] = {}  # (domain, cache_key) -> response_id
+        self._bytes = 0
+        self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._dispose_fn = dispose
+        self._stats = SessionStats()
+
+    @property
+    def max_entries(self) -> int:
+        return self._max_entries
+
+    @max_entries.setter
+    def max_entries(self, value: int) -> None:
+        # Single-stream models set 1 (SES-5); the bound applies at once.
+        self._max_entries = value
+        self._evict()
+
+    @property
+    def stats(self) -> SessionStats:
+        return replace(self._stats, entries=len(self._entries), bytes=self._bytes)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lease(self, query: SessionQuery, prompt_ids: Sequence[int]) -> tuple[SessionLease | None, Outcome]:
+        """Take the best warm session for `query` out of the cache (single use, SES-4).
+
+        Tiers (SES-2): `previous_response_id` exact, with no fallthrough on a miss; else
+        `cache_key`, else `warm_any`, each falling back to the longest in-domain token
+        prefix (SES-8). A keyed lease with nothing reusable is still returned, so the kv
+        object can be recycled, but its outcome is not "hit".
+        """
+        self.sweep()
+        prompt = tuple(prompt_ids)
+        found = self._find(query, prompt)
+        cold: Outcome = "cold_replay" if query.previous_response_id is not None else "fresh"
+        if found is None:
+            self._stats.misses += 1
+            return None, cold
+        entry, tier = found
+        self._remove(entry)
+        lease = SessionLease(entry=entry, reuse_tokens=_reuse(entry.tokens, prompt), tier=tier)
+        if lease.reuse_tokens == 0:
+            self._stats.misses += 1
+            return lease, cold
+        self._stats.hits += 1
+        return lease, "hit"
+
+    def give_back(self, lease: SessionLease) -> None:
+        """Reinsert a leased entry whose kv was never touched (request cancelled in queue)."""
+        entry = lease.entry
+        if entry.expires_at <= self._clock():
+            self._stats.expired += 1
+            self._dispose(entry.kv)
+        elif entry.response_id in self._entries:
+            self._dispose(entry.kv)
+        else:
+            self._insert(entry)
+            self._evict()
+
+    def adopt(
+        self, *, response_id: str, query: SessionQuery, tokens: Sequence[int], kv: object, nbytes: int
+    ) -> bool:
+        """Keep a finished turn's kv as the warm session of `response_id`.
+
+        Only clean finishes may be adopted (SES-1): after an abort, error or truncation the
+        caller must `discard(kv)` instead. An older entry with the same response id, or with
+        the same cache key in the same domain, is replaced and disposed.
+
+        Returns:
+            Whether the session is now cached; False when `nbytes` alone exceeds `max_bytes`
+            (the kv is then disposed).
+        """
+        if nbytes > self._max_bytes:
+            self._dispose(kv)
+            return False
+        self._replace(self._entries.get(response_id), kv)
+        if query.cache_key is not None:
+            self._replace(self._keyed(query.domain, query.cache_key), kv)
+        now = self._clock()
+        entry = SessionEntry(
+            response_id=response_id,
+            domain=query.domain,
+            instructions=query.instructions,
+            cache_key=query.cache_key,
+            tokens=tuple(tokens),
+            kv=kv,
+            nbytes=nbytes,
+            created_at=now,
+            last_used_at=now,
+            expires_at=now + self._ttl_s,
+        )
+        self._insert(entry)
+        self._stats.adopted += 1
+        self._evict()
+        return self._entries.get(response_id) is entry
+
+    def discard(self, kv: object) -> None:
+        """Dispose a kv that will not be adopted (cancelled, failed or truncated turn)."""
+        self._dispose(kv)
+
+    def sweep(self) -> int:
+        """Dispose expired entries; return how many there were."""
+        now = self._clock()
+        expired = [e for e in self._entries.values() if e.expires_at <= now]
+        for entry in expired:
+            self._remove(entry)
+            self._stats.expired += 1
+            self._dispose(entry.kv)
+        return len(expired)
+
+    def clear(self) -> None:
+        """Dispose every entry (model unload)."""
+        for entry in list(self._entries.values()):
+            self._remove(entry)
+            self._dispose(entry.kv)
+
+    def _find(self, query: SessionQuery, prompt: tuple[int, ...]) -> tuple[SessionEntry, Tier] | None:
+        if query.previous_response_id is not None:
+            entry = self._entries.get(query.previous_response_id)
+            return (entry, "response_id") if entry is not None and _scoped(entry, query) else None
+        if query.cache_key is not None:
+            entry = self._keyed(query.domain, query.cache_key)
+            if entry is not None and _scoped(entry, query):
+                return entry, "cache_key"
+        elif query.warm_any:
+            entry = self._most_recent(query)
+            if entry is not None:
+                return entry, "warm_any"
+        return self._longest_prefix(query.domain, prompt)
+
+    def _keyed(self, domain: str, cache_key: str) -> SessionEntry | None:
+        response_id = self._by_key.get((domain, cache_key))
+        return None if response_id is None else self._entries[response_id]
+
+    def _most_recent(self, query: SessionQuery) -> SessionEntry | None:
+        ranked = [(e.last_used_at, i, e) for i, e in enumerate(self._entries.values()) if _scoped(e, query)]
+        return max(ranked, key=lambda r: (r[0], r[1]))[2] if ranked else None
+
+    def _longest_prefix(self, domain: str, prompt: tuple[int, ...]) -> tuple[SessionEntry, Tier] | None:
+        ranked = [
+            (_reuse(e.tokens, prompt), e.last_used_at, i, e)
+            for i, e in enumerate(self._entries.values())
+            if e.domain == domain
+        ]
+        best = max(ranked, key=lambda r: (r[0], r[1], r[2]), default=None)
+        return (best[3], "prefix") if best is not None and best[0] > 0 else None
+
+    def _insert(self, entry: SessionEntry) -> None:
+        self._entries[entry.response_id] = entry
+        self._bytes += entry.nbytes
+        if entry.cache_key is not None and (entry.domain, entry.cache_key) not in self._by_key:
+            self._by_key[(entry.domain, entry.cache_key)] = entry.response_id
+
+    def _remove(self, entry: SessionEntry) -> None:
+        if self._entries.get(entry.response_id) is not entry:
+            return
+        del self._entries[entry.response_id]
+        self._bytes -= entry.nbytes
+        if entry.cache_key is None:
+            return
+        slot = (entry.domain, entry.cache_key)
+        if self._by_key.get(slot) == entry.response_id:
+            del self._by_key[slot]
+
+    def _replace(self, old: SessionEntry | None, kv: object) -> None:
+        if old is None:
+            return
+        self._remove(old)
+        self._stats.evicted += 1
+        if old.kv is not kv:
+            self._dispose(old.kv)
+
+    def _evict(self) -> None:
+        self.sweep()
+        while self._entries and (len(self._entries) > self._max_entries or self._bytes > self._max_bytes):
+            victim = min(self._entries.values(), key=lambda e: e.last_used_at)  # first wins ties
+            self._remove(victim)
+            self._stats.evicted += 1
+            self._dispose(victim.kv)
+
+    def _dispose(self, kv: object) -> None:
+        # SES-6: the client already has its answer, so a failing dispose is logged, never raised.
+        for attempt in range(2):
+            try:
+                self._dispose_fn(kv)
+            except Exception:
+                if attempt == 0:
+                    self._stats.dispose_retries += 1
+                    continue
+                self._stats.dispose_failures += 1
+                logger.warning("Disposing a warm session KV cache failed twice", exc_info=True)
+                return
+            self._stats.disposed += 1
+            return
+
+
+def _scoped(entry: SessionEntry, query: SessionQuery) -> bool:
+    return entry.domain == query.domain and entry.instructions == query.instructions
+
+
+def _reuse(cached: tuple[int, ...], prompt: tuple[int, ...]) -> int:
+    # At least one prompt token must be fed to get logits for the next token.
+    return max(0, min(_common_prefix(cached, prompt), len(prompt) - 1))
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    limit = min(len(a), len(b))
+    i = 0
+    while i < limit:
+        end = min(i + _PREFIX_CHUNK, limit)
+        if a[i:end] != b[i:end]:
+            while a[i] == b[i]:
+                i += 1
+            return i
+        i = end
+    return limit

@@ -1,0 +1,313 @@
+"""Warm-session cache: tiers, scoping, single-use leases, bounds and disposal."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+
+import pytest
+
+from mlxhost.engine.sessions import SessionCache, SessionQuery, SessionScoper
+
+SECRET = b"s" * 32
+PROMPT = (1, 2, 3, 4, 5, 6)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Disposer:
+    """Records disposed kvs; fails the first `failures` calls."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.disposed: list[object] = []
+        self.calls = 0
+        self.failures = failures
+
+    def __call__(self, kv: object) -> None:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise RuntimeError("metal said no")
+        self.disposed.append(kv)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def disposer() -> Disposer:
+    return Disposer()
+
+
+@pytest.fixture
+def cache(clock: FakeClock, disposer: Disposer) -> SessionCache:
+    return SessionCache(clock=clock, dispose=disposer)
+
+
+@pytest.fixture
+def scoper() -> SessionScoper:
+    return SessionScoper(SECRET)
+
+
+def query(scoper: SessionScoper, **kwargs: object) -> SessionQuery:
+    kwargs.setdefault("tenant", "acme")
+    kwargs.setdefault("instructions", "be brief")
+    return scoper.query(**kwargs)  # type: ignore[arg-type]
+
+
+def adopt(cache: SessionCache, q: SessionQuery, rid: str, tokens=PROMPT, nbytes: int = 10) -> bool:
+    return cache.adopt(response_id=rid, query=q, tokens=tokens, kv=f"kv-{rid}", nbytes=nbytes)
+
+
+def test_lease_is_single_use(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-4: two lookups for the same parent: the first hits, the second runs cold."""
+    adopt(cache, query(scoper), "resp_1")
+    follow_up = query(scoper, previous_response_id="resp_1")
+    lease, outcome = cache.lease(follow_up, (*PROMPT, 7, 8))
+    assert outcome == "hit"
+    assert lease is not None and lease.tier == "response_id" and lease.reuse_tokens == 6
+    assert lease.entry.kv == "kv-resp_1"
+    assert cache.lease(follow_up, (*PROMPT, 7, 8)) == (None, "cold_replay")
+    assert (cache.stats.hits, cache.stats.misses, len(cache)) == (1, 1, 0)
+
+
+def test_same_salt_hits_and_different_salt_misses(scoper: SessionScoper, clock: FakeClock) -> None:
+    """SES-3: the same salt hits; a different salt or different instructions is a cold replay."""
+    cases = {"same": ("s1", "be brief"), "salt": ("s2", "be brief"), "instr": ("s1", "be verbose")}
+    outcomes = {}
+    for name, (salt, instructions) in cases.items():
+        cache = SessionCache(clock=clock)
+        adopt(cache, query(scoper, salt="s1"), "resp_1")
+        q = query(scoper, salt=salt, instructions=instructions, previous_response_id="resp_1")
+        outcomes[name] = cache.lease(q, (*PROMPT, 7))[1]
+    assert outcomes == {"same": "hit", "salt": "cold_replay", "instr": "cold_replay"}
+
+
+def test_cache_key_is_bound_to_tenant(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-3: the same prompt_cache_key under another tenant is a different fingerprint and misses."""
+    adopt(cache, query(scoper, tenant="acme", prompt_cache_key="shared"), "resp_1")
+    other = query(scoper, tenant="evil", prompt_cache_key="shared")
+    assert other.cache_key != query(scoper, tenant="acme", prompt_cache_key="shared").cache_key
+    assert cache.lease(other, (*PROMPT, 7)) == (None, "fresh")
+    lease, outcome = cache.lease(query(scoper, tenant="acme", prompt_cache_key="shared"), (*PROMPT, 7))
+    assert outcome == "hit" and lease is not None and lease.tier == "cache_key"
+
+
+def test_raw_key_and_salt_are_never_stored(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-3: entries hold HMAC fingerprints only, never the raw prompt_cache_key or salt."""
+    raw_key, raw_salt = "my-secret-cache-key", "my-secret-salt"
+    adopt(cache, query(scoper, salt=raw_salt, prompt_cache_key=raw_key), "resp_1")
+    entry = next(iter(cache._entries.values()))
+    dumped = repr(vars(cache)) + repr(entry) + repr([getattr(entry, f.name) for f in fields(entry)])
+    assert raw_key not in dumped and raw_salt not in dumped
+    assert raw_key not in repr(scoper) and SECRET.decode() not in repr(scoper)
+
+
+def test_tier1_miss_never_falls_through(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-2: a tier-1 miss is a cold replay even when a tier-2 and a prefix entry would match."""
+    adopt(cache, query(scoper, prompt_cache_key="k"), "resp_1")
+    q = query(scoper, previous_response_id="resp_gone", prompt_cache_key="k")
+    assert cache.lease(q, (*PROMPT, 7)) == (None, "cold_replay")
+    assert len(cache) == 1
+
+
+def test_tier2_hits_by_cache_key(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-2: without a previous id, the entry adopted under the cache key is leased."""
+    adopt(cache, query(scoper, prompt_cache_key="k"), "resp_1", tokens=(9, 9, 9))
+    adopt(cache, query(scoper), "resp_2")  # better prefix, but not keyed
+    lease, outcome = cache.lease(query(scoper, prompt_cache_key="k"), (9, 9, 9, 1))
+    assert outcome == "hit" and lease is not None
+    assert (lease.entry.response_id, lease.tier, lease.reuse_tokens) == ("resp_1", "cache_key", 3)
+
+
+def test_keyed_lease_without_reusable_prefix_is_fresh(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-2: a keyed entry with no common prefix is still leased (kv reusable) but reported fresh."""
+    adopt(cache, query(scoper, prompt_cache_key="k"), "resp_1", tokens=(9, 9))
+    lease, outcome = cache.lease(query(scoper, prompt_cache_key="k"), (1, 2, 3))
+    assert outcome == "fresh" and lease is not None and lease.reuse_tokens == 0
+    assert (cache.stats.hits, cache.stats.misses) == (0, 1)
+
+
+def test_cache_key_adopt_replaces_older_entry(
+    cache: SessionCache, scoper: SessionScoper, disposer: Disposer
+) -> None:
+    """SES-1: a newer session under the same cache key replaces and disposes the older one."""
+    adopt(cache, query(scoper, prompt_cache_key="k"), "resp_1")
+    adopt(cache, query(scoper, prompt_cache_key="k"), "resp_2")
+    assert len(cache) == 1 and disposer.disposed == ["kv-resp_1"]
+    lease, _ = cache.lease(query(scoper, prompt_cache_key="k"), (*PROMPT, 7))
+    assert lease is not None and lease.entry.response_id == "resp_2"
+
+
+def test_warm_any_picks_most_recent_in_domain(
+    cache: SessionCache, scoper: SessionScoper, clock: FakeClock
+) -> None:
+    """SES-2: tier 3 (Anthropic messages) takes the most recently used entry of the same domain."""
+    adopt(cache, query(scoper), "resp_old", tokens=(1, 2, 3, 4, 5))
+    clock.now += 1
+    adopt(cache, query(scoper), "resp_new", tokens=(1, 2))
+    clock.now += 1
+    adopt(cache, query(scoper, tenant="other"), "resp_foreign")
+    lease, outcome = cache.lease(query(scoper, warm_any=True), (1, 2, 3, 4, 5, 6))
+    assert outcome == "hit" and lease is not None
+    assert (lease.entry.response_id, lease.tier, lease.reuse_tokens) == ("resp_new", "warm_any", 2)
+
+
+def test_prefix_reuse_longest_wins_and_is_capped(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-8: the longest common prefix wins, capped at len(prompt) - 1."""
+    adopt(cache, query(scoper), "resp_short", tokens=(1, 2))
+    adopt(cache, query(scoper), "resp_long", tokens=(1, 2, 3, 4, 99))
+    lease, outcome = cache.lease(query(scoper), (1, 2, 3, 4))
+    assert outcome == "hit" and lease is not None
+    assert (lease.entry.response_id, lease.tier, lease.reuse_tokens) == ("resp_long", "prefix", 3)
+
+
+def test_prefix_reuse_on_long_prompts(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-8: the common prefix is exact across chunk boundaries of several-thousand-token prompts."""
+    cached = tuple(range(5000))
+    adopt(cache, query(scoper), "resp_1", tokens=cached)
+    prompt = (*cached[:4321], -1, *cached[4322:])
+    lease, _ = cache.lease(query(scoper), prompt)
+    assert lease is not None and lease.reuse_tokens == 4321
+
+
+def test_prefix_reuse_never_crosses_domains(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-8: an identical prompt under another tenant or salt does not reuse the cache."""
+    adopt(cache, query(scoper, salt="a"), "resp_1")
+    assert cache.lease(query(scoper, salt="b"), (*PROMPT, 7)) == (None, "fresh")
+    assert cache.lease(query(scoper, tenant="other", salt="a"), (*PROMPT, 7)) == (None, "fresh")
+    assert cache.lease(query(scoper, salt="a"), (*PROMPT, 7))[1] == "hit"
+
+
+def test_prefix_needs_one_reusable_token(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-8: a one-token prompt can reuse nothing (one token must be fed), so it stays fresh."""
+    adopt(cache, query(scoper), "resp_1")
+    assert cache.lease(query(scoper), (1,)) == (None, "fresh")
+    assert cache.lease(query(scoper), (7, 1, 2)) == (None, "fresh")
+    assert len(cache) == 1
+
+
+def test_ttl_expiry_disposes(
+    cache: SessionCache, scoper: SessionScoper, clock: FakeClock, disposer: Disposer
+) -> None:
+    """SES-1, SES-6: entries expire after the TTL; expired ones are disposed and counted."""
+    adopt(cache, query(scoper), "resp_1")
+    clock.now += 1799
+    adopt(cache, query(scoper), "resp_2")
+    clock.now += 1
+    q = query(scoper, previous_response_id="resp_1")
+    assert cache.lease(q, (*PROMPT, 7)) == (None, "cold_replay")
+    assert disposer.disposed == ["kv-resp_1"]
+    clock.now += 1800
+    assert cache.sweep() == 1
+    stats = cache.stats
+    assert (stats.expired, stats.disposed, stats.entries, stats.bytes) == (2, 2, 0, 0)
+
+
+def test_byte_bound_eviction(clock: FakeClock, disposer: Disposer, scoper: SessionScoper) -> None:
+    """SES-1, SES-6: total bytes stay under max_bytes by evicting least recently used entries."""
+    cache = SessionCache(max_bytes=100, clock=clock, dispose=disposer)
+    for i, nbytes in enumerate((40, 40, 40)):
+        clock.now += 1
+        assert adopt(cache, query(scoper), f"resp_{i}", nbytes=nbytes)
+    assert disposer.disposed == ["kv-resp_0"]
+    stats = cache.stats
+    assert (stats.entries, stats.bytes, stats.evicted, stats.adopted) == (2, 80, 1, 3)
+
+
+def test_entry_bound_lru_eviction(clock: FakeClock, disposer: Disposer, scoper: SessionScoper) -> None:
+    """SES-1, SES-6: the least recently used entry goes first when max_entries is exceeded."""
+    cache = SessionCache(max_entries=3, clock=clock, dispose=disposer)
+    for i in range(5):
+        clock.now += 1
+        adopt(cache, query(scoper), f"resp_{i}")
+    assert disposer.disposed == ["kv-resp_0", "kv-resp_1"]
+    assert (len(cache), cache.stats.evicted, cache.stats.disposed) == (3, 2, 2)
+
+
+def test_single_stream_keeps_one_session(
+    cache: SessionCache, scoper: SessionScoper, disposer: Disposer
+) -> None:
+    """SES-5: max_entries = 1 keeps at most one warm session; lowering it evicts at once."""
+    adopt(cache, query(scoper), "resp_0")
+    adopt(cache, query(scoper), "resp_1")
+    cache.max_entries = 1
+    assert len(cache) == 1 and disposer.disposed == ["kv-resp_0"]
+    adopt(cache, query(scoper, tenant="other"), "resp_2")
+    assert len(cache) == 1 and disposer.disposed == ["kv-resp_0", "kv-resp_1"]
+
+
+def test_dispose_retried_once(clock: FakeClock, scoper: SessionScoper) -> None:
+    """SES-6: a disposal that fails once is retried and succeeds."""
+    disposer = Disposer(failures=1)
+    cache = SessionCache(clock=clock, dispose=disposer)
+    cache.discard("kv")
+    stats = cache.stats
+    assert (stats.disposed, stats.dispose_retries, stats.dispose_failures) == (1, 1, 0)
+    assert disposer.disposed == ["kv"]
+
+
+def test_dispose_failing_twice_is_counted_not_raised(
+    clock: FakeClock, scoper: SessionScoper, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SES-6: a disposal that fails twice is counted and logged, never raised to the caller."""
+    cache = SessionCache(max_entries=1, clock=clock, dispose=Disposer(failures=2))
+    adopt(cache, query(scoper), "resp_0")
+    with caplog.at_level(logging.WARNING, logger="mlxhost.engine.sessions"):
+        assert adopt(cache, query(scoper), "resp_1")  # evicts resp_0: both dispose attempts fail
+    stats = cache.stats
+    assert (stats.disposed, stats.dispose_retries, stats.dispose_failures, stats.evicted) == (0, 1, 1, 1)
+    assert "failed twice" in caplog.text
+
+
+def test_give_back_reinserts(cache: SessionCache, scoper: SessionScoper, disposer: Disposer) -> None:
+    """SES-4: a lease cancelled before use is given back unchanged and can be leased again."""
+    adopt(cache, query(scoper, prompt_cache_key="k"), "resp_1")
+    lease, _ = cache.lease(query(scoper, prompt_cache_key="k"), (*PROMPT, 7))
+    assert lease is not None and len(cache) == 0
+    cache.give_back(lease)
+    assert len(cache) == 1 and cache.stats.bytes == 10 and disposer.disposed == []
+    again, outcome = cache.lease(query(scoper, prompt_cache_key="k"), (*PROMPT, 7))
+    assert outcome == "hit" and again is not None and again.entry is lease.entry
+
+
+def test_give_back_after_expiry_disposes(
+    cache: SessionCache, scoper: SessionScoper, clock: FakeClock, disposer: Disposer
+) -> None:
+    """SES-1: give_back keeps the original expiry, so an expired entry is disposed instead."""
+    adopt(cache, query(scoper), "resp_1")
+    lease, _ = cache.lease(query(scoper, previous_response_id="resp_1"), (*PROMPT, 7))
+    assert lease is not None
+    clock.now += 1800
+    cache.give_back(lease)
+    assert len(cache) == 0 and disposer.disposed == ["kv-resp_1"] and cache.stats.expired == 1
+
+
+def test_discard_disposes(cache: SessionCache, disposer: Disposer) -> None:
+    """SES-1, SES-6: a kv from an aborted turn is discarded (disposed), never cached."""
+    cache.discard("kv-aborted")
+    assert disposer.disposed == ["kv-aborted"] and len(cache) == 0 and cache.stats.disposed == 1
+
+
+def test_oversized_kv_is_not_adopted(clock: FakeClock, disposer: Disposer, scoper: SessionScoper) -> None:
+    """SES-1: a kv larger than max_bytes is disposed instead of adopted, and evicts nothing."""
+    cache = SessionCache(max_bytes=100, clock=clock, dispose=disposer)
+    adopt(cache, query(scoper), "resp_0", nbytes=50)
+    assert not adopt(cache, query(scoper), "resp_1", nbytes=101)
+    assert len(cache) == 1 and disposer.disposed == ["kv-resp_1"] and cache.stats.adopted == 1
+
+
+def test_clear_disposes_everything(cache: SessionCache, scoper: SessionScoper, disposer: Disposer) -> None:
+    """SES-6: unloading the model disposes every warm session."""
+    adopt(cache, query(scoper), "resp_0")
+    adopt(cache, query(scoper, prompt_cache_key="k"), "resp_1")
+    cache.clear()
+    assert len(cache) == 0 and sorted(disposer.disposed) == ["kv-resp_0", "kv-resp_1"]
+    assert cache.stats.bytes == 0
