@@ -64,6 +64,7 @@ def _pinned_specs() -> list[tuple[str, ModelSpec]]:
 async def engine_start() -> None:
     """Load every enabled pinned alias; a failed load is logged and shown in /readyz, not fatal."""
     engine = get_engine()
+    _keep(asyncio.get_running_loop().create_task(engine.housekeeping()))
     for name, spec in await sync_to_async(_pinned_specs)():
         try:
             logger.info("loading pinned alias %s (instance %s)", name, spec.instance_id)
@@ -76,10 +77,13 @@ async def engine_start() -> None:
 _start_tasks: set[asyncio.Task[None]] = set()
 
 
-def _start_on_running_loop() -> None:
-    task = asyncio.get_running_loop().create_task(engine_start())
+def _keep(task: asyncio.Task[None]) -> None:
     _start_tasks.add(task)  # keep a reference until done, or the task may be collected
     task.add_done_callback(_start_tasks.discard)
+
+
+def _start_on_running_loop() -> None:
+    _keep(asyncio.get_running_loop().create_task(engine_start()))
 
 
 def schedule_engine_start() -> None:

@@ -224,7 +224,8 @@ class Engine:
     def _finished(
         self, instance: Instance, ticket: Ticket, generation: Generation, lease, result: JobResult
     ) -> None:  # noqa: ANN001
-        instance.lane.release(ticket)
+        # Adopt before releasing the slot: release admits (and leases for) the next waiter at
+        # once, and a continuation queued behind its parent must find the parent's session.
         if lease is not None and not result.touched:
             instance.sessions.give_back(lease)
         if result.kv is not None:
@@ -240,6 +241,7 @@ class Engine:
                 )
             else:
                 instance.sessions.discard(result.kv)
+        instance.lane.release(ticket)
         self._forget(instance, generation)
 
     def _forget(self, instance: Instance, generation: Generation) -> None:
@@ -278,7 +280,15 @@ class Engine:
 
     def sweep(self) -> int:
         """Dispose expired warm sessions on every instance; returns how many went."""
+        self._take_early_cancel("")  # also drops expired early cancels
         return sum(instance.sessions.sweep() for instance in self.registry.instances())
+
+    async def housekeeping(self, interval_s: float = 30.0) -> None:
+        """Sweep expired sessions forever (idle instances free their warm memory too, SES-6)."""
+        while not self._closed:
+            await asyncio.sleep(interval_s)
+            if swept := self.sweep():
+                logger.info("disposed %d expired warm sessions", swept)
 
     def snapshot(self) -> list[dict[str, object]]:
         snapshots = []

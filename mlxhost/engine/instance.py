@@ -61,6 +61,7 @@ class Instance:
             dispose=self._dispose_kv,
         )
         self._worker = InstanceWorker(str(spec.instance_id), clock)
+        self._worker.reload = self._reload_on_worker
         self._loading: asyncio.Future[None] | None = None
 
     @property
@@ -164,6 +165,17 @@ class Instance:
     def _load(self) -> None:
         if self._worker.model is None:
             self._worker.model = self._backend.load(self.spec, self._on_progress)
+
+    def _reload_on_worker(self) -> LoadedModel:
+        self.state, self.last_error = "loading", None
+        try:
+            self._load()
+        except Exception as exc:
+            self.state, self.last_error = "error", _describe(exc)
+            raise ModelLoadError(self.last_error) from exc
+        self.state = "ready"
+        assert self._worker.model is not None
+        return self._worker.model
 
     def _close_model(self) -> None:
         model, self._worker.model = self._worker.model, None

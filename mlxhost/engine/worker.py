@@ -75,6 +75,7 @@ class InstanceWorker:
 
     def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.model: LoadedModel | None = None
+        self.reload: Callable[[], LoadedModel] | None = None  # set by the instance
         self.stats = WorkerStats()
         self._clock = clock
         self._jobs: queue.Queue[GenerateJob | CallJob | _Shutdown] = queue.Queue()
@@ -132,6 +133,13 @@ class InstanceWorker:
         generation, model = job.generation, self.model
         started = self._clock()
         queue_ms = (started - job.submitted_at) * 1000
+        if model is None and self.reload is not None:
+            # Unloaded (a writer ran) after this request's pre-work: load again, here, in order.
+            try:
+                model = self.reload()
+            except Exception as exc:
+                generation.post_threadsafe(Failed(code="model_load_failed", message=str(exc)))
+                return JobResult("error")
         if model is None:
             generation.post_threadsafe(Failed(code="model_not_loaded", message="The model is not loaded."))
             return JobResult("error")
