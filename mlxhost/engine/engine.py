@@ -295,7 +295,7 @@ class Engine:
         for instance in self.registry.instances():
             snap = instance.snapshot()
             snap["aliases"] = self.registry.names_of(instance)
-            snap["stalled"] = snap["stalled_s"] >= self.config.stall_after_s  # type: ignore[operator]
+            snap["stalled"] = instance.stalled_for() >= self.config.stall_after_s
             snapshots.append(snap)
         return snapshots
 

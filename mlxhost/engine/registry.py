@@ -114,14 +114,18 @@ class Registry:
 
     def lease(self, instance: Instance) -> None:
         """A request is in flight on `instance` (from reserve until its slot is disposed)."""
-        self._holds[instance.instance_id].leases += 1
+        self._live_holds(instance).leases += 1
 
     def unlease(self, instance: Instance) -> None:
         self._drop(instance, "leases")
 
     def retain(self, instance: Instance) -> None:
-        """A persist of a response produced by `instance` is pending; defer teardown."""
-        self._holds[instance.instance_id].retentions += 1
+        """A persist of a response produced by `instance` is pending; defer teardown.
+
+        Raises:
+            UnknownModelError: `instance` was already torn down (its id may live on elsewhere).
+        """
+        self._live_holds(instance).retentions += 1
 
     def unretain(self, instance: Instance) -> None:
         self._drop(instance, "retentions")
@@ -170,6 +174,12 @@ class Registry:
         self._by_id[instance_id] = instance
         self._holds[instance_id] = Holds()
         return instance
+
+    def _live_holds(self, instance: Instance) -> Holds:
+        # By identity, not id: a torn-down instance's id may have been inherited (REG-7).
+        if self._by_id.get(instance.instance_id) is not instance:
+            raise UnknownModelError(f"Instance {instance.instance_id} was torn down.")
+        return self._holds[instance.instance_id]
 
     def _drop(self, instance: Instance, hold: str) -> None:
         holds = self._holds.get(instance.instance_id)

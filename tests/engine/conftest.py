@@ -2,10 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import pytest
 
-from mlxhost.engine import Engine, EngineConfig, GenerationRequest, Message, ModelSpec, SamplingParams
+from mlxhost.engine import (
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    Message,
+    ModelSpec,
+    SamplingParams,
+    SessionQuery,
+)
 from mlxhost.engine.backends.fake import FakeBackend
+
+
+class FakeClock:
+    """A settable monotonic clock for `Engine(clock=...)`; `advance()` moves it forward."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 @pytest.fixture
@@ -14,10 +38,40 @@ def backend() -> FakeBackend:
 
 
 @pytest.fixture
+def fake_clock() -> FakeClock:
+    return FakeClock()
+
+
+def _ungate(backend: FakeBackend) -> None:
+    # A test that failed mid-way may leave the worker parked on the gate; let teardown finish fast.
+    backend.gated = False
+    backend.gate.set()
+
+
+@pytest.fixture
 async def engine(backend: FakeBackend):
     engine = Engine(EngineConfig(backend="fake"), backend=backend)
     yield engine
+    _ungate(backend)
     await engine.shutdown()
+
+
+@pytest.fixture
+async def make_engine(backend: FakeBackend):
+    """Build engines with their own config or clock on the shared fake backend; all shut down after."""
+    engines: list[Engine] = []
+
+    def make(clock: Callable[[], float] | None = None, **config) -> Engine:
+        config.setdefault("backend", "fake")
+        kwargs = {"clock": clock} if clock is not None else {}
+        engine = Engine(EngineConfig(**config), backend=backend, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield make
+    _ungate(backend)
+    for engine in engines:
+        await engine.shutdown()
 
 
 def spec(instance_id: int = 1, **overrides) -> ModelSpec:
@@ -26,11 +80,60 @@ def spec(instance_id: int = 1, **overrides) -> ModelSpec:
 
 
 def request(
-    request_id: str = "req-1", *, instance_id: int = 1, text: str = "hi", **sampling
+    request_id: str = "req-1",
+    *,
+    instance_id: int = 1,
+    text: str = "hi",
+    messages: tuple[Message, ...] | None = None,
+    binding: str = "",
+    session: SessionQuery | None = None,
+    spec_: ModelSpec | None = None,
+    **sampling,
 ) -> GenerationRequest:
+    """A chat request; `spec_` overrides the model spec, `messages` the single user message."""
     return GenerationRequest(
         request_id=request_id,
-        model=spec(instance_id),
+        model=spec_ if spec_ is not None else spec(instance_id),
         sampling=SamplingParams(**sampling),
-        messages=(Message(role="user", content=text),),
+        messages=messages if messages is not None else (Message(role="user", content=text),),
+        binding=binding,
+        session=session,
     )
+
+
+async def collect(generation) -> list:
+    """Every event of a generation's stream, up to and including the terminal one."""
+    return [event async for event in generation.stream()]
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 3.0, what: str = "condition") -> None:
+    """Poll `predicate` with short sleeps; fail the test if it stays false for `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def lane_of(engine: Engine, instance_id: int = 1) -> dict:
+    """The LANE-9 probe of one instance, as `engine.snapshot()` reports it."""
+    for snap in engine.snapshot():
+        if snap["instance_id"] == instance_id:
+            return snap["lane"]  # type: ignore[return-value]
+    raise AssertionError(f"instance {instance_id} is not in the snapshot")
+
+
+async def lane_idle(engine: Engine, instance_id: int = 1) -> None:
+    """Wait until the instance's lane holds nothing: the last `Done` is posted before the slot is freed."""
+
+    def idle() -> bool:
+        lane = lane_of(engine, instance_id)
+        return lane["active"] == lane["queued"] == lane["permits"] == 0
+
+    await until(idle, what=f"lane of instance {instance_id} to go idle")
+
+
+async def next_event(stream, timeout: float = 3.0):
+    """The next event of an open stream, failing instead of hanging."""
+    return await asyncio.wait_for(anext(stream), timeout)

@@ -1,0 +1,213 @@
+"""Warm sessions through the engine (SES-*): prefix reuse, single-use leases, scoping, adoption, bounds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mlxhost.engine import Delta, Done, LaneSettings, Message, Started
+from tests.engine.conftest import collect, lane_idle, next_event, request, spec
+
+TURN_1 = (Message("user", "hi"),)
+TURN_2 = (*TURN_1, Message("assistant", "Hello"), Message("user", "and more?"))
+TURN_1_PROMPT = len("<user>hi<assistant>")  # 19 fake tokens, all of them prefix TURN_2's prompt
+TURN_2_PROMPT = len("<user>hi<assistant>Hello<user>and more?<assistant>")
+
+
+def query(engine, tenant: str = "t1", salt: str = "s1", **kwargs):
+    return engine.scoper.query(tenant=tenant, salt=salt, **kwargs)
+
+
+def sessions(engine, instance_id: int = 1) -> dict:
+    snap = next(s for s in engine.snapshot() if s["instance_id"] == instance_id)
+    return snap["sessions"]  # type: ignore[return-value]
+
+
+async def turn(engine, request_id: str, messages, session, *, model=None, **sampling):
+    """Submit one turn, read it to the end, wait until its slot (and session) settled."""
+    generation = await engine.submit(
+        request(request_id, messages=messages, session=session, spec_=model or spec(1), **sampling)
+    )
+    events = await asyncio.wait_for(collect(generation), 5)
+    await lane_idle(engine, generation.instance_id)
+    return generation, events
+
+
+async def first_turn(engine, backend, request_id: str = "p", **query_kwargs):
+    """A clean ("stop") first turn that is adopted as a warm session under `request_id`."""
+    backend.enqueue(["Hello"])
+    generation, events = await turn(engine, request_id, TURN_1, query(engine, **query_kwargs), max_tokens=50)
+    assert events[-1].finish_reason == "stop"
+    assert generation.session_outcome == "fresh"
+    return generation
+
+
+def started_of(events) -> Started:
+    return next(e for e in events if isinstance(e, Started))
+
+
+async def test_turn_two_reuses_the_cached_prefix(engine, backend):
+    """SES-8: a stateless turn 2 in the same domain reuses turn 1's cache and feeds only the suffix."""
+    await first_turn(engine, backend)
+    assert sessions(engine)["entries"] == 1
+    generation, events = await turn(engine, "c", TURN_2, query(engine), max_tokens=2)
+    assert generation.session_outcome == "hit"
+    assert generation.cached_tokens == TURN_1_PROMPT
+    assert started_of(events) == Started(prompt_tokens=TURN_2_PROMPT, cached_tokens=TURN_1_PROMPT)
+    done = events[-1]
+    assert isinstance(done, Done)
+    assert done.usage.cached_tokens == TURN_1_PROMPT
+    assert done.usage.prompt_tokens == TURN_2_PROMPT
+    _, fed, _ = backend.history[-1]
+    assert len(fed) == TURN_2_PROMPT - TURN_1_PROMPT
+    assert "".join(map(chr, fed)) == "Hello<user>and more?<assistant>"
+    assert sessions(engine)["hits"] == 1
+
+
+async def test_a_session_lease_is_single_use_under_overlap(engine, backend):
+    """SES-4: two overlapping requests naming the same parent: exactly one hit, the other runs cold."""
+    batching = spec(1, lane=LaneSettings(capacity=2))
+    await engine.load(batching)
+    await first_turn(engine, backend)
+    backend.gated = True
+    generations = await asyncio.gather(
+        *(
+            engine.submit(
+                request(
+                    f"c{i}",
+                    messages=TURN_2,
+                    session=query(engine, previous_response_id="p"),
+                    spec_=batching,
+                    max_tokens=1,
+                )
+            )
+            for i in range(2)
+        )
+    )
+    assert sorted(g.session_outcome for g in generations) == ["cold_replay", "hit"]
+    backend.gated = False
+    backend.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 5)
+    cached = {
+        g.session_outcome: started_of(events).cached_tokens
+        for g, events in zip(generations, results, strict=True)
+    }
+    assert cached == {"hit": TURN_1_PROMPT, "cold_replay": 0}
+    fed = sorted(len(prompt) for _, prompt, _ in backend.history[1:])
+    assert fed == [TURN_2_PROMPT - TURN_1_PROMPT, TURN_2_PROMPT]
+
+
+async def test_salt_and_tenant_scope_the_cache(engine, backend):
+    """SES-3: another salt or tenant misses (cold replay, full prompt fed); the same salt and tenant hits."""
+    await first_turn(engine, backend, tenant="t1", salt="s1")
+    # Misses end with "length" so they are never adopted and the paired hit below stays clean.
+    for tenant, salt in (("t1", "s2"), ("t2", "s1")):
+        generation, events = await turn(
+            engine,
+            f"{tenant}-{salt}",
+            TURN_2,
+            query(engine, tenant, salt, previous_response_id="p"),
+            max_tokens=1,
+        )
+        assert generation.session_outcome == "cold_replay"
+        assert started_of(events).cached_tokens == 0
+        assert len(backend.history[-1][1]) == TURN_2_PROMPT
+    generation, events = await turn(engine, "t2-stateless", TURN_2, query(engine, "t2", "s1"), max_tokens=1)
+    assert generation.session_outcome == "fresh"  # prefix reuse never crosses domains (SES-8)
+    assert started_of(events).cached_tokens == 0
+    assert sessions(engine)["entries"] == 1
+
+    generation, events = await turn(
+        engine, "same", TURN_2, query(engine, previous_response_id="p"), max_tokens=1
+    )
+    assert generation.session_outcome == "hit"
+    assert started_of(events).cached_tokens == TURN_1_PROMPT
+    assert len(backend.history[-1][1]) == TURN_2_PROMPT - TURN_1_PROMPT
+
+
+async def test_a_cancelled_turn_is_not_adopted(engine, backend):
+    """SES-1 / LANE-6: a cancelled turn's cache is disposed, never kept; its id has no warm session."""
+    await engine.load(spec(1))
+    backend.gated = True
+    generation = await engine.submit(request("c", messages=TURN_1, session=query(engine), max_tokens=10_000))
+    stream = generation.stream()
+    assert isinstance(await next_event(stream), Started)
+    backend.gate.set()
+    assert isinstance(await next_event(stream), Delta)
+    assert engine.cancel("c") is True
+    backend.gated = False
+    backend.gate.set()
+    events = [event async for event in stream]
+    assert events[-1].finish_reason == "cancelled"
+    await lane_idle(engine)
+    assert sessions(engine)["entries"] == 0
+    assert backend.dispose_calls == 1
+
+    follow_up, _ = await turn(engine, "n", TURN_2, query(engine, previous_response_id="c"), max_tokens=1)
+    assert follow_up.session_outcome == "cold_replay"
+
+
+async def test_a_truncated_turn_is_not_adopted(engine, backend):
+    """SES-1: a turn that ends with "length" is disposed, never kept as a warm session."""
+    generation, events = await turn(engine, "t", TURN_1, query(engine), max_tokens=2)
+    assert events[-1].finish_reason == "length"
+    assert sessions(engine)["entries"] == 0
+    assert backend.dispose_calls == 1
+
+    follow_up, events = await turn(engine, "n", TURN_2, query(engine, previous_response_id="t"), max_tokens=1)
+    assert follow_up.session_outcome == "cold_replay"
+    assert started_of(events).cached_tokens == 0
+
+
+@pytest.mark.parametrize(("shared", "kept"), [(True, 1), (False, 2)])
+async def test_a_shared_cache_model_keeps_one_warm_session(engine, backend, shared: bool, kept: int):
+    """SES-5: a single-stream (shared-cache) model keeps at most one warm session; a batching one keeps more."""
+    backend.shared_cache = shared
+    await engine.load(spec(1))
+    await first_turn(engine, backend, "a", tenant="t1")
+    await first_turn(engine, backend, "b", tenant="t2")  # another domain: no prefix reuse between them
+    assert sessions(engine)["entries"] == kept
+    assert backend.dispose_calls == 2 - kept  # the evicted one was disposed
+
+    # The most recent session survives in both cases; the older one only on a batching model.
+    newest, _ = await turn(engine, "nb", TURN_2, query(engine, "t2", previous_response_id="b"), max_tokens=1)
+    assert newest.session_outcome == "hit"
+    oldest, _ = await turn(engine, "na", TURN_2, query(engine, "t1", previous_response_id="a"), max_tokens=1)
+    assert oldest.session_outcome == ("cold_replay" if shared else "hit")
+
+
+async def test_expired_sessions_are_swept_and_disposed(make_engine, backend, fake_clock):
+    """SES-1 / SES-6: a warm session past its TTL is disposed by engine.sweep() and no longer hits."""
+    engine = make_engine(clock=fake_clock, session_ttl_s=10.0)
+    await first_turn(engine, backend)
+    assert engine.sweep() == 0
+    fake_clock.advance(9.9)
+    assert engine.sweep() == 0
+    assert sessions(engine)["entries"] == 1
+    fake_clock.advance(0.2)
+    assert engine.sweep() == 1
+    assert sessions(engine)["entries"] == 0
+    assert backend.dispose_calls == 1
+    assert engine.sweep() == 0
+
+    follow_up, events = await turn(engine, "n", TURN_2, query(engine, previous_response_id="p"), max_tokens=1)
+    assert follow_up.session_outcome == "cold_replay"
+    assert started_of(events).cached_tokens == 0
+
+
+async def test_a_continuation_queued_behind_its_parent_hits(engine, backend):
+    """SES-1 / SES-2: a turn waiting behind its parent gets the parent's warm session once it starts."""
+    await engine.load(spec(1))
+    backend.gated = True
+    backend.enqueue(["Hello"])
+    parent = await engine.submit(request("p", messages=TURN_1, session=query(engine), max_tokens=50))
+    child = await engine.submit(
+        request("c", messages=TURN_2, session=query(engine, previous_response_id="p"), max_tokens=1)
+    )
+    backend.gated = False
+    backend.gate.set()
+    parent_events, child_events = await asyncio.wait_for(asyncio.gather(collect(parent), collect(child)), 5)
+    assert parent_events[-1].finish_reason == "stop"
+    assert child.session_outcome == "hit"
+    assert started_of(child_events).cached_tokens == TURN_1_PROMPT
