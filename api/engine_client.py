@@ -64,7 +64,9 @@ def _pinned_specs() -> list[tuple[str, ModelSpec]]:
 async def engine_start() -> None:
     """Load every enabled pinned alias; a failed load is logged and shown in /readyz, not fatal."""
     engine = get_engine()
-    _keep(asyncio.get_running_loop().create_task(engine.housekeeping()))
+    loop = asyncio.get_running_loop()
+    _keep(loop.create_task(engine.housekeeping()))
+    _start_persistence(loop)
     for name, spec in await sync_to_async(_pinned_specs)():
         try:
             logger.info("loading pinned alias %s (instance %s)", name, spec.instance_id)
@@ -72,6 +74,17 @@ async def engine_start() -> None:
             logger.info("alias %s ready", name)
         except ModelLoadError as exc:
             logger.error("alias %s failed to load: %s", name, exc)
+
+
+def _start_persistence(loop: asyncio.AbstractEventLoop) -> None:
+    from mlxhost.celery import app
+    from models_app.persistence import persistence
+
+    store = persistence()
+    # Pending writes and the breaker (PER-4); without a broker there is no beat, so sweep here (PER-5).
+    _keep(loop.create_task(store.run_monitor(), name="persist-monitor"))
+    if app.conf.task_always_eager:
+        _keep(loop.create_task(store.run_sweeper(), name="persist-sweeper"))
 
 
 _start_tasks: set[asyncio.Task[None]] = set()

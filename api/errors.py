@@ -23,6 +23,7 @@ from mlxhost.engine.errors import (
     UnknownModelError,
 )
 from models_app.models import ModelAlias
+from models_app.persistence import StorageTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +73,11 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str, str, int | None]] = {
     QueueTimeoutError: (503, "server_error", "queue_timeout", 1),
     DuplicateRequestError: (409, "invalid_request_error", "duplicate_request", None),
     RequestCancelledError: (409, "invalid_request_error", "request_cancelled", None),
+    # A parent whose row is still being written (PER-2): retry, never a false 404.
+    StorageTimeoutError: (503, "server_error", "storage_timeout", 1),
 }
 # Anthropic reports an overloaded server as 529 where OpenAI says 429 (LANE-2).
-_ANTHROPIC_STATUS = {"queue_full": 529}
+_ANTHROPIC_STATUS = {"queue_full": 529, "draining": 529}
 
 
 def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:

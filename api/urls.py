@@ -5,12 +5,25 @@ from __future__ import annotations
 from django.urls import path
 
 from api import health
+from api.anthropic import views as anthropic_views
+from api.openai import completions, responses_views
 from api.openai import views as openai_views
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("v1/chat/completions", openai_views.chat_completions, name="chat-completions"),
+    path("v1/completions", completions.completions, name="completions"),
+    path("v1/responses", responses_views.responses_create, name="responses-create"),
+    path("v1/responses/<str:public_id>", responses_views.response_detail, name="responses-detail"),
+    path("v1/responses/<str:public_id>/cancel", responses_views.response_cancel, name="responses-cancel"),
+    path(
+        "v1/responses/<str:public_id>/input_items",
+        responses_views.response_input_items,
+        name="responses-input-items",
+    ),
+    path("v1/messages", anthropic_views.messages, name="messages"),
+    path("v1/messages/count_tokens", anthropic_views.count_tokens, name="messages-count-tokens"),
     path("v1/models", openai_views.models_list, name="models-list"),
     path("v1/models/<str:name>", openai_views.model_retrieve, name="models-retrieve"),
 ]

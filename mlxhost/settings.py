@@ -95,6 +95,26 @@ CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_DEFAULT_QUEUE = env.str("MLXHOST_CELERY_QUEUE", default="celery")
+# An unacked task (worker killed mid-task) is redelivered after this; the persist task is idempotent.
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "visibility_timeout": env.int("MLXHOST_CELERY_VISIBILITY_TIMEOUT_S", default=3600),
+}
+
+# Stored responses (PER-1..5). The web process publishes the persist task with a bounded timeout
+# and writes inline when the broker is down; a persist still pending after the hard timeout trips
+# the breaker (instance retention released, tombstone recorded).
+MLXHOST_PERSIST_PUBLISH_TIMEOUT_S = env.float("MLXHOST_PERSIST_PUBLISH_TIMEOUT_S", default=2.0)
+MLXHOST_PERSIST_HARD_TIMEOUT_S = env.float("MLXHOST_PERSIST_HARD_TIMEOUT_S", default=60.0)
+MLXHOST_PERSIST_WAIT_S = env.float("MLXHOST_PERSIST_WAIT_S", default=2.0)
+MLXHOST_PERSIST_POLL_S = env.float("MLXHOST_PERSIST_POLL_S", default=0.25)
+MLXHOST_RESPONSE_RETENTION_S = env.int("MLXHOST_RESPONSE_RETENTION_S", default=7 * 24 * 3600)
+MLXHOST_RESPONSE_RETENTION_MIN_S = 60
+MLXHOST_RESPONSE_RETENTION_MAX_S = 30 * 24 * 3600
+# How long a breaker tombstone waits for its late row before it is given up.
+MLXHOST_TOMBSTONE_TTL_S = env.int("MLXHOST_TOMBSTONE_TTL_S", default=2 * 3600)
+# Without a broker (embedded default) the web process runs the periodic cleanups itself.
+MLXHOST_SWEEP_INTERVAL_S = env.float("MLXHOST_SWEEP_INTERVAL_S", default=300.0)
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
@@ -154,5 +174,10 @@ CELERY_BEAT_SCHEDULE = {
     "responses-purge-expired": {
         "task": "models_app.tasks.responses_purge_expired",
         "schedule": crontab(minute="17"),
+    },
+    # https://crontab.guru/#*/5_*_*_*_* : every 5 minutes
+    "tombstones-purge": {
+        "task": "models_app.tasks.tombstones_purge",
+        "schedule": crontab(minute="*/5"),
     },
 }

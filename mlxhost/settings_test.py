@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from .settings import *  # noqa: F403
 from .settings import BASE_DIR, DATABASES, REDIS_URL
 
@@ -15,5 +17,6 @@ MODELS_ROOT = (BASE_DIR / ".cache" / "test-models").resolve()
 MODELS_ROOT.mkdir(parents=True, exist_ok=True)
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # A file, not :memory:, so a daphne subprocess in the end-to-end tests can share it.
-    DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR / ".cache" / "test-db.sqlite3")}
+    # One file per pytest process, so concurrent runs never share (and corrupt) one database.
+    DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR / ".cache" / f"test-db-{os.getpid()}.sqlite3")}
 MLXHOST_ENGINE = {"BACKEND": "mlx", "PRELOAD": False, "DEFAULT_MAX_TOKENS": 64}

@@ -1,4 +1,4 @@
-"""Admin pages for aliases, instances, API keys and stored responses; writes go through services."""
+"""Admin pages for aliases, instances, API keys, stored responses and tombstones; writes go through services."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from django.core.exceptions import ValidationError
 from django.http import HttpRequest
 
 from models_app import services
-from models_app.models import ApiKey, ModelAlias, ModelInstance, StoredResponse
+from models_app.models import ApiKey, InstanceTombstone, ModelAlias, ModelInstance, StoredResponse
 
 ALIAS_FORM_FIELDS = (
     "name", "description", "enabled", "pinned",
@@ -143,6 +143,21 @@ class StoredResponseAdmin(admin.ModelAdmin):
     list_filter = ("status", "alias_name")
     search_fields = ("public_id", "previous_response_id", "output_text")
     readonly_fields = [f.name for f in StoredResponse._meta.fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(InstanceTombstone)
+class InstanceTombstoneAdmin(admin.ModelAdmin):
+    """Read-only: the persist breaker writes these, the tombstone sweep deletes them (REG-7)."""
+
+    list_display = ("instance_id", "source", "revision", "response_public_id", "created_at", "expires_at")
+    search_fields = ("response_public_id", "source")
+    readonly_fields = [f.name for f in InstanceTombstone._meta.fields]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

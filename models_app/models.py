@@ -163,3 +163,24 @@ class StoredResponse(BaseModel):
 
     def __str__(self) -> str:
         return self.public_id
+
+
+class InstanceTombstone(models.Model):
+    """An instance id the persist breaker retired while a response's row had not landed (REG-7).
+
+    Kept until that row lands or the tombstone expires; a periodic task deletes it then (PER-5).
+    """
+
+    instance_id = models.BigIntegerField()
+    source = models.CharField(max_length=512)
+    revision = models.CharField(max_length=128, blank=True)
+    fingerprint = models.CharField(max_length=64)
+    response_public_id = models.CharField(max_length=64, db_index=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"#{self.instance_id} for {self.response_public_id}"

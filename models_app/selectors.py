@@ -1,18 +1,19 @@
-"""Reads: resolve aliases, authenticate API keys, merge sampling settings, build engine specs."""
+"""Reads: resolve aliases, authenticate API keys, merge sampling settings, build specs, stored rows."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 from django.db.models import QuerySet
+from django.utils import timezone
 
 from mlxhost.engine import LaneSettings, ModelSpec, SamplingParams
 from mlxhost.engine.weights import resolve_under
 from models_app.apikeys import key_matches, key_prefix
-from models_app.models import ApiKey, ModelAlias, ModelInstance
+from models_app.models import ApiKey, ModelAlias, ModelInstance, StoredResponse
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 REQUEST_ONLY_FIELDS = ("presence_penalty", "frequency_penalty", "seed")
@@ -88,3 +89,20 @@ def apikey_authenticate(*, raw_key: str) -> ApiKey | None:
     if key is None or not key_matches(raw_key, key.secret_hash):
         return None
     return key
+
+
+def response_get(*, public_id: str, owner_id: int) -> StoredResponse:
+    """The caller's unexpired stored response; another tenant's id is exactly a missing one (PER-6).
+
+    Raises:
+        StoredResponse.DoesNotExist: no such row for this owner (or it expired).
+    """
+    return StoredResponse.objects.select_related("alias").get(
+        public_id=public_id, owner_id=owner_id, expires_at__gt=timezone.now()
+    )
+
+
+def responses_landed(*, public_ids: Iterable[str]) -> set[str]:
+    """Which of `public_ids` have a row (any owner): the persist monitor's one query per tick."""
+    ids = list(public_ids)
+    return set(StoredResponse.objects.filter(public_id__in=ids).values_list("public_id", flat=True))

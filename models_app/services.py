@@ -1,22 +1,26 @@
-"""Writes: register aliases and bind them to instances, create and revoke API keys, purge rows."""
+"""Writes: register aliases and bind them to instances, API keys, stored responses, tombstones."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+import logging
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.core.exceptions import ValidationError
 from django.db import transaction
+from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
 from mlxhost.engine.errors import InvalidModelFolderError
 from mlxhost.engine.weights import folder_fingerprint, hub_fingerprint, resolve_under, validate_model_folder
 from models_app.apikeys import key_generate, key_hash, key_prefix
-from models_app.models import ApiKey, ModelAlias, ModelInstance, StoredResponse
+from models_app.models import ApiKey, InstanceTombstone, ModelAlias, ModelInstance, StoredResponse
 
+logger = logging.getLogger(__name__)
 HF_REPO_HELP = "A Hugging Face repo id looks like 'owner/name'."
 API_KEY_TOUCH_INTERVAL = timedelta(minutes=1)
 
@@ -128,4 +132,84 @@ def apikey_touch(*, key: ApiKey) -> None:
 def responses_purge_expired() -> int:
     """Delete stored responses past their expiry; idempotent. Returns how many rows went."""
     deleted, _ = StoredResponse.objects.filter(expires_at__lt=timezone.now()).delete()
+    return deleted
+
+
+def response_retention(*, retention_s: int | None) -> timedelta:
+    """How long a stored response is kept: the request's override clamped to the allowed range (PER-5).
+
+    None or 0 means "no override": the default, MLXHOST_RESPONSE_RETENTION_S.
+    """
+    if not retention_s or retention_s < 0:
+        retention_s = settings.MLXHOST_RESPONSE_RETENTION_S
+    low, high = settings.MLXHOST_RESPONSE_RETENTION_MIN_S, settings.MLXHOST_RESPONSE_RETENTION_MAX_S
+    return timedelta(seconds=max(low, min(int(retention_s), high)))
+
+
+def response_persist(*, payload: dict[str, Any]) -> StoredResponse | None:
+    """Write the row a finished turn produced; idempotent, keyed by its public id (PER-1).
+
+    `payload` is `persistence.ResponseRecord.as_payload()`. A second call for the same id (a
+    redelivered task, an inline write racing the worker) changes nothing and returns the
+    existing row. Returns None when the owner no longer exists (nothing to keep).
+    """
+    public_id = payload["public_id"]
+    existing = StoredResponse.objects.filter(public_id=public_id).first()
+    if existing is not None:
+        return existing
+    if not get_user_model().objects.filter(pk=payload["owner_id"]).exists():
+        logger.warning("response %s not stored: its owner was deleted", public_id)
+        return None
+    alias_id = payload.get("alias_id")
+    if alias_id is not None and not ModelAlias.objects.filter(pk=alias_id).exists():
+        alias_id = None  # the alias was deleted meanwhile; alias_name keeps the label
+    created_at = datetime.fromtimestamp(payload["created_at"], tz=UTC)
+    with transaction.atomic():
+        # get_or_create catches the IntegrityError of a concurrent insert and returns that row.
+        row, created = StoredResponse.objects.get_or_create(
+            public_id=public_id,
+            defaults={
+                "owner_id": payload["owner_id"],
+                "alias_id": alias_id,
+                "alias_name": payload["alias_name"],
+                "instance_id": payload["instance_id"],
+                "weights_fingerprint": payload["weights_fingerprint"],
+                "boot_id": payload["boot_id"],
+                "previous_response_id": payload.get("previous_response_id") or "",
+                "request": payload.get("request") or {},
+                "output": payload.get("output") or [],
+                "output_text": payload.get("output_text") or "",
+                "usage": payload.get("usage") or {},
+                "status": payload["status"],
+                "expires_at": created_at + response_retention(retention_s=payload.get("retention_s")),
+            },
+        )
+        if created:
+            # auto_now_add stamps the landing time; the response was created when the turn ran.
+            StoredResponse.objects.filter(pk=row.pk).update(created_at=created_at)
+            row.created_at = created_at
+    return row
+
+
+def tombstone_record(
+    *, instance_id: int, weights_key: tuple[str, str, str] | list[str], public_id: str
+) -> InstanceTombstone:
+    """Record that the persist breaker gave up waiting for `public_id`'s row (PER-4, REG-7)."""
+    source, revision, fingerprint = weights_key
+    return InstanceTombstone.objects.create(
+        instance_id=instance_id,
+        source=source,
+        revision=revision,
+        fingerprint=fingerprint,
+        response_public_id=public_id,
+        expires_at=timezone.now() + timedelta(seconds=settings.MLXHOST_TOMBSTONE_TTL_S),
+    )
+
+
+def tombstones_purge() -> int:
+    """Delete tombstones whose row has landed or that expired; idempotent. Returns how many went."""
+    landed = StoredResponse.objects.filter(public_id=OuterRef("response_public_id"))
+    deleted, _ = InstanceTombstone.objects.filter(
+        Q(expires_at__lt=timezone.now()) | Q(Exists(landed))
+    ).delete()
     return deleted

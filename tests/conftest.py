@@ -70,3 +70,14 @@ async def mlx_engine():
     yield engine
     engine_client.set_engine(None)
     await engine.shutdown()
+
+
+@pytest.fixture
+def celery_publishes():
+    """As with REDIS_URL set: tasks are published to a broker, not run eagerly in the caller."""
+    from mlxhost.celery import app
+
+    eager = app.conf.task_always_eager
+    app.conf.task_always_eager = False
+    yield
+    app.conf.task_always_eager = eager

@@ -139,6 +139,30 @@ class Engine:
             raise
         return generation
 
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """The number of prompt tokens `request` would feed its model (Anthropic `count_tokens`).
+
+        Binds, loads if needed and renders like `submit`, but a count is not a generation:
+        it never enters the lane, so a full queue does not refuse it (LANE-2), and it is not
+        held to `max_input_tokens`.
+
+        Raises:
+            ModelLoadError: the model could not be loaded.
+            EngineClosedError: the engine is shutting down.
+        """
+        instance = self.bind(request.binding or _default_name(request.model), request.model)
+        self.registry.lease(instance)  # an unbind while the count renders defers teardown (REG-6)
+        try:
+            await instance.ensure_loaded()
+            model = instance.model
+            if model is None:
+                raise ModelLoadError("The model was unloaded while the request waited; retry.")
+            if request.prompt is not None:
+                return len(await asyncio.to_thread(model.encode, request.prompt))
+            return len(await asyncio.to_thread(model.render_chat, request.messages))
+        finally:
+            self.registry.unlease(instance)
+
     def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request; an unknown id is remembered for its arrival (LANE-6)."""
         generation = self._live.get(request_id)

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +74,11 @@ def daphne_server(django_db_setup, django_db_blocker, tmp_path_factory) -> Itera
         "MODELS_ROOT": str(settings.MODELS_ROOT),
         "MLXHOST_PRELOAD": "false",
         "PYTHONUNBUFFERED": "1",
+        # A queue of this server's own, so concurrent runs on one Redis never share tasks.
+        "MLXHOST_CELERY_QUEUE": f"mlxhost-e2e-{uuid.uuid4().hex[:12]}",
     }
+    # With Redis (CI) stored responses go through a real Celery worker, as in production.
+    worker = celery_worker(env, log.with_name("celery.log")) if os.environ.get("REDIS_URL") else None
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "mlxhost.asgi:application"],
@@ -87,9 +92,43 @@ def daphne_server(django_db_setup, django_db_blocker, tmp_path_factory) -> Itera
         wait_until_up(server)
         yield server
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
+        for proc in (process, worker):
+            if proc is None:
+                continue
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if worker is not None:
+            queue_delete(os.environ["REDIS_URL"], env["MLXHOST_CELERY_QUEUE"])
+
+
+def queue_delete(redis_url: str, queue: str) -> None:
+    """Drop a test queue's keys, so runs leave no litter in a shared Redis."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
+    client.close()
+
+
+def celery_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`celery -A mlxhost.celery worker` on the server's queue, started and ready."""
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "mlxhost.celery", "worker", "--pool=solo"]
+            + ["--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel=INFO"],
+            cwd=ROOT,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 60
+    while " ready." not in log.read_text(errors="replace"):
+        if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            process.wait()
+            raise RuntimeError(f"celery worker did not start:\n{log.read_text(errors='replace')}")
+        time.sleep(0.1)
+    return process

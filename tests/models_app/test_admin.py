@@ -61,3 +61,17 @@ def test_admin_shows_a_new_api_key_once(admin_client, admin_user):
     detail = admin_client.get(f"/admin/models_app/apikey/{key.pk}/change/").content.decode()
     assert raw not in detail
     assert key.prefix in detail
+
+
+def test_admin_lists_tombstones_read_only(admin_client):
+    """REG-7: breaker tombstones are visible in the admin and cannot be added or edited there."""
+    from models_app import services
+
+    tombstone = services.tombstone_record(
+        instance_id=3, weights_key=("tiny-llama", "", "f" * 64), public_id="resp_x"
+    )
+    page = admin_client.get("/admin/models_app/instancetombstone/")
+    assert page.status_code == 200 and "resp_x" in page.content.decode()
+    assert admin_client.get("/admin/models_app/instancetombstone/add/").status_code == 403
+    detail = admin_client.get(f"/admin/models_app/instancetombstone/{tombstone.pk}/change/")
+    assert detail.status_code == 200 and 'name="response_public_id"' not in detail.content.decode()

@@ -1,0 +1,120 @@
+"""Input validation for Anthropic Messages bodies (DRF serializers used for validation only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from api.openai.serializers import StrictBooleanField
+
+MAX_STOP_SEQUENCES = 16
+# Text blocks are joined with a blank line, and so are consecutive turns of one role,
+# which Anthropic's API combines into a single turn.
+BLOCK_SEPARATOR = "\n\n"
+UNSUPPORTED_BLOCK = "Content blocks of type {kind!r} are not supported by this server; send text blocks."
+PREFILL_UNSUPPORTED = (
+    "A final assistant message (response prefill) is not supported by this server; end with a user message."
+)
+STRUCTURED_OUTPUT_UNSUPPORTED = "Structured outputs (output_config.format) are not supported by this server."
+# Option -> (the `type`s that mean "off", message). Any other non-empty value is a 400.
+UNSUPPORTED_OPTIONS: dict[str, tuple[frozenset[str], str]] = {
+    "tools": (frozenset(), "Tool use is not supported by this server."),
+    "tool_choice": (frozenset({"auto", "none"}), "Forcing tool use is not supported by this server."),
+    "thinking": (frozenset({"disabled"}), "Extended thinking is not supported by this server."),
+    "mcp_servers": (frozenset(), "MCP servers are not supported by this server."),
+    "container": (frozenset(), "Containers are not supported by this server."),
+}
+
+
+def blocks_text(value: Any) -> str:
+    """A string, or a list of `{"type": "text", "text": ...}` blocks, as one text.
+
+    Raises:
+        serializers.ValidationError: another block type, or a malformed block.
+    """
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise serializers.ValidationError("Must be a string or a list of text blocks.")
+    texts = []
+    for block in value:
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise serializers.ValidationError("Each content block must be an object with a 'type'.")
+        if block["type"] != "text":
+            raise serializers.ValidationError(UNSUPPORTED_BLOCK.format(kind=block["type"]))
+        if not isinstance(block.get("text"), str):
+            raise serializers.ValidationError("A text block needs a string 'text'.")
+        texts.append(block["text"])  # cache_control and citations are accepted and ignored
+    return BLOCK_SEPARATOR.join(texts)
+
+
+class MessageInput(serializers.Serializer):
+    role = serializers.ChoiceField(choices=["user", "assistant"])
+    content = serializers.JSONField()
+
+    def validate_content(self, value: Any) -> str:
+        return blocks_text(value)
+
+
+class MetadataInput(serializers.Serializer):
+    user_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=256)
+
+
+class PromptInput(serializers.Serializer):
+    """What both /v1/messages and /v1/messages/count_tokens take: the model and the prompt."""
+
+    model = serializers.CharField(max_length=64)
+    messages = MessageInput(many=True, allow_empty=False)
+    system = serializers.JSONField(required=False, allow_null=True)
+
+    output_config = serializers.DictField(required=False, allow_null=True)  # `effort` is ignored
+
+    def validate_output_config(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and value.get("format"):
+            raise serializers.ValidationError(STRUCTURED_OUTPUT_UNSUPPORTED)
+        return value
+
+    def validate_system(self, value: Any) -> str:
+        return "" if value is None else blocks_text(value)
+
+    def validate_messages(self, value: list[dict[str, str]]) -> list[dict[str, str]]:
+        if value[-1]["role"] == "assistant":
+            raise serializers.ValidationError(PREFILL_UNSUPPORTED)
+        merged: list[dict[str, str]] = []
+        for message in value:
+            if merged and merged[-1]["role"] == message["role"]:
+                merged[-1]["content"] += BLOCK_SEPARATOR + message["content"]
+            else:
+                merged.append(dict(message))
+        return merged
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        for name, (off, message) in UNSUPPORTED_OPTIONS.items():
+            value = self.initial_data.get(name)
+            if value and not (isinstance(value, dict) and value.get("type") in off):
+                raise serializers.ValidationError({name: message})
+        attrs.setdefault("system", "")
+        return attrs
+
+
+class MessagesInput(PromptInput):
+    """POST /v1/messages. Sampling ranges follow Anthropic's API (temperature 0..1)."""
+
+    max_tokens = serializers.IntegerField(min_value=1)
+    stop_sequences = serializers.ListField(
+        child=serializers.CharField(min_length=1, trim_whitespace=False),
+        required=False,
+        allow_null=True,
+        max_length=MAX_STOP_SEQUENCES,
+    )
+    temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
+    top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
+    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    metadata = MetadataInput(required=False, allow_null=True)
+    stream = StrictBooleanField(required=False, default=False)
+    service_tier = serializers.CharField(required=False, allow_null=True)  # accepted, ignored
+
+
+class CountTokensInput(PromptInput):
+    """POST /v1/messages/count_tokens."""

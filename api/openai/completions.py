@@ -1,0 +1,169 @@
+"""OpenAI legacy text completions: POST /v1/completions, its input, `text_completion` shapes and SSE."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from rest_framework import serializers
+
+from api.auth import api_endpoint, json_body
+from api.engine_client import get_engine
+from api.errors import ApiError, error_body
+from api.openai.chat import FINISH_REASONS, ChatTurn, usage_body
+from api.openai.serializers import ChatCompletionInput, StreamOptionsInput, StrictBooleanField
+from api.openai.views import SSE_HEADERS, validated
+from api.sse import SSE_DONE, sse_event
+from mlxhost.engine import Delta, Done, Engine, Failed, Generation, GenerationRequest
+from models_app import selectors
+from models_app.models import ModelAlias
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint, not the alias's
+OBJECT = "text_completion"
+UNSUPPORTED = {
+    "echo": "echo is not supported by this server.",
+    "suffix": "suffix (insertion) is not supported by this server.",
+    "logprobs": "logprobs are not supported by this server.",
+}
+
+
+class CompletionInput(serializers.Serializer):
+    model = serializers.CharField(max_length=64)
+    prompt = serializers.JSONField()
+    stream = StrictBooleanField(required=False, default=False)
+    stream_options = StreamOptionsInput(required=False, allow_null=True)
+    max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=2.0)
+    top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
+    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    min_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
+    repetition_penalty = serializers.FloatField(
+        required=False, allow_null=True, min_value=0.01, max_value=10.0
+    )
+    presence_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
+    frequency_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
+    stop = serializers.JSONField(required=False, allow_null=True)
+    seed = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=2**63 - 1)
+    n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
+    best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
+    logit_bias = serializers.DictField(
+        child=serializers.FloatField(min_value=-100, max_value=100), required=False, allow_null=True
+    )
+    user = serializers.CharField(required=False, allow_blank=True, max_length=256)
+    # Warm-session scoping (SES-2/3), as on chat completions: only fingerprints are kept.
+    prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
+    cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)
+
+    def validate_prompt(self, value: Any) -> str:
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, list):
+            raise serializers.ValidationError("Only one prompt per request is supported.")
+        if not isinstance(value, str):
+            raise serializers.ValidationError("prompt must be a string (token-id prompts are not supported).")
+        if not value:
+            raise serializers.ValidationError("prompt must not be empty.")
+        return value
+
+    # The same rules as on chat completions.
+    validate_stop = ChatCompletionInput.validate_stop
+    validate_logit_bias = ChatCompletionInput.validate_logit_bias
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        for name, message in UNSUPPORTED.items():
+            if self.initial_data.get(name):  # echo=false, suffix="" and logprobs=0 are no-ops
+                raise serializers.ValidationError({name: message})
+        if attrs.get("max_tokens") is None:
+            attrs["max_tokens"] = DEFAULT_MAX_TOKENS
+        return attrs
+
+
+def _completion_request(
+    alias: ModelAlias, data: dict[str, Any], request_id: str, tenant: str, engine: Engine
+) -> GenerationRequest:
+    # The raw prompt is encoded without a chat template; prefix reuse works on its tokens (SES-8).
+    session = engine.scoper.query(
+        tenant=tenant, salt=data.get("cache_salt"), prompt_cache_key=data.get("prompt_cache_key")
+    )
+    return GenerationRequest(
+        request_id=request_id,
+        model=selectors.model_spec_for(alias=alias),
+        sampling=selectors.sampling_params_for(alias=alias, overrides=data),
+        prompt=data["prompt"],
+        binding=alias.name,
+        session=session,
+    )
+
+
+def _body(turn: ChatTurn, text: str, finish_reason: str | None) -> dict[str, Any]:
+    body = turn.envelope(OBJECT)
+    body["choices"] = [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]
+    return body
+
+
+async def completion_sse(turn: ChatTurn, generation: Generation) -> AsyncIterator[bytes]:
+    """Stream `text_completion` chunks, then usage when asked for, then `data: [DONE]`.
+
+    An async generator on purpose: Django buffers sync iterators under ASGI, and a client
+    disconnect cancels this generator, which stops the generation (LANE-6).
+    """
+    usage_field = {"usage": None} if turn.include_usage else {}
+    async for event in generation.stream():
+        if isinstance(event, Delta) and event.text:
+            yield sse_event({**_body(turn, event.text, None), **usage_field})
+        elif isinstance(event, Done):
+            finish = FINISH_REASONS.get(event.finish_reason, "stop")
+            yield sse_event({**_body(turn, "", finish), **usage_field})
+            if turn.include_usage:
+                yield sse_event({**turn.envelope(OBJECT), "choices": [], "usage": usage_body(event.usage)})
+        elif isinstance(event, Failed):
+            yield sse_event(error_body(ApiError(500, event.message, "server_error", event.code), "openai"))
+    yield SSE_DONE
+
+
+async def completion_collect(turn: ChatTurn, generation: Generation) -> dict[str, Any]:
+    """Collect a generation into one `text_completion` object.
+
+    Raises:
+        ApiError: 500 when the model failed mid-generation.
+    """
+    parts: list[str] = []
+    async for event in generation.stream():
+        if isinstance(event, Delta):
+            parts.append(event.text)
+        elif isinstance(event, Failed):
+            raise ApiError(500, event.message, "server_error", event.code)
+        elif isinstance(event, Done):
+            body = _body(turn, "".join(parts), FINISH_REASONS.get(event.finish_reason, "stop"))
+            body["usage"] = usage_body(event.usage)
+            return body
+    raise ApiError(500, "The generation ended without a result.", "server_error", "generation_failed")
+
+
+@api_endpoint(dialect="openai", methods=("POST",))
+async def completions(request: HttpRequest) -> HttpResponse:
+    """POST /v1/completions (OpenAI legacy text completion; SSE when `stream` is true)."""
+    body = json_body(request)
+    request.requested_model = body.get("model") if isinstance(body.get("model"), str) else None  # type: ignore[attr-defined]
+    data = validated(CompletionInput, body)
+    alias = await sync_to_async(selectors.alias_resolve)(name=data["model"])
+    request_id = f"cmpl-{secrets.token_hex(12)}"
+    engine = get_engine()
+    tenant = str(request.tenant_id)  # type: ignore[attr-defined]
+    generation = await engine.submit(_completion_request(alias, data, request_id, tenant, engine))
+    await generation.admitted()  # a queue timeout or drain is a status code, before any header
+    include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
+    turn = ChatTurn(
+        id=request_id, model=alias.name, instance_id=generation.instance_id, include_usage=include_usage
+    )
+    headers = {"X-Session-Cache": generation.session_outcome, "X-Request-Id": request_id}
+    if data["stream"]:
+        return StreamingHttpResponse(
+            completion_sse(turn, generation),
+            content_type="text/event-stream",
+            headers={**SSE_HEADERS, **headers},
+        )
+    return JsonResponse(await completion_collect(turn, generation), headers=headers)

@@ -1,0 +1,133 @@
+"""Input validation for POST /v1/responses: the body, and `input` normalised to role/content turns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from api.openai.serializers import MAX_STOP_SEQUENCES, StrictBooleanField
+
+INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+TEXT_PART_TYPES = {"input_text", "output_text", "text"}
+MAX_METADATA_KEYS = 16
+UNSUPPORTED = {
+    "tools": "Tool calling is not supported by this server.",
+    "tool_choice": "Tool calling is not supported by this server.",
+    "background": "Background responses are not supported by this server.",
+    "conversation": "Use previous_response_id to continue a conversation.",
+    "reasoning": "Reasoning options are not supported by this server.",
+    "include": "include is not supported by this server.",
+}
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise serializers.ValidationError(f"Only text content is supported, not {kind!r}.")
+
+
+def input_turns(value: Any) -> list[dict[str, str]]:
+    """`input` as [{"role", "content"}]: a string is one user turn; items are messages with text.
+
+    Raises:
+        serializers.ValidationError: an item is not a text message.
+    """
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise serializers.ValidationError("input must be a string or a non-empty list of message items.")
+    turns = []
+    for item in value:
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+            raise serializers.ValidationError(f"Only message items are supported, not {kind!r}.")
+        role = INPUT_ROLES.get(item.get("role", ""))
+        if role is None:
+            raise serializers.ValidationError(
+                "A message's role must be user, assistant, system or developer."
+            )
+        content = item.get("content")
+        if isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            text = "".join(_part_text(part) for part in content)
+        else:
+            raise serializers.ValidationError("A message's content must be a string or a list of text parts.")
+        turns.append({"role": role, "content": text})
+    return turns
+
+
+class TextConfigInput(serializers.Serializer):
+    format = serializers.DictField(required=False)
+
+    def validate_format(self, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("type", "text") != "text":
+            raise serializers.ValidationError("Only the text output format is supported.")
+        return value
+
+
+class ResponsesInput(serializers.Serializer):
+    model = serializers.CharField(max_length=64)
+    input = serializers.JSONField()
+    instructions = serializers.CharField(
+        required=False, allow_null=True, allow_blank=True, trim_whitespace=False
+    )
+    previous_response_id = serializers.CharField(required=False, allow_null=True, max_length=64)
+    store = StrictBooleanField(required=False, default=True)
+    stream = StrictBooleanField(required=False, default=False)
+    max_output_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=2.0)
+    top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
+    metadata = serializers.DictField(
+        child=serializers.CharField(max_length=512, allow_blank=True), required=False, allow_null=True
+    )
+    prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
+    cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)
+    text = TextConfigInput(required=False, allow_null=True)
+    truncation = serializers.ChoiceField(choices=["disabled"], required=False, allow_null=True)
+    parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True)
+    user = serializers.CharField(required=False, allow_blank=True, max_length=256)
+    # mlxhost extensions (send with the SDK's extra_body): the chat-completions sampling knobs.
+    stop = serializers.ListField(
+        child=serializers.CharField(min_length=1, trim_whitespace=False),
+        required=False,
+        allow_null=True,
+        max_length=MAX_STOP_SEQUENCES,
+    )
+    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    min_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
+    repetition_penalty = serializers.FloatField(
+        required=False, allow_null=True, min_value=0.01, max_value=10.0
+    )
+    seed = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=2**63 - 1)
+    logit_bias = serializers.DictField(
+        child=serializers.FloatField(min_value=-100, max_value=100), required=False, allow_null=True
+    )
+    retention_s = serializers.IntegerField(
+        required=False, allow_null=True, min_value=60, max_value=30 * 86400
+    )
+
+    def validate_input(self, value: Any) -> Any:
+        input_turns(value)
+        return value
+
+    def validate_logit_bias(self, value: dict[str, float] | None) -> dict[int, float]:
+        try:
+            return {int(token): bias for token, bias in (value or {}).items()}
+        except ValueError:
+            raise serializers.ValidationError("logit_bias keys must be token ids.") from None
+
+    def validate_metadata(self, value: dict[str, str] | None) -> dict[str, str]:
+        if value and len(value) > MAX_METADATA_KEYS:
+            raise serializers.ValidationError(f"At most {MAX_METADATA_KEYS} metadata keys.")
+        return value or {}
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        for name, message in UNSUPPORTED.items():
+            if self.initial_data.get(name):
+                raise serializers.ValidationError({name: message})
+        attrs["turns"] = input_turns(attrs["input"])
+        attrs["max_tokens"] = attrs.get("max_output_tokens")
+        return attrs

@@ -1,0 +1,39 @@
+"""Reads for stored conversations: rebuild a chain from its last row, and check it may continue (REG-4)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models_app.models import StoredResponse
+
+CONTINUABLE = {
+    StoredResponse.Status.COMPLETED,
+    StoredResponse.Status.INCOMPLETE,
+    StoredResponse.Status.CANCELLED,
+}
+
+
+def conversation_of(*, parent: StoredResponse) -> tuple[str | None, list[dict[str, str]]]:
+    """The parent's instructions and every turn through its answer, as role/content dicts.
+
+    Each row stores the whole conversation it answered, so a continuation reads one row,
+    never a chain of them, and a cold replay rebuilds exactly what the warm session held.
+    """
+    request: dict[str, Any] = parent.request or {}
+    turns = [dict(turn) for turn in request.get("conversation", [])]
+    turns.append({"role": "assistant", "content": parent.output_text})
+    return request.get("instructions"), turns
+
+
+def response_same_weights(
+    *, parent: StoredResponse, live_instance_id: int, fingerprint: str, boot_id: str
+) -> bool:
+    """Whether the alias still serves the weights that produced `parent` (REG-4).
+
+    Within one boot instance ids are live and compared directly (an alias of the same
+    instance passes). Across boots or processes an id proves nothing, so the weights
+    fingerprint decides: a swapped model never replays a foreign chain.
+    """
+    if parent.boot_id == boot_id:
+        return parent.instance_id == live_instance_id
+    return bool(parent.weights_fingerprint) and parent.weights_fingerprint == fingerprint

@@ -1,0 +1,518 @@
+"""The web process's side of stored responses: publish the persist task, track pending writes, breaker.
+
+A finished turn is handed to `persistence().record(...)` on the event loop after the client has its
+answer (PER-1). The row is written off the loop: by the Celery worker when the task could be
+published within a bounded time, inline in a thread when the broker is down or absent (PER-3), or
+by the eager task in the embedded default. Until the row lands, the id sits in a pending-writes
+table, so a continuation can tell "still landing" (wait, then 503) from "gone" (404) (PER-2). A
+write still pending after the hard timeout trips the breaker: the instance retention is released
+and a tombstone is recorded, and the id is watched until its row lands late (PER-4, REG-7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+
+from django.conf import settings
+from django.db import close_old_connections
+
+from models_app import selectors, services
+from models_app.models import StoredResponse
+from models_app.publishing import CeleryPublisher, persist_eagerly
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Callback = Callable[[], None]
+Publish = Callable[[dict[str, Any]], None]
+
+TERMINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})
+STAT_KEYS = (
+    "recorded",
+    "published",
+    "publish_failures",
+    "inline_writes",
+    "eager_writes",
+    "write_failures",
+    "landed",
+    "breaker_trips",
+    "late_landed",
+    "tombstones_expired",
+)
+LANDED_CHUNK = 500
+
+
+class StorageTimeoutError(Exception):
+    """The stored response is still being written by this process and did not land in time (PER-2).
+
+    The API answers 503 `storage_timeout` (retryable), never 404.
+    """
+
+    code = "storage_timeout"
+    retry_after = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseRecord:
+    """What a finished turn stores, as JSON primitives (the persist task's payload)."""
+
+    public_id: str
+    owner_id: int
+    alias_id: int | None
+    alias_name: str
+    instance_id: int
+    weights_fingerprint: str
+    weights_key: tuple[str, str, str]  # (source, revision, fingerprint); a list is accepted
+    boot_id: str
+    previous_response_id: str = ""
+    request: dict[str, Any] = field(default_factory=dict)
+    output: list[Any] = field(default_factory=list)
+    output_text: str = ""
+    usage: dict[str, Any] = field(default_factory=dict)
+    status: str = "completed"
+    retention_s: int | None = None  # None/0: MLXHOST_RESPONSE_RETENTION_S; else clamped to [60 s, 30 d]
+    created_at: float = field(default_factory=time.time)  # unix seconds, when the turn ran
+
+    def __post_init__(self) -> None:
+        if self.status not in TERMINAL_STATUSES:
+            raise ValueError(f"A stored response ends {sorted(TERMINAL_STATUSES)}, not {self.status!r}.")
+        key = tuple(self.weights_key)
+        if len(key) != 3:
+            raise ValueError("weights_key is (source, revision, fingerprint).")
+        object.__setattr__(self, "weights_key", key)
+
+    def as_payload(self) -> dict[str, Any]:
+        """The persist task's argument: a dict of JSON primitives."""
+        payload = asdict(self)
+        payload["weights_key"] = list(self.weights_key)
+        return payload
+
+
+@dataclass(slots=True, eq=False)
+class _Pending:
+    record: ResponseRecord
+    recorded_at: float
+    deadline: float
+    on_settled: Callback | None
+    on_force_release: Callback | None
+    on_late_landing: Callback | None
+    landed: asyncio.Event = field(default_factory=asyncio.Event)
+    late_deadline: float = 0.0
+
+
+def _with_db(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    # Runs in a pool thread: honour CONN_MAX_AGE and drop broken connections, as a request would.
+    close_old_connections()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        close_old_connections()
+
+
+class Persistence:
+    """This process's pending writes, publisher, monitor and breaker; see the module docstring.
+
+    Everything but the thread pools runs on the event loop; the tables are touched there only.
+    """
+
+    def __init__(
+        self,
+        *,
+        publish_timeout_s: float = 2.0,
+        hard_timeout_s: float = 60.0,
+        wait_s: float = 2.0,
+        poll_s: float = 0.25,
+        tombstone_ttl_s: float = 7200.0,
+        sweep_interval_s: float = 300.0,
+        publish: Publish | None = None,
+        eager: bool | None = None,
+        broker_url: str | None = None,
+        queue: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """Args:
+        publish: sends one payload to the broker (default: `CeleryPublisher`); tests inject one.
+        eager: run the task inline instead of publishing; None follows `task_always_eager`.
+        broker_url: publish to this broker (None: `broker_url`, from CELERY_BROKER_URL).
+        queue: the Celery queue to publish to (None: the default routing).
+        """
+        self.publish_timeout_s = publish_timeout_s
+        self.hard_timeout_s = hard_timeout_s
+        self.wait_s = wait_s
+        self.poll_s = poll_s
+        self.tombstone_ttl_s = tombstone_ttl_s
+        self.sweep_interval_s = sweep_interval_s
+        self._publisher = publish or CeleryPublisher(timeout_s=publish_timeout_s, url=broker_url, queue=queue)
+        self._eager = eager
+        self._clock = clock
+        self._pending: dict[str, _Pending] = {}
+        self._late: dict[str, _Pending] = {}
+        self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)
+        self._stats["lag_s_sum"] = 0.0
+        self._stats["lag_s_max"] = 0.0
+        self._publish_pool = ThreadPoolExecutor(1, thread_name_prefix="mlxhost-persist-publish")
+        self._db_pool = ThreadPoolExecutor(4, thread_name_prefix="mlxhost-persist-db")
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._monitor: asyncio.Task[None] | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._query: asyncio.Future[set[str]] | None = None
+        self._closed = False
+
+    # Recording ----------------------------------------------------------------------------
+
+    def record(
+        self,
+        record: ResponseRecord,
+        *,
+        on_settled: Callback | None = None,
+        on_force_release: Callback | None = None,
+        on_late_landing: Callback | None = None,
+    ) -> None:
+        """Store `record` off the critical path; call on the event loop once the client is answered.
+
+        Exactly one of `on_settled` (the row landed) and `on_force_release` (the breaker gave up
+        after the hard timeout) is called, on the loop. After `on_force_release`, `on_late_landing`
+        is called once when the row finally lands or the tombstone expires unlanded.
+
+        Raises:
+            ValueError: this id is already pending.
+            RuntimeError: not called on a running event loop.
+        """
+        loop = asyncio.get_running_loop()
+        public_id = record.public_id
+        if public_id in self._pending or public_id in self._late:
+            raise ValueError(f"Response {public_id} is already being stored.")
+        now = self._clock()
+        self._pending[public_id] = _Pending(
+            record=record,
+            recorded_at=now,
+            deadline=now + self.hard_timeout_s,
+            on_settled=on_settled,
+            on_force_release=on_force_release,
+            on_late_landing=on_late_landing,
+        )
+        self._stats["recorded"] += 1
+        self._spawn(loop, self._persist(record))
+        self._ensure_monitor(loop)
+
+    async def _persist(self, record: ResponseRecord) -> None:
+        payload = record.as_payload()
+        public_id = record.public_id
+        try:
+            if self._is_eager():
+                await self._in_db_thread(persist_eagerly, payload)
+                self._stats["eager_writes"] += 1
+            elif await self._publish(payload):
+                self._stats["published"] += 1
+                return  # the worker writes it; the monitor sees it land
+            else:
+                await self._in_db_thread(services.response_persist, payload=payload)
+                self._stats["inline_writes"] += 1
+        except Exception:
+            # Left pending: the monitor may still see it land, or the breaker gives it up.
+            self._stats["write_failures"] += 1
+            logger.exception("storing response %s failed", public_id)
+            return
+        self._landed(public_id)
+
+    async def _publish(self, payload: dict[str, Any]) -> bool:
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._publish_pool, self._publisher, payload)
+        try:
+            # On timeout the wrapped job is cancelled if it has not started; if it is running and
+            # publishes after all, the worker's idempotent upsert finds the inline row (PER-3).
+            await asyncio.wait_for(future, timeout=self.publish_timeout_s)
+        except Exception as exc:
+            self._stats["publish_failures"] += 1
+            logger.warning("publishing persist of %s failed (%s); writing inline", payload["public_id"], exc)
+            return False
+        return True
+
+    def _is_eager(self) -> bool:
+        if self._eager is not None:
+            return self._eager
+        from mlxhost.celery import app
+
+        return bool(app.conf.task_always_eager)
+
+    # Reading -------------------------------------------------------------------------------
+
+    async def fetch(self, *, public_id: str, owner_id: int, wait_s: float | None = None) -> StoredResponse:
+        """The caller's stored response, waiting for it when its write is still pending here (PER-2).
+
+        Tenant-scoped (PER-6): another owner's id, landed or pending, is exactly a missing one.
+
+        Raises:
+            StoredResponse.DoesNotExist: no such response for this owner.
+            StorageTimeoutError: its write is pending in this process and did not land in `wait_s`
+                (default MLXHOST_PERSIST_WAIT_S).
+        """
+        # Look at the pending table before the database: a write that lands in between is then
+        # still seen as pending (and re-read), never as a false 404.
+        entry = self._lookup(public_id)
+        row = await self._get(public_id, owner_id)
+        if row is not None:
+            return row
+        entry = entry or self._lookup(public_id)
+        if entry is None or entry.record.owner_id != owner_id:
+            raise StoredResponse.DoesNotExist(f"No stored response {public_id}.")
+        if not entry.landed.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(entry.landed.wait(), self.wait_s if wait_s is None else wait_s)
+        row = await self._get(public_id, owner_id)
+        if row is not None:
+            return row
+        if entry.landed.is_set():  # it landed and was deleted (or expired) since
+            raise StoredResponse.DoesNotExist(f"No stored response {public_id}.")
+        raise StorageTimeoutError(f"Response {public_id} is still being stored; retry shortly.")
+
+    async def _get(self, public_id: str, owner_id: int) -> StoredResponse | None:
+        try:
+            return await self._in_db_thread(selectors.response_get, public_id=public_id, owner_id=owner_id)
+        except StoredResponse.DoesNotExist:
+            return None
+
+    def _lookup(self, public_id: str) -> _Pending | None:
+        return self._pending.get(public_id) or self._late.get(public_id)
+
+    def is_pending(self, public_id: str) -> bool:
+        """Whether this process is still writing `public_id` (any owner; never show it to clients)."""
+        return self._lookup(public_id) is not None
+
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def stats(self) -> dict[str, float]:
+        """Counters for /metrics: published, inline_writes, landed, breaker_trips, publish_failures…"""
+        return {**self._stats, "pending": len(self._pending), "late": len(self._late)}
+
+    # Monitor and breaker -------------------------------------------------------------------
+
+    async def run_monitor(self) -> None:
+        """Watch pending writes: settle the landed, trip the breaker on the overdue (PER-4).
+
+        Runs until cancelled; returns at once when a monitor already runs on this loop (`record`
+        starts one lazily when none does).
+        """
+        if _running_here(self._monitor):
+            return
+        self._wake, self._query = asyncio.Event(), None
+        self._monitor = asyncio.current_task()
+        await self._watch()
+
+    def _ensure_monitor(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not _running_here(self._monitor):
+            self._wake, self._query = asyncio.Event(), None
+            self._monitor = loop.create_task(self._watch(), name="persist-monitor")
+        elif self._wake is not None:
+            self._wake.set()
+        if self._is_eager() and not _running_here(self._sweeper):
+            self._sweeper = loop.create_task(self.run_sweeper(), name="persist-sweeper")
+
+    async def _watch(self) -> None:
+        wake = self._wake
+        assert wake is not None
+        while True:
+            if not self._pending and not self._late:
+                wake.clear()
+                await wake.wait()
+                continue
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self._tick()
+            except Exception:  # never let one bad tick stop the breaker
+                logger.exception("persist monitor tick failed")
+
+    async def _tick(self) -> None:
+        if self._query is None and (self._pending or self._late):
+            ids = [*self._pending, *self._late]
+            self._query = asyncio.ensure_future(self._in_db_thread(self._landed_among, ids))
+        if self._query is not None:
+            # Bounded: a wedged database must not stop the breaker; the query is collected later.
+            done, _ = await asyncio.wait({self._query}, timeout=self.poll_s)
+            if done:
+                query, self._query = self._query, None
+                if query.exception() is not None:
+                    logger.warning("persist monitor query failed: %s", query.exception())
+                else:
+                    for public_id in query.result():
+                        self._landed(public_id)
+        self._check_deadlines()
+
+    @staticmethod
+    def _landed_among(ids: list[str]) -> set[str]:
+        landed: set[str] = set()
+        for start in range(0, len(ids), LANDED_CHUNK):
+            landed |= selectors.responses_landed(public_ids=ids[start : start + LANDED_CHUNK])
+        return landed
+
+    def _check_deadlines(self) -> None:
+        now = self._clock()
+        for entry in [e for e in self._pending.values() if now >= e.deadline]:
+            self._trip(entry, now)
+        for entry in [e for e in self._late.values() if now >= e.late_deadline]:
+            del self._late[entry.record.public_id]
+            self._stats["tombstones_expired"] += 1
+            logger.warning("gave up on the late row of response %s", entry.record.public_id)
+            _call(entry.on_late_landing, "on_late_landing")
+
+    def _trip(self, entry: _Pending, now: float) -> None:
+        record = entry.record
+        del self._pending[record.public_id]
+        entry.late_deadline = now + self.tombstone_ttl_s
+        self._late[record.public_id] = entry
+        self._stats["breaker_trips"] += 1
+        logger.error(
+            "persist of response %s still pending after %.1fs: releasing instance %s (tombstone)",
+            record.public_id,
+            now - entry.recorded_at,
+            record.instance_id,
+        )
+        _call(entry.on_force_release, "on_force_release")
+        write = self._in_db_thread(
+            services.tombstone_record,
+            instance_id=record.instance_id,
+            weights_key=record.weights_key,
+            public_id=record.public_id,
+        )
+        self._spawn(asyncio.get_running_loop(), _logged(write, f"tombstone for {record.public_id}"))
+
+    def _landed(self, public_id: str) -> None:
+        entry = self._pending.pop(public_id, None)
+        if entry is not None:
+            lag = self._clock() - entry.recorded_at
+            self._stats["landed"] += 1
+            self._stats["lag_s_sum"] += lag
+            self._stats["lag_s_max"] = max(self._stats["lag_s_max"], lag)
+            entry.landed.set()
+            _call(entry.on_settled, "on_settled")
+            return
+        entry = self._late.pop(public_id, None)
+        if entry is not None:
+            self._stats["late_landed"] += 1
+            logger.info("late row of response %s landed; releasing its tombstone", public_id)
+            entry.landed.set()
+            _call(entry.on_late_landing, "on_late_landing")
+
+    # Embedded sweeps, draining, plumbing -----------------------------------------------------
+
+    async def run_sweeper(self) -> None:
+        """The periodic cleanups, in this process, for the embedded default without beat (PER-5).
+
+        Runs until cancelled; returns at once when a sweeper already runs on this loop.
+        """
+        if _running_here(self._sweeper):
+            return
+        self._sweeper = asyncio.current_task()
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            # Tombstones first: one whose row landed and then expired still counts as landed.
+            for sweep in (services.tombstones_purge, services.responses_purge_expired):
+                try:
+                    await self._in_db_thread(sweep)
+                except Exception:
+                    logger.exception("embedded sweep %s failed", sweep.__name__)
+
+    async def flush(self, *, timeout_s: float) -> bool:
+        """Wait until every write this process started was published or written (shutdown)."""
+        tasks = [task for task in self._tasks if not task.done()]
+        if not tasks:
+            return True
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        return not pending
+
+    async def wait_idle(self, *, timeout_s: float) -> bool:
+        """Wait until no write is pending (each landed or was given up by the breaker)."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending or any(not task.done() for task in self._tasks):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
+    def close(self) -> None:
+        """Stop the monitor and the threads (tests, shutdown); pending entries are dropped. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in (self._monitor, self._sweeper):
+            if task is not None and not task.done():
+                with contextlib.suppress(RuntimeError):  # its loop is closed already
+                    task.get_loop().call_soon_threadsafe(task.cancel)
+        self._publish_pool.submit(getattr(self._publisher, "close", lambda: None))
+        self._publish_pool.shutdown(wait=False, cancel_futures=False)
+        self._db_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _in_db_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+        return asyncio.get_running_loop().run_in_executor(
+            self._db_pool, partial(_with_db, fn, *args, **kwargs)
+        )
+
+    def _spawn(self, loop: asyncio.AbstractEventLoop, coro: Any) -> None:
+        task = loop.create_task(coro)
+        self._tasks.add(task)  # keep a reference until done, or the task may be collected
+        task.add_done_callback(self._tasks.discard)
+
+
+def _running_here(task: asyncio.Task[Any] | None) -> bool:
+    """Whether `task` is another live task on the running loop (a loop per test, one in daphne)."""
+    return (
+        task is not None
+        and task is not asyncio.current_task()
+        and not task.done()
+        and task.get_loop() is asyncio.get_running_loop()
+    )
+
+
+def _call(callback: Callback | None, what: str) -> None:
+    if callback is None:
+        return
+    try:
+        callback()
+    except Exception:
+        logger.exception("persist callback %s failed", what)
+
+
+async def _logged(awaitable: Any, what: str) -> None:
+    try:
+        await awaitable
+    except Exception:
+        logger.exception("writing %s failed", what)
+
+
+_persistence: Persistence | None = None
+
+
+def persistence() -> Persistence:
+    """This process's `Persistence`, built from settings on first use."""
+    global _persistence
+    if _persistence is None:
+        _persistence = Persistence(
+            publish_timeout_s=settings.MLXHOST_PERSIST_PUBLISH_TIMEOUT_S,
+            hard_timeout_s=settings.MLXHOST_PERSIST_HARD_TIMEOUT_S,
+            wait_s=settings.MLXHOST_PERSIST_WAIT_S,
+            poll_s=settings.MLXHOST_PERSIST_POLL_S,
+            tombstone_ttl_s=settings.MLXHOST_TOMBSTONE_TTL_S,
+            sweep_interval_s=settings.MLXHOST_SWEEP_INTERVAL_S,
+        )
+    return _persistence
+
+
+def persistence_if_started() -> Persistence | None:
+    """The process's `Persistence` if something built it; metrics use this so they build nothing."""
+    return _persistence
+
+
+def set_persistence(store: Persistence | None) -> None:
+    """Swap the process's `Persistence` (tests install one with short timeouts or a fake publish)."""
+    global _persistence
+    _persistence = store
