@@ -21,7 +21,8 @@ from models_app import conversations, selectors
 from models_app.models import ModelAlias, StoredResponse
 from models_app.persistence import ResponseRecord, persistence
 
-NOT_FOUND = "No response found with id {id!r}."
+# The id is not echoed: a foreign id and a missing one answer the very same bytes (PER-6).
+NOT_FOUND = "No response found with that id."
 WEIGHTS_CHANGED = (
     "The model {model!r} now serves different weights than the ones that produced {id!r}; "
     "start a new conversation."
@@ -56,7 +57,7 @@ class Turn:
 
 def _not_found(public_id: str) -> ApiError:
     # Byte-identical for a missing id and another tenant's id (PER-6).
-    return ApiError(404, NOT_FOUND.format(id=public_id), code="response_not_found", param="response_id")
+    return ApiError(404, NOT_FOUND, code="response_not_found", param="response_id")
 
 
 async def _parent(data: dict[str, Any], tenant: int) -> StoredResponse | None:
@@ -66,9 +67,7 @@ async def _parent(data: dict[str, Any], tenant: int) -> StoredResponse | None:
     try:
         parent = await persistence().fetch(public_id=public_id, owner_id=tenant)
     except StoredResponse.DoesNotExist:
-        raise ApiError(
-            404, NOT_FOUND.format(id=public_id), code="response_not_found", param="previous_response_id"
-        ) from None
+        raise ApiError(404, NOT_FOUND, code="response_not_found", param="previous_response_id") from None
     if parent.status not in conversations.CONTINUABLE:
         raise ApiError(400, NOT_CONTINUABLE.format(id=public_id), param="previous_response_id")
     return parent

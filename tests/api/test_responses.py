@@ -190,7 +190,7 @@ async def test_another_tenants_response_is_a_404_identical_to_a_missing_one(
             theirs = await bob.call(method, path.format(id=owned))
             nothing = await bob.call(method, path.format(id=missing))
             assert theirs.status_code == nothing.status_code == 404
-            assert theirs.content == nothing.content.replace(missing.encode(), owned.encode())
+            assert theirs.content == nothing.content
         continued = await bob.create(input="x", previous_response_id=owned, max_output_tokens=2)
         assert continued.status_code == 404, round_
     assert (await alice.call("get", f"{URL}/{owned}")).status_code == 200
