@@ -70,6 +70,19 @@ async def mlx_engine():
     yield engine
     engine_client.set_engine(None)
     await engine.shutdown()
+    await settle_persistence()
+
+
+async def settle_persistence() -> None:
+    """Let this test's stored responses land before the database is flushed (PostgreSQL deadlocks
+    when a TRUNCATE meets an in-flight insert), then drop the process's persistence state."""
+    from models_app.persistence import persistence_if_started, set_persistence
+
+    store = persistence_if_started()
+    if store is not None:
+        await store.wait_idle(timeout_s=15)
+        store.close()
+        set_persistence(None)
 
 
 @pytest.fixture
