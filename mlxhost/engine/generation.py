@@ -4,15 +4,81 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.errors import RequestCancelledError
-from mlxhost.engine.types import Done, Event, Failed, Queued
+from mlxhost.engine.types import Delta, Done, Event, Failed, Queued
 
 if TYPE_CHECKING:
     from mlxhost.engine.sessions import Outcome
     from mlxhost.engine.types import GenerationRequest
+
+
+class _DeltaRun:
+    """Consecutive undelivered Deltas, joined into one when the reader takes it (coalescing)."""
+
+    __slots__ = ("first", "ids", "texts")
+
+    def __init__(self, delta: Delta) -> None:
+        self.first = delta
+        self.texts: list[str] | None = None
+        self.ids: list[int] | None = None
+
+    def add(self, delta: Delta) -> None:
+        if self.texts is None or self.ids is None:
+            self.texts, self.ids = [self.first.text], list(self.first.token_ids)
+        self.texts.append(delta.text)
+        self.ids.extend(delta.token_ids)
+
+    def build(self) -> Delta:
+        if self.texts is None or self.ids is None:
+            return self.first
+        return Delta(text="".join(self.texts), token_ids=tuple(self.ids))
+
+
+class _Courier:
+    """Carries worker-thread events to one loop: one scheduled callback per burst, for all requests.
+
+    A batch step posts a token to every sequence's generation at once; they share one loop
+    wake-up instead of one `call_soon_threadsafe` each. Per generation, order is kept.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._parcels: deque[tuple[Generation, Event]] = deque()
+        self._scheduled = False
+
+    def send(self, generation: Generation, event: Event) -> None:
+        # No lock: deque appends and pops are atomic. Senders append before they read the flag
+        # and `_deliver` clears it before it drains, so a parcel is never left without a delivery.
+        self._parcels.append((generation, event))
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        self._scheduled = False
+        parcels = self._parcels
+        while parcels:
+            generation, event = parcels.popleft()
+            generation.post(event)
+
+
+_couriers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Courier] = weakref.WeakKeyDictionary()
+
+
+def _courier_for(loop: asyncio.AbstractEventLoop) -> _Courier:
+    # Generations are created on their loop's thread, so this lookup needs no lock.
+    try:
+        courier = _couriers.get(loop)
+        if courier is None:
+            courier = _couriers[loop] = _Courier(loop)
+    except TypeError:  # a loop type without weak references: a courier of its own
+        courier = _Courier(loop)
+    return courier
 
 
 class Generation:
@@ -23,6 +89,12 @@ class Generation:
     proper status codes before any byte is sent. Closing or cancelling either (a client
     disconnect) cancels the request: out of the queue at once, or the worker stops within
     one decode step. Loop-side methods must be called on the engine's loop.
+
+    Deltas coalesce: events from worker threads are buffered and handed to the loop by one
+    scheduled callback per burst (shared by every generation on the loop), and a Delta posted
+    while an earlier one is still unread is merged into it (texts joined, token ids
+    concatenated, order kept). A slow reader thus gets fewer, larger Deltas, and the loop
+    does not wake once per token.
     """
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
@@ -34,7 +106,9 @@ class Generation:
         self.cached_tokens = 0
         self.instance_id = request.model.instance_id
         self._loop = loop
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._events: deque[Event | _DeltaRun] = deque()  # loop side, unread
+        self._wakeup: asyncio.Future[None] | None = None  # the reader waits on it when empty
+        self._courier = _courier_for(loop)
         self._admission: asyncio.Future[None] = loop.create_future()
         self._on_cancel: Callable[[], None] | None = None
 
@@ -43,12 +117,22 @@ class Generation:
         return self.request.request_id
 
     def post(self, event: Event) -> None:
-        """Loop side: hand one event to the reader."""
-        self._events.put_nowait(event)
+        """Loop side: hand one event to the reader; a Delta joins an unread Delta at the tail."""
+        events = self._events
+        if isinstance(event, Delta):
+            if events and isinstance(events[-1], _DeltaRun):
+                events[-1].add(event)
+                return  # the reader was already woken for the run
+            events.append(_DeltaRun(event))
+        else:
+            events.append(event)
+        wakeup = self._wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
 
     def post_threadsafe(self, event: Event) -> None:
-        """Called from the worker thread: hand one event to the loop."""
-        self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        """Called from a worker thread: hand one event to the loop (batched per burst)."""
+        self._courier.send(self, event)
 
     def on_cancel(self, callback: Callable[[], None]) -> None:
         """The engine's hook that takes this request out of its lane when it is cancelled."""
@@ -100,7 +184,7 @@ class Generation:
         """
         try:
             while True:
-                event = await self._events.get()
+                event = await self._next_event()
                 if isinstance(event, Done | Failed):
                     self.finished = True
                 yield event
@@ -110,3 +194,10 @@ class Generation:
             # Reached on a clean end too; cancel() is a no-op for a finished generation.
             if not self.finished:
                 self.cancel()
+
+    async def _next_event(self) -> Event:
+        while not self._events:
+            self._wakeup = self._loop.create_future()
+            await self._wakeup
+        item = self._events.popleft()
+        return item.build() if isinstance(item, _DeltaRun) else item

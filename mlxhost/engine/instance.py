@@ -62,6 +62,8 @@ class Instance:
         )
         self._worker = InstanceWorker(str(spec.instance_id), clock)
         self._worker.reload = self._reload_on_worker
+        # The lane's capacity is the batch's sequence capacity (LANE-1); the worker reads it per job.
+        self._worker.batch_capacity = spec.lane.capacity
         self._loading: asyncio.Future[None] | None = None
 
     @property
@@ -80,6 +82,7 @@ class Instance:
             spec = replace(spec, instance_id=self.instance_id)
         if spec.lane != self.spec.lane:
             self._configure_lane(spec)
+            self._worker.batch_capacity = spec.lane.capacity
         self.spec = spec
 
     async def ensure_loaded(self) -> None:
@@ -132,6 +135,7 @@ class Instance:
             "requests_cancelled": stats.requests_cancelled,
             "requests_failed": stats.requests_failed,
             "decode_tps": round(stats.last_decode_tps, 2),
+            "batch_size": stats.batch_size,  # sequences sharing decode steps now (batched scheduler)
             "stalled_s": round(self.stalled_for(), 1),
             "memory_bytes": model.memory_bytes() if model is not None else 0,
             "load_progress": {"done": self.progress.done, "total": self.progress.total},

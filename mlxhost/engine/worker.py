@@ -6,79 +6,50 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.backends.base import StepEnd
+from mlxhost.engine.batching import BatchScheduler
+from mlxhost.engine.jobs import CallJob, GenerateJob, JobResult, Turn, WorkerStats, end_unstarted, post_done
 from mlxhost.engine.stops import StopMatcher
-from mlxhost.engine.types import Delta, Done, Failed, Started, Timings, Usage
+from mlxhost.engine.types import Delta, Failed, Started
 
 if TYPE_CHECKING:
     from mlxhost.engine.backends.base import LoadedModel
-    from mlxhost.engine.generation import Generation
+
+# The job types live in jobs.py, shared with the batched scheduler; callers import them from here.
+__all__ = ["CallJob", "GenerateJob", "InstanceWorker", "JobResult", "WorkerStats"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class JobResult:
-    """What the worker hands back when a generation ends, for the lane and the session cache.
-
-    `kv` is the request's cache (None when the model was never touched); `kv_tokens` are the
-    exact tokens it holds. `touched` is false when the job ended before using a leased session.
-    """
-
-    finish_reason: str
-    kv: object | None = None
-    kv_tokens: tuple[int, ...] = ()
-    kv_nbytes: int = 0
-    touched: bool = False
-
-
-@dataclass(slots=True)
-class GenerateJob:
-    generation: Generation
-    prompt_ids: list[int]
-    submitted_at: float  # when it entered the lane: queue time counts from here
-    on_end: Callable[[JobResult], None]  # called once on the worker thread
-    session_kv: object | None = None  # a leased warm session's cache...
-    session_tokens: tuple[int, ...] = ()  # ...the tokens it holds...
-    reuse_tokens: int = 0  # ...and how many of them prefix this prompt (SES-8)
-
-
-@dataclass(slots=True)
-class CallJob:
-    """Run `fn` on the worker thread (load, unload) and report through `done`."""
-
-    fn: Callable[[], object]
-    done: Callable[[object, BaseException | None], None]
 
 
 class _Shutdown:
     pass
 
 
-@dataclass(slots=True)
-class WorkerStats:
-    tokens_generated: int = 0
-    requests_finished: int = 0
-    requests_cancelled: int = 0
-    requests_failed: int = 0
-    active_request: str | None = None
-    last_decode_tps: float = 0.0
-    last_progress_at: float = 0.0  # the active request's last token (or start): a stall shows here
-
-
 class InstanceWorker:
-    """Runs jobs for one instance, FIFO, on one daemon thread."""
+    """Runs jobs for one instance, FIFO, on one daemon thread.
+
+    Two schedulers share this thread. The exclusive one runs a GenerateJob alone through
+    `model.generate`. When the lane's capacity (`batch_capacity`) is above 1 and the model
+    can batch, GenerateJobs join a `BatchScheduler` between decode steps instead. A job that
+    cannot batch (a `seed`, see `BatchRunner.accepts`), a load or unload (`CallJob`, a lane
+    writer) and shutdown wait at the head of the FIFO until the batch drains, then run alone;
+    everything behind them waits too, so neither side starves.
+    """
 
     def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.model: LoadedModel | None = None
         self.reload: Callable[[], LoadedModel] | None = None  # set by the instance
+        self.batch_capacity = 1  # the lane's capacity, set by the instance (LANE-1)
         self.stats = WorkerStats()
         self._clock = clock
         self._jobs: queue.Queue[GenerateJob | CallJob | _Shutdown] = queue.Queue()
+        self._pending: deque[GenerateJob | CallJob | _Shutdown] = deque()  # taken, not yet started
+        self._batch: BatchScheduler | None = None
+        self._unbatchable: LoadedModel | None = None  # the model whose open_batch said no
         self._thread = threading.Thread(target=self._run, name=f"mlxhost-worker-{name}", daemon=True)
         self._thread.start()
 
@@ -95,13 +66,97 @@ class InstanceWorker:
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
-            if isinstance(job, _Shutdown):
+            if not self._pending and not self._batch_busy():
+                self._pending.append(self._jobs.get())  # idle: block until there is work
+            while True:  # never block between decode steps
+                try:
+                    self._pending.append(self._jobs.get_nowait())
+                except queue.Empty:
+                    break
+            if self._start_pending():
                 return
+            if self._batch_busy():
+                self._step_batch()
+
+    def _start_pending(self) -> bool:
+        """Start pending jobs in FIFO order while they can start; True once shutdown is reached."""
+        while self._pending:
+            job = self._pending[0]
+            if isinstance(job, GenerateJob) and (batch := self._batch_for(job)) is not None:
+                self._pending.popleft()
+                batch.insert(job)
+                continue
+            if self._batch_busy():  # the head needs the model alone: let the batch drain first
+                if self._end_cancelled_waiters():
+                    continue
+                return False
+            self._pending.popleft()
+            if isinstance(job, _Shutdown):
+                self._close_batch()
+                return True
             if isinstance(job, CallJob):
                 self._call(job)
+                self._unbatchable = None
+                if self._batch is not None and self._batch.model is not self.model:
+                    self._close_batch()  # unloaded or replaced: the batch must not pin the old weights
             else:
                 self._generate(job)
+        return False
+
+    def _batch_busy(self) -> bool:
+        return self._batch is not None and len(self._batch) > 0
+
+    def _batch_for(self, job: GenerateJob) -> BatchScheduler | None:
+        """The batch `job` may join now, or None when it must run alone."""
+        model = self.model
+        if self.batch_capacity <= 1 or model is None:  # None: the exclusive path reloads it, in order
+            return None
+        batch = self._batch
+        if batch is not None and (
+            batch.model is not model or (len(batch) == 0 and batch.capacity != self.batch_capacity)
+        ):
+            self._close_batch()
+            batch = None
+        if batch is None and model is not self._unbatchable:
+            batch = self._open_batch(model)
+        return batch if batch is not None and batch.accepts(job) else None
+
+    def _open_batch(self, model: LoadedModel) -> BatchScheduler | None:
+        open_batch = getattr(model, "open_batch", None)  # optional in the backend protocol
+        try:
+            runner = open_batch(self.batch_capacity) if open_batch is not None else None
+        except Exception:
+            logger.exception("opening a batch failed; serving one request at a time")
+            runner = None
+        if runner is None:
+            self._unbatchable = model
+            return None
+        self._batch = BatchScheduler(model, runner, self.stats, self._clock)
+        return self._batch
+
+    def _close_batch(self) -> None:
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+
+    def _step_batch(self) -> None:
+        assert self._batch is not None
+        try:
+            self._batch.step()
+        except Exception:
+            logger.exception("a batch step failed")
+            self._batch.fail_all()
+            self._batch = None
+
+    def _end_cancelled_waiters(self) -> bool:
+        # A waiter cancelled behind an exclusive turn frees its slot now, not after the batch drains.
+        cancelled = [
+            j for j in self._pending if isinstance(j, GenerateJob) and j.generation.stop_flag.is_set()
+        ]
+        for job in cancelled:
+            self._pending.remove(job)
+            end_unstarted(job, self.stats, self._clock())
+        return bool(cancelled)
 
     def _call(self, job: CallJob) -> None:
         try:
@@ -132,7 +187,7 @@ class InstanceWorker:
     def _generate_tokens(self, job: GenerateJob) -> JobResult:
         generation, model = job.generation, self.model
         started = self._clock()
-        queue_ms = (started - job.submitted_at) * 1000
+        turn = Turn(started=started, queue_ms=(started - job.submitted_at) * 1000)
         if model is None and self.reload is not None:
             # Unloaded (a writer ran) after this request's pre-work: load again, here, in order.
             try:
@@ -144,7 +199,7 @@ class InstanceWorker:
             generation.post_threadsafe(Failed(code="model_not_loaded", message="The model is not loaded."))
             return JobResult("error")
         if generation.stop_flag.is_set():  # cancelled while it waited: never touches the model
-            self._finish(job, "cancelled", 0, started, queue_ms, None)
+            post_done(job, turn, self.stats, self._clock(), "cancelled", 0)
             return JobResult("cancelled")
         kv, reuse = job.session_kv, job.reuse_tokens
         if kv is None:
@@ -152,8 +207,9 @@ class InstanceWorker:
         else:  # keep only the prefix this prompt shares, feed the rest (MLX-NOTES: trim, then suffix)
             model.trim_cache(kv, model.cache_length(kv) - reuse)
         generation.post_threadsafe(Started(prompt_tokens=len(job.prompt_ids), cached_tokens=reuse))
-        finish, generated, first_at = self._decode(job, model, kv, reuse)
-        self._finish(job, finish, len(generated), started, queue_ms, first_at, reuse)
+        turn.cached = reuse
+        finish, generated, turn.first_at = self._decode(job, model, kv, reuse)
+        post_done(job, turn, self.stats, self._clock(), finish, len(generated))
         length = model.cache_length(kv)
         tokens = (*job.prompt_ids, *generated)[:length]
         return JobResult(finish, kv, tokens, model.cache_nbytes(kv), touched=True)
@@ -165,14 +221,13 @@ class InstanceWorker:
         matcher = StopMatcher(generation.request.sampling.stop)
         steps = model.generate(job.prompt_ids[reuse:], generation.request.sampling, kv)
         generated: list[int] = []
-        first_at, finish = None, "length"
+        sent = 0  # how many of `generated` the reader has been sent
+        first_at, finish, tail = None, "length", ""
         try:
             for step in steps:
                 if isinstance(step, StepEnd):
                     finish = step.finish_reason
-                    text = matcher.feed(step.text)[0] + matcher.flush()
-                    if text:
-                        generation.post_threadsafe(Delta(text=text))
+                    tail = matcher.feed(step.text)[0] + matcher.flush()
                     break
                 generated.append(step.token_id)
                 self.stats.tokens_generated += 1
@@ -180,7 +235,10 @@ class InstanceWorker:
                 first_at = first_at or self.stats.last_progress_at
                 text, stopped = matcher.feed(step.text)
                 if text or stopped:
-                    generation.post_threadsafe(Delta(text=text, token_ids=(step.token_id,)))
+                    # Tokens whose text was held back (a partial character, a possible stop string)
+                    # ride along with the next text, so the token ids add up to completion_tokens.
+                    generation.post_threadsafe(Delta(text=text, token_ids=tuple(generated[sent:])))
+                    sent = len(generated)
                 if stopped:
                     finish = "stop"
                     break
@@ -190,33 +248,6 @@ class InstanceWorker:
                     break
         finally:
             steps.close()  # type: ignore[attr-defined]
+        if tail or sent < len(generated):
+            generation.post_threadsafe(Delta(text=tail, token_ids=tuple(generated[sent:])))
         return finish, generated, first_at
-
-    def _finish(
-        self,
-        job: GenerateJob,
-        finish: str,
-        count: int,
-        started: float,
-        queue_ms: float,
-        first_at: float | None,
-        cached: int = 0,
-    ) -> None:
-        now = self._clock()
-        first_at = first_at or now
-        decode_s = max(now - first_at, 1e-9)
-        prefill_s = max(first_at - started, 1e-9)
-        decode_tps = (count - 1) / decode_s if count > 1 else 0.0
-        self.stats.last_decode_tps = decode_tps or self.stats.last_decode_tps
-        if finish == "cancelled":
-            self.stats.requests_cancelled += 1
-        else:
-            self.stats.requests_finished += 1
-        timings = Timings(
-            queue_ms=queue_ms,
-            ttft_ms=(first_at - job.submitted_at) * 1000,
-            prefill_tps=(len(job.prompt_ids) - cached) / prefill_s,
-            decode_tps=decode_tps,
-        )
-        usage = Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=count, cached_tokens=cached)
-        job.generation.post_threadsafe(Done(finish_reason=finish, usage=usage, timings=timings))  # type: ignore[arg-type]

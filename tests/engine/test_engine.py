@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from mlxhost.engine import Delta, Done, Failed, ModelLoadError, PromptTooLongError, Started
+from mlxhost.engine.backends.fake import GENERATED_ID_BASE
 from tests.engine.conftest import request, spec
 
 
@@ -20,7 +21,10 @@ async def test_streams_scripted_tokens_then_done(engine, backend):
     events = await collect(await engine.submit(request(max_tokens=10)))
     assert isinstance(events[0], Started)
     assert events[0].prompt_tokens == len("<user>hi<assistant>")
-    assert [e.text for e in events if isinstance(e, Delta)] == ["Hel", "lo", "!"]
+    deltas = [e for e in events if isinstance(e, Delta)]
+    # Deltas the reader had not taken yet coalesce into fewer events; text and token ids stay exact.
+    assert "".join(e.text for e in deltas) == "Hello!"
+    assert [i for e in deltas for i in e.token_ids] == [GENERATED_ID_BASE + i for i in range(3)]
     done = events[-1]
     assert isinstance(done, Done)
     assert done.finish_reason == "stop"

@@ -28,6 +28,68 @@ class StepEnd:
     finish_reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class SequenceCache:
+    """A sequence's KV cache handed back by a batch, with exactly the tokens it holds."""
+
+    kv: object
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStep:
+    """One sequence's share of a batch step.
+
+    `token_id` is the generated token, or None when the step only ended the sequence (the
+    model emitted its end-of-sequence token, which is neither counted nor shown). `text` is
+    the sequence's newly decoded text. On the sequence's last step `finish_reason` is "stop"
+    or "length" and `cache` hands its KV cache to the caller; the batch forgets the handle.
+    """
+
+    handle: int
+    text: str
+    token_id: int | None
+    finish_reason: str | None = None
+    cache: SequenceCache | None = None
+
+
+class BatchRunner(Protocol):
+    """A continuous batch of sequences that share decode steps; driven by one worker thread.
+
+    Sequences are inserted and removed between steps. Each has its own sampler, logits
+    processors, max_tokens and text detokenizer; text stop strings are the caller's job.
+    """
+
+    capacity: int
+
+    def accepts(self, sampling: SamplingParams) -> bool:
+        """Whether a request with these settings can share this batch (else it runs alone)."""
+        ...
+
+    def insert(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
+    ) -> int:
+        """Add a sequence and return its handle; it starts on the next `step()`.
+
+        `kv` (None = a fresh cache) already holds exactly `prompt_ids[:cached]`; the rest of
+        the prompt is fed on top of it. The batch owns `kv` from now on.
+        """
+        ...
+
+    def step(self) -> list[BatchStep]:
+        """Run one decode step (plus a bounded slice of pending prompt processing).
+
+        Returns at most one `BatchStep` per sequence; sequences still in prefill may have none.
+        """
+        ...
+
+    def remove(self, handle: int) -> SequenceCache:
+        """Take a sequence out mid-flight (cancel or text stop) and hand back its cache."""
+        ...
+
+    def close(self) -> None: ...
+
+
 class LoadedModel(Protocol):
     """A model resident in memory. Only the instance's worker thread calls `generate`.
 
@@ -68,6 +130,13 @@ class LoadedModel(Protocol):
     def dispose_cache(self, kv: object) -> None: ...
 
     def memory_bytes(self) -> int: ...
+
+    def open_batch(self, capacity: int) -> BatchRunner | None:
+        """A batch of up to `capacity` sequences, or None when this model cannot batch.
+
+        Optional: the worker treats a model without this method as single-stream.
+        """
+        ...
 
     def close(self) -> None: ...
 

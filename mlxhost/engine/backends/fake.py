@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
+from mlxhost.engine.backends.base import BatchStep, ProgressCallback, SequenceCache, StepEnd, TokenStep
 
 if TYPE_CHECKING:
     from mlxhost.engine.types import Message, ModelSpec, SamplingParams
@@ -89,8 +89,93 @@ class FakeModel:
     def memory_bytes(self) -> int:
         return 1024
 
+    def open_batch(self, capacity: int) -> FakeBatch | None:
+        # One shared mutable cache cannot hold several sequences (SES-5).
+        if self.shared_cache or not self._backend.batching:
+            return None
+        return FakeBatch(self._backend, self.spec.instance_id, capacity)
+
     def close(self) -> None:
         self.closed = True
+
+
+class _FakeSequence:
+    def __init__(self, cache: FakeCache, pieces: list[str] | None, max_tokens: int) -> None:
+        self.cache = cache
+        self.pieces = pieces
+        self.max_tokens = max_tokens
+        self.produced = 0
+
+    @property
+    def at_end(self) -> bool:
+        # A finished script ends like a model emitting its end-of-sequence token: "stop".
+        return self.pieces is not None and self.produced >= len(self.pieces)
+
+
+class FakeBatch:
+    """The fake `BatchRunner`: every sequence follows its own script (taken in insert order).
+
+    One gate pass per step for the whole batch; a step where every sequence only ends
+    (its script is done) needs none, as the exclusive fake's final `StepEnd` needs none.
+    Like mlx-lm's BatchGenerator, each returned token is already in the sequence's cache.
+    """
+
+    def __init__(self, backend: FakeBackend, instance_id: int, capacity: int) -> None:
+        self._backend = backend
+        self._instance_id = instance_id
+        self.capacity = capacity
+        self.closed = False
+        self._sequences: dict[int, _FakeSequence] = {}
+        self._next_handle = 0
+        backend.batches.append(self)
+
+    def accepts(self, sampling: SamplingParams) -> bool:
+        return sampling.seed is None  # as the mlx batch: one shared RNG cannot honour a seed
+
+    def insert(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
+    ) -> int:
+        backend = self._backend
+        cache = FakeCache() if kv is None else _fake(kv)
+        assert len(cache.tokens) == cached, "the cache must hold exactly the cached prefix"
+        fed = list(prompt_ids[cached:])
+        backend.history.append((self._instance_id, fed, sampling))
+        cache.tokens.extend(fed)
+        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        self._sequences[handle] = _FakeSequence(cache, backend.next_script(), sampling.max_tokens)
+        return handle
+
+    def step(self) -> list[BatchStep]:
+        backend = self._backend
+        if not self._sequences:
+            return []
+        if not all(sequence.at_end for sequence in self._sequences.values()):
+            backend.wait_for_gate()
+        backend.batch_steps.append(len(self._sequences))
+        steps = []
+        for handle, sequence in list(self._sequences.items()):
+            if sequence.at_end:
+                steps.append(BatchStep(handle, "", None, "stop", self.remove(handle)))
+                continue
+            index = sequence.produced
+            token = GENERATED_ID_BASE + index
+            sequence.cache.tokens.append(token)
+            sequence.produced += 1
+            backend.tokens_generated += 1
+            text = sequence.pieces[index] if sequence.pieces is not None else DEFAULT_WORD
+            if sequence.produced >= sequence.max_tokens:
+                steps.append(BatchStep(handle, text, token, "length", self.remove(handle)))
+            else:
+                steps.append(BatchStep(handle, text, token))
+        return steps
+
+    def remove(self, handle: int) -> SequenceCache:
+        cache = self._sequences.pop(handle).cache
+        return SequenceCache(cache, tuple(cache.tokens))
+
+    def close(self) -> None:
+        self.closed = True
+        self._sequences.clear()
 
 
 class FakeBackend:
@@ -98,9 +183,12 @@ class FakeBackend:
 
     `enqueue(["Hel", "lo"])` scripts the next generation (otherwise it repeats `"tok "` up
     to max_tokens); `history` records (instance_id, prompt_ids, sampling) per generation;
-    `gate` (a threading.Event) paces every token when `gated` is true; `load_failures`
-    makes the next loads raise; `dispose_failures` makes the next cache disposals raise;
-    `shared_cache` builds models with one shared cache (SES-5); `render_calls` counts templating.
+    `gate` (a threading.Event) paces every token (every batch step) when `gated` is true, and
+    `parked` says the worker waits on it now; `load_failures` makes the next loads raise;
+    `dispose_failures` makes the next cache disposals raise; `shared_cache` builds models with
+    one shared cache (SES-5); `render_calls` counts templating. Models batch (`FakeBatch`)
+    unless `batching` is false; `batch_steps` records the size of every batch step and
+    `batches` every batch opened.
     """
 
     name = "fake"
@@ -111,11 +199,15 @@ class FakeBackend:
         self.tokens_generated = 0
         self.gate = threading.Event()
         self.gated = False
+        self.parked = False  # the worker waits on the gate right now
         self.load_failures = 0
         self.dispose_failures = 0
         self.dispose_calls = 0
         self.render_calls = 0
         self.shared_cache = False
+        self.batching = True
+        self.batch_steps: list[int] = []
+        self.batches: list[FakeBatch] = []
         self._scripts: deque[list[str]] = deque()
 
     def enqueue(self, pieces: list[str]) -> None:
@@ -126,7 +218,9 @@ class FakeBackend:
 
     def wait_for_gate(self) -> None:
         if self.gated:
+            self.parked = True
             self.gate.wait(timeout=30)
+            self.parked = False
             self.gate.clear()
 
     def load(self, spec: ModelSpec, progress: ProgressCallback) -> FakeModel:

@@ -10,9 +10,10 @@ import mlx.core as mx
 from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_sampler
 
 from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
+from mlxhost.engine.backends.mlx.batch import MlxBatch, make_processors
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.weights import validate_model_folder
 
@@ -68,12 +69,7 @@ class MlxModel:
         sampler = make_sampler(
             temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k
         )
-        processors = make_logits_processors(
-            logit_bias=dict(sampling.logit_bias) or None,
-            repetition_penalty=sampling.repetition_penalty,
-            presence_penalty=sampling.presence_penalty,
-            frequency_penalty=sampling.frequency_penalty,
-        )
+        processors = make_processors(sampling)
         eos = set(self._tokenizer.eos_token_ids)
         responses = stream_generate(
             self._model,
@@ -98,6 +94,14 @@ class MlxModel:
                 return
         finally:
             responses.close()
+
+    def open_batch(self, capacity: int) -> MlxBatch | None:
+        """A `BatchGenerator` of `capacity` sequences; None when the cache cannot merge (no batching)."""
+        if self._model is None or not all(
+            hasattr(layer, "merge") for layer in make_prompt_cache(self._model)
+        ):
+            return None
+        return MlxBatch(self._model, self._tokenizer, capacity)
 
     def memory_bytes(self) -> int:
         return self._bytes

@@ -1,0 +1,166 @@
+"""The batched scheduler: admitted GenerateJobs share decode steps on one backend `BatchRunner`."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mlxhost.engine.jobs import JobResult, Turn, end_unstarted, post_done
+from mlxhost.engine.stops import StopMatcher
+from mlxhost.engine.types import Delta, Failed, Started
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from mlxhost.engine.backends.base import BatchRunner, BatchStep, LoadedModel, SequenceCache
+    from mlxhost.engine.jobs import GenerateJob, WorkerStats
+
+logger = logging.getLogger(__name__)
+
+FAILED_MESSAGE = "The model failed while generating."
+
+
+@dataclass(slots=True)
+class _Sequence:
+    job: GenerateJob
+    turn: Turn
+    matcher: StopMatcher  # text stop strings, per request
+    count: int = 0  # completion tokens so far
+    unsent: list[int] = field(default_factory=list)  # token ids whose text is still held back
+
+
+class BatchScheduler:
+    """Runs GenerateJobs together on the worker thread, for lanes with capacity > 1 (LANE-1).
+
+    The worker inserts jobs between steps and calls `step()` while `len(self)` is non-zero.
+    Events match the exclusive scheduler's: Started, Delta..., then Done (or Failed), and
+    `on_end` exactly once per job with the sequence's own cache (SES-1, SES-5).
+    """
+
+    def __init__(
+        self, model: LoadedModel, runner: BatchRunner, stats: WorkerStats, clock: Callable[[], float]
+    ) -> None:
+        self.model = model
+        self.runner = runner
+        self._stats = stats
+        self._clock = clock
+        self._sequences: dict[int, _Sequence] = {}
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    @property
+    def capacity(self) -> int:
+        return self.runner.capacity
+
+    def accepts(self, job: GenerateJob) -> bool:
+        """Whether `job` may join the batch; otherwise it needs an exclusive turn."""
+        sampling = job.generation.request.sampling
+        # Batches refuse empty prompts and max_tokens < 1; the exclusive path answers those as before.
+        return bool(job.prompt_ids) and sampling.max_tokens >= 1 and self.runner.accepts(sampling)
+
+    def insert(self, job: GenerateJob) -> None:
+        """Add `job` to the batch (its first token comes from a later step), or end it if cancelled."""
+        generation = job.generation
+        now = self._clock()
+        if generation.stop_flag.is_set():  # cancelled while it waited: never touches the model
+            end_unstarted(job, self._stats, now)
+            return
+        kv, reuse = job.session_kv, job.reuse_tokens if job.session_kv is not None else 0
+        sampling = generation.request.sampling
+        try:
+            if kv is not None:  # keep only the prefix this prompt shares, as the exclusive path does
+                self.model.trim_cache(kv, self.model.cache_length(kv) - reuse)
+            handle = self.runner.insert(job.prompt_ids, sampling, kv, reuse)
+        except Exception:
+            logger.exception("inserting generation %s into the batch failed", generation.request_id)
+            self._fail(job)
+            return
+        if not self._sequences:
+            self._stats.last_progress_at = now  # the stall clock starts with the batch's first request
+        turn = Turn(started=now, queue_ms=(now - job.submitted_at) * 1000, cached=reuse)
+        self._sequences[handle] = _Sequence(job, turn, StopMatcher(sampling.stop))
+        generation.post_threadsafe(Started(prompt_tokens=len(job.prompt_ids), cached_tokens=reuse))
+        self._sync_stats()
+
+    def step(self) -> None:
+        """Drop cancelled sequences, run one batch step and fan its tokens out to each request.
+
+        Raises:
+            Exception: whatever the backend raised; the caller then calls `fail_all()`.
+        """
+        for handle, sequence in list(self._sequences.items()):
+            # Checked every step: a cancel or disconnect frees its slot within one decode step (LANE-6).
+            if sequence.job.generation.stop_flag.is_set():
+                self._end(handle, "cancelled", self.runner.remove(handle))
+        if self._sequences:
+            steps = self.runner.step()
+            now = self._clock()
+            for step in steps:
+                self._advance(step, now)
+        self._sync_stats()
+
+    def fail_all(self) -> None:
+        """The batch broke: every sequence ends with Failed and the runner is closed."""
+        logger.error("the batch failed; ending its %d sequences", len(self._sequences))
+        sequences = list(self._sequences.values())
+        self._sequences.clear()
+        self.close()  # before the requests hear of it: a retry must not find this batch
+        for sequence in sequences:
+            self._fail(sequence.job)
+
+    def close(self) -> None:
+        try:
+            self.runner.close()
+        except Exception:
+            logger.warning("closing a batch failed", exc_info=True)
+        self._sync_stats()
+
+    def _advance(self, step: BatchStep, now: float) -> None:
+        sequence = self._sequences[step.handle]
+        if step.token_id is None:  # the model ended the sequence; like StepEnd on the exclusive path
+            tail = sequence.matcher.feed(step.text)[0] + sequence.matcher.flush()
+            self._end(step.handle, step.finish_reason or "stop", step.cache, tail)
+            return
+        sequence.count += 1
+        sequence.unsent.append(step.token_id)
+        self._stats.tokens_generated += 1
+        self._stats.last_progress_at = now
+        sequence.turn.first_at = sequence.turn.first_at or now
+        text, stopped = sequence.matcher.feed(step.text)
+        if text or stopped:
+            # Held-back tokens (a partial character, a possible stop string) ride along with the
+            # next text, so the token ids add up to completion_tokens; as on the exclusive path.
+            sequence.job.generation.post_threadsafe(Delta(text=text, token_ids=tuple(sequence.unsent)))
+            sequence.unsent.clear()
+        if stopped:  # a text stop string: the sequence leaves the batch now, cleanly ("stop")
+            cache = step.cache if step.finish_reason is not None else self.runner.remove(step.handle)
+            self._end(step.handle, "stop", cache)
+        elif step.finish_reason is not None:
+            self._end(step.handle, step.finish_reason, step.cache, sequence.matcher.flush())
+
+    def _end(self, handle: int, finish: str, cache: SequenceCache | None, tail: str = "") -> None:
+        sequence = self._sequences.pop(handle)
+        job = sequence.job
+        result = JobResult(finish, touched=True)
+        try:
+            if tail or sequence.unsent:
+                job.generation.post_threadsafe(Delta(text=tail, token_ids=tuple(sequence.unsent)))
+            post_done(job, sequence.turn, self._stats, self._clock(), finish, sequence.count)
+            if cache is not None:
+                nbytes = self.model.cache_nbytes(cache.kv)
+                result = JobResult(finish, cache.kv, cache.tokens, nbytes, touched=True)
+        finally:
+            job.on_end(result)  # exactly once, whatever failed above: the lane slot must come back
+
+    def _fail(self, job: GenerateJob) -> None:
+        self._stats.requests_failed += 1
+        job.generation.post_threadsafe(Failed(code="generation_failed", message=FAILED_MESSAGE))
+        job.on_end(JobResult("error", kv=job.session_kv, touched=True))
+
+    def _sync_stats(self) -> None:
+        sequences = self._sequences
+        self._stats.batch_size = len(sequences)
+        oldest = next(iter(sequences.values()), None)
+        self._stats.active_request = oldest.job.generation.request_id if oldest is not None else None

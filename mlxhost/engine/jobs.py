@@ -1,0 +1,95 @@
+"""Worker jobs and what they hand back, shared by the exclusive and the batched scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mlxhost.engine.types import Done, Timings, Usage
+
+if TYPE_CHECKING:
+    from mlxhost.engine.generation import Generation
+
+
+@dataclass(slots=True)
+class JobResult:
+    """What the worker hands back when a generation ends, for the lane and the session cache.
+
+    `kv` is the request's cache (None when the model was never touched); `kv_tokens` are the
+    exact tokens it holds. `touched` is false when the job ended before using a leased session.
+    """
+
+    finish_reason: str
+    kv: object | None = None
+    kv_tokens: tuple[int, ...] = ()
+    kv_nbytes: int = 0
+    touched: bool = False
+
+
+@dataclass(slots=True)
+class GenerateJob:
+    generation: Generation
+    prompt_ids: list[int]
+    submitted_at: float  # when it entered the lane: queue time counts from here
+    on_end: Callable[[JobResult], None]  # called once on the worker thread
+    session_kv: object | None = None  # a leased warm session's cache...
+    session_tokens: tuple[int, ...] = ()  # ...the tokens it holds...
+    reuse_tokens: int = 0  # ...and how many of them prefix this prompt (SES-8)
+
+
+@dataclass(slots=True)
+class CallJob:
+    """Run `fn` on the worker thread (load, unload) and report through `done`."""
+
+    fn: Callable[[], object]
+    done: Callable[[object, BaseException | None], None]
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    tokens_generated: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    active_request: str | None = None  # with a batch: its oldest sequence
+    last_decode_tps: float = 0.0
+    last_progress_at: float = 0.0  # the active request's last token (or start): a stall shows here
+    batch_size: int = 0  # sequences in the batched scheduler now (0 when it runs exclusively)
+
+
+@dataclass(slots=True)
+class Turn:
+    """One generation's clock on the worker: when it started and produced its first token."""
+
+    started: float
+    queue_ms: float
+    cached: int = 0
+    first_at: float | None = None
+
+
+def post_done(job: GenerateJob, turn: Turn, stats: WorkerStats, now: float, finish: str, count: int) -> None:
+    """Post the terminal `Done` with usage and timings, and count the outcome."""
+    first_at = turn.first_at or now
+    decode_s = max(now - first_at, 1e-9)
+    prefill_s = max(first_at - turn.started, 1e-9)
+    decode_tps = (count - 1) / decode_s if count > 1 else 0.0
+    stats.last_decode_tps = decode_tps or stats.last_decode_tps
+    if finish == "cancelled":
+        stats.requests_cancelled += 1
+    else:
+        stats.requests_finished += 1
+    timings = Timings(
+        queue_ms=turn.queue_ms,
+        ttft_ms=(first_at - job.submitted_at) * 1000,
+        prefill_tps=(len(job.prompt_ids) - turn.cached) / prefill_s,
+        decode_tps=decode_tps,
+    )
+    usage = Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=count, cached_tokens=turn.cached)
+    job.generation.post_threadsafe(Done(finish_reason=finish, usage=usage, timings=timings))  # type: ignore[arg-type]
+
+
+def end_unstarted(job: GenerateJob, stats: WorkerStats, now: float) -> None:
+    """End a job cancelled before it touched the model: Done(cancelled), then `on_end` (LANE-6)."""
+    post_done(job, Turn(started=now, queue_ms=(now - job.submitted_at) * 1000), stats, now, "cancelled", 0)
+    job.on_end(JobResult("cancelled"))

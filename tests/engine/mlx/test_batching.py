@@ -1,0 +1,247 @@
+"""Continuous batching with the real tiny MLX model: batched output equals single-stream output."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from mlxhost.engine import (
+    Delta,
+    Done,
+    Engine,
+    EngineConfig,
+    Generation,
+    GenerationRequest,
+    LaneSettings,
+    Message,
+    ModelSpec,
+    SamplingParams,
+)
+from mlxhost.engine.backends.mlx.batch import MlxBatch
+from mlxhost.engine.worker import CallJob
+from tests.engine.conftest import collect
+
+pytestmark = pytest.mark.timeout(120)
+
+# Words absent from the tiny tokenizer's corpus: the model itself never spells them out.
+MARKERS = ("zebra", "quokka", "violin", "saffron", "tundra", "cobalt", "pixel", "lagoon")
+
+
+@pytest.fixture
+async def engines(tiny_model_dir: Path):
+    """`make(capacity)`: a loaded mlx engine serving the tiny model; every engine shuts down after."""
+    made: list[Engine] = []
+
+    async def make(capacity: int) -> tuple[Engine, ModelSpec]:
+        engine = Engine(EngineConfig(backend="mlx"))
+        made.append(engine)
+        spec = ModelSpec(
+            instance_id=1,
+            source=str(tiny_model_dir),
+            fingerprint="f" * 64,
+            lane=LaneSettings(capacity=capacity),
+        )
+        await engine.load(spec)
+        return engine, spec
+
+    yield make
+    for engine in made:
+        await engine.shutdown()
+
+
+@pytest.fixture
+def batch_sizes(monkeypatch) -> list[int]:
+    """How many sequences produced a token at each batch step."""
+    sizes: list[int] = []
+    real_step = MlxBatch.step
+
+    def step(self):
+        steps = real_step(self)
+        sizes.append(len(steps))
+        return steps
+
+    monkeypatch.setattr(MlxBatch, "step", step)
+    return sizes
+
+
+async def submit_together(engine: Engine, requests: list[GenerationRequest]) -> list[Generation]:
+    """Submit every request while the worker is held, so they all join the batch in one step."""
+    hold = threading.Event()
+    engine.get(1)._worker.submit(CallJob(lambda: hold.wait(30), lambda _r, _e: None))
+    try:
+        return [await engine.submit(r) for r in requests]
+    finally:
+        hold.set()
+
+
+async def run_together(engine: Engine, requests: list[GenerationRequest]) -> list[list]:
+    generations = await submit_together(engine, requests)
+    return await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 60)
+
+
+def outcome(events: list) -> tuple:
+    """What must match between schedulers: text, token ids, finish reason and usage."""
+    done = events[-1]
+    assert isinstance(done, Done), done
+    text = "".join(e.text for e in events if isinstance(e, Delta))
+    ids = tuple(t for e in events if isinstance(e, Delta) for t in e.token_ids)
+    return text, ids, done.finish_reason, done.usage.completion_tokens
+
+
+def chat(spec: ModelSpec, request_id: str, messages, session=None, **sampling) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=request_id,
+        model=spec,
+        sampling=SamplingParams(temperature=0.0, **sampling),
+        messages=tuple(Message(role, content) for role, content in messages),
+        session=session,
+    )
+
+
+async def test_greedy_batched_output_equals_single_stream_output(engines, batch_sizes, tiny_eos_id):
+    """LANE-1: six greedy requests (different prompt lengths, limits and processors) batched as one
+    give exactly the tokens, text and usage each gets alone."""
+    cases = [
+        ("hi", {"max_tokens": 8}),
+        ("The baker opened his shop before the sun was up.", {"max_tokens": 20}),
+        ("river", {"max_tokens": 12, "frequency_penalty": 1.0}),
+        ("Where does the river go? How far is the sea?", {"max_tokens": 24, "frequency_penalty": 1.0}),
+        ("a map of the valley", {"max_tokens": 16, "logit_bias": ((tiny_eos_id, -100.0),)}),
+        ("snow covered the roofs", {"max_tokens": 10, "repetition_penalty": 1.3, "top_k": 5}),
+    ]
+
+    def requests(spec: ModelSpec) -> list[GenerationRequest]:
+        return [chat(spec, f"r{i}", [("user", text)], **kw) for i, (text, kw) in enumerate(cases)]
+
+    single, single_spec = await engines(1)
+    alone = [outcome(await collect(await single.submit(r))) for r in requests(single_spec)]
+    batched, batched_spec = await engines(len(cases))
+    together = [outcome(events) for events in await run_together(batched, requests(batched_spec))]
+
+    assert together == alone
+    assert max(batch_sizes) == len(cases)  # they really shared decode steps
+    assert len({text for text, *_ in alone}) > 1  # distinct outputs, so a mix-up would show
+
+
+async def test_a_cancel_mid_batch_leaves_the_other_streams_intact(engines, batch_sizes, tiny_eos_id):
+    """LANE-6: one of three batched streams is cancelled after a few tokens; the other two
+    still produce exactly their single-stream output, and the cancelled one stops at once."""
+    no_eos = {"logit_bias": ((tiny_eos_id, -100.0),), "frequency_penalty": 1.0}
+    texts = ["the first story", "a second, longer story about the river", "third"]
+    limits = [30, 100_000, 24]
+
+    def requests(spec: ModelSpec) -> list[GenerationRequest]:
+        return [
+            chat(spec, f"r{i}", [("user", t)], max_tokens=n, **no_eos)
+            for i, (t, n) in enumerate(zip(texts, limits, strict=True))
+        ]
+
+    single, single_spec = await engines(1)
+    alone = [outcome(await collect(await single.submit(r))) for r in requests(single_spec)[::2]]
+
+    batched, batched_spec = await engines(3)
+    generations = await submit_together(batched, requests(batched_spec))
+
+    async def cancel_after(generation, tokens: int) -> list:
+        events: list = []
+        async for event in generation.stream():
+            events.append(event)
+            if not generation.cancelled and len(outcome_ids(events)) >= tokens:
+                assert batched.cancel(generation.request_id)
+        return events
+
+    results = await asyncio.wait_for(
+        asyncio.gather(collect(generations[0]), cancel_after(generations[1], 5), collect(generations[2])), 60
+    )
+    assert [outcome(results[0]), outcome(results[2])] == alone
+    cancelled = results[1][-1]
+    assert cancelled.finish_reason == "cancelled"
+    assert cancelled.usage.completion_tokens == len(outcome_ids(results[1])) < 30
+    assert max(batch_sizes) == 3
+
+
+def outcome_ids(events: list) -> tuple[int, ...]:
+    return tuple(t for e in events if isinstance(e, Delta) for t in e.token_ids)
+
+
+async def test_eight_conversations_never_leak_into_each_other(engines, batch_sizes, tiny_model_dir):
+    """SES-1 / SES-5 / LANE-1: 8 concurrent two-turn conversations, each with a unique marker word.
+
+    Each batched turn equals that conversation's own single-stream output, each adopted cache
+    holds only its own conversation, and no marker shows up in another conversation.
+    """
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    prompts = [f"Remember the word {marker} and say it back." for marker in MARKERS]
+    sampling = {"max_tokens": 16, "frequency_penalty": 1.0}  # penalties make outputs prompt-dependent
+    single, single_spec = await engines(1)
+    batched, batched_spec = await engines(len(MARKERS))
+
+    # Turn 1: a stop string taken from the unstopped output ends each turn cleanly, so it is adopted.
+    probes = [
+        outcome(await collect(await single.submit(chat(single_spec, f"p{i}", [("user", p)], **sampling))))
+        for i, p in enumerate(prompts)
+    ]
+    stops = [(text[len(text) // 2 : len(text) // 2 + 2],) if len(text) >= 4 else () for text, *_ in probes]
+    alone = [
+        outcome(
+            await collect(
+                await single.submit(chat(single_spec, f"s{i}", [("user", p)], stop=stop, **sampling))
+            )
+        )
+        for i, (p, stop) in enumerate(zip(prompts, stops, strict=True))
+    ]
+    sessions = [batched.scoper.query(tenant=f"tenant-{i}") for i in range(len(MARKERS))]
+    turn_one = [
+        chat(batched_spec, f"c{i}", [("user", p)], session=q, stop=stop, **sampling)
+        for i, (p, q, stop) in enumerate(zip(prompts, sessions, stops, strict=True))
+    ]
+    together = [outcome(events) for events in await run_together(batched, turn_one)]
+    assert together == alone
+    assert {finish for _, _, finish, _ in together} == {"stop"}
+    assert len({text for text, *_ in probes}) >= len(MARKERS) // 2
+    assert max(batch_sizes) == len(MARKERS)
+
+    # Each handed-back cache holds exactly its own conversation.
+    await asyncio.sleep(0.05)  # adoption runs on the loop right after each Done
+    entries = batched.get(1).sessions._entries
+    assert sorted(entries) == sorted(f"c{i}" for i in range(len(MARKERS)))
+    model = batched.get(1).model
+    for i, marker in enumerate(MARKERS):
+        entry = entries[f"c{i}"]
+        assert len(entry.tokens) == model.cache_length(entry.kv)  # exactly the tokens it holds
+        prompt_ids = model.render_chat([Message("user", prompts[i])])
+        assert entry.tokens[: len(prompt_ids)] == tuple(prompt_ids)
+        held = tokenizer.decode(list(entry.tokens))
+        assert marker in held
+        assert not [m for m in MARKERS if m != marker and m in held], held
+
+    # Turn 2, all at once on their warm caches, equals a cold single-stream recompute.
+    histories = [
+        [("user", p), ("assistant", text), ("user", "And again?")]
+        for p, (text, *_) in zip(prompts, together, strict=True)
+    ]
+    cold = [
+        outcome(await collect(await single.submit(chat(single_spec, f"cold{i}", h, **sampling))))
+        for i, h in enumerate(histories)
+    ]
+    follow_ups = [
+        chat(
+            batched_spec,
+            f"d{i}",
+            h,
+            session=batched.scoper.query(tenant=f"tenant-{i}", previous_response_id=f"c{i}"),
+            **sampling,
+        )
+        for i, h in enumerate(histories)
+    ]
+    warm_events = await run_together(batched, follow_ups)
+    assert all(events[0].cached_tokens > 0 for events in warm_events)  # every one hit its own session
+    assert [outcome(events) for events in warm_events] == cold
+
+    for i, (text, *_) in enumerate([*together, *(outcome(e) for e in warm_events)]):
+        own = MARKERS[i % len(MARKERS)]
+        assert not [m for m in MARKERS if m != own and m in text]

@@ -1,0 +1,288 @@
+"""The batched scheduler with the fake backend (LANE-1, LANE-6, SES-1, SES-5): interleaving, cancels, caches."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mlxhost.engine import Delta, Done, Failed, LaneSettings, Message, ModelSpec, Started
+from mlxhost.engine.backends.fake import GENERATED_ID_BASE, FakeBatch
+from tests.engine.conftest import collect, lane_idle, lane_of, next_event, request, spec, until
+
+
+def batching(capacity: int) -> ModelSpec:
+    """Instance 1 served by a lane of `capacity`: the batched scheduler."""
+    return spec(1, lane=LaneSettings(capacity=capacity))
+
+
+def ungate(backend) -> None:
+    backend.gated = False
+    backend.gate.set()
+
+
+def token_ids(events) -> list[int]:
+    return [token for event in events if isinstance(event, Delta) for token in event.token_ids]
+
+
+def text_of(events) -> str:
+    return "".join(event.text for event in events if isinstance(event, Delta))
+
+
+async def started(generation):
+    stream = generation.stream()
+    assert isinstance(await next_event(stream), Started)
+    return stream
+
+
+async def submit_all(engine, x: ModelSpec, specs: list[dict]) -> list:
+    """Submit in order (the fake hands out scripts in insert order); returns the generations."""
+    return [await engine.submit(request(f"r{i}", spec_=x, **kwargs)) for i, kwargs in enumerate(specs)]
+
+
+async def first_then_rest(engine, backend, x: ModelSpec, specs: list[dict]):
+    """Gated: r0 alone in the batch with the worker parked on step 1's gate, then the rest queued.
+
+    Returns r0's open stream and every generation; the rest join the batch right after step 1.
+    """
+    first = await engine.submit(request("r0", spec_=x, **specs[0]))
+    stream = await started(first)
+    await until(lambda: backend.parked, what="the worker to park on the gate")
+    rest = [await engine.submit(request(f"r{i}", spec_=x, **kw)) for i, kw in enumerate(specs[1:], 1)]
+    return stream, [first, *rest]
+
+
+async def collect_rest(stream) -> list:
+    return [event async for event in stream]
+
+
+async def test_requests_share_decode_steps_each_with_its_own_script_and_limit(engine, backend):
+    """LANE-1: capacity 4 batches 4 requests; one step gives each one token; scripts and max_tokens are per request."""
+    x = batching(4)
+    await engine.load(x)
+    backend.gated = True
+    scripts = [["a1", "a2", "a3"], ["b1", "b2", "b3", "b4", "b5"], ["c1"], ["d1", "d2", "d3", "d4"]]
+    for script in scripts:
+        backend.enqueue(script)
+    specs = [{"max_tokens": 10}, {"max_tokens": 3}, {"max_tokens": 10}, {}]
+    first, generations = await first_then_rest(engine, backend, x, specs)
+    backend.gate.set()  # step 1: only r0 was inserted before the worker parked on the gate
+    assert (await next_event(first)).text == "a1"
+    streams = [first] + [await started(g) for g in generations[1:]]  # inserted right after step 1
+    backend.gate.set()  # step 2: all four advance together
+    assert [(await next_event(s)).text for s in streams] == ["a2", "b1", "c1", "d1"]
+    assert backend.batch_steps == [1, 4]
+
+    ungate(backend)
+    rest = await asyncio.wait_for(asyncio.gather(*(collect_rest(s) for s in streams)), 5)
+    assert [text_of(events) for events in rest] == ["a3", "b2b3", "", "d2d3d4"]
+    dones = [events[-1] for events in rest]
+    assert [d.finish_reason for d in dones] == ["stop", "length", "stop", "stop"]
+    assert [d.usage.completion_tokens for d in dones] == [3, 3, 1, 4]
+    assert backend.tokens_generated == 11
+    assert max(backend.batch_steps) == 4
+    await lane_idle(engine)
+    stats = engine.get(1).stats
+    assert (stats.batch_size, stats.active_request, stats.requests_finished) == (0, None, 4)
+
+
+async def test_a_cancel_mid_batch_leaves_the_others_intact_with_exact_counts(engine, backend):
+    """LANE-6: cancelling one batched request ends it within one step; the others finish exactly."""
+    x = batching(3)
+    await engine.load(x)
+    backend.gated = True
+    first, generations = await first_then_rest(engine, backend, x, [{"max_tokens": 6}] * 3)
+    backend.gate.set()
+    first_events = [await next_event(first)]
+    streams = [first] + [await started(g) for g in generations[1:]]
+    backend.gate.set()
+    seen = [[await next_event(s)] for s in streams]
+    seen[0] = first_events + seen[0]
+    # The worker is parked inside step 3, past its cancel check: r1 gets that one more token.
+    await until(lambda: backend.parked, what="the worker to park on step 3")
+    assert engine.cancel("r1") is True
+    ungate(backend)
+    rest = await asyncio.wait_for(asyncio.gather(*(collect_rest(s) for s in streams)), 5)
+    events = [before + after for before, after in zip(seen, rest, strict=True)]
+
+    cancelled = events[1][-1]
+    assert isinstance(cancelled, Done)
+    assert cancelled.finish_reason == "cancelled"
+    # Removed before step 4: exactly one more step than when the cancel came (LANE-6).
+    assert cancelled.usage.completion_tokens == len(token_ids(events[1])) == 2
+    for survivor in (events[0], events[2]):
+        assert survivor[-1].finish_reason == "length"
+        assert survivor[-1].usage.completion_tokens == 6
+        assert text_of(survivor) == "tok " * 6
+        assert token_ids(survivor) == [GENERATED_ID_BASE + i for i in range(6)]
+    assert backend.tokens_generated == 14
+    assert backend.batch_steps == [1, 3, 3, 2, 2, 2, 1]
+    await lane_idle(engine)
+    assert lane_of(engine)["active"] == 0
+    assert engine.get(1).stats.requests_cancelled == 1
+
+
+async def test_finished_sequences_hand_back_exact_caches_and_many_are_kept(engine, backend):
+    """SES-1 / SES-5: each batched turn that ends cleanly is adopted with its exact tokens; a batching instance keeps many."""
+    x = batching(4)
+    await engine.load(x)
+    backend.gated = True
+    queries = [engine.scoper.query(tenant=f"t{i}") for i in range(4)]
+    backend.enqueue(["Hello"])  # ends with "stop": the script is done before max_tokens
+    backend.enqueue(["x", "END", "y"])  # a text stop string ends it: removed from the batch mid-flight
+    backend.enqueue(["z"] * 5)  # max_tokens: truncated, never adopted
+    backend.enqueue(["a", "b"])
+    sampling = [{"max_tokens": 9}, {"max_tokens": 9, "stop": ("END",)}, {"max_tokens": 2}, {"max_tokens": 9}]
+    generations = [
+        await engine.submit(request(f"r{i}", text=f"turn {i}", session=q, spec_=x, **kw))
+        for i, (q, kw) in enumerate(zip(queries, sampling, strict=True))
+    ]
+    ungate(backend)
+    results = await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 5)
+    assert [events[-1].finish_reason for events in results] == ["stop", "stop", "length", "stop"]
+    await lane_idle(engine)
+
+    instance = engine.get(1)
+    assert instance.sessions.stats.entries == 3
+    entries = instance.sessions._entries  # the exact tokens each cache holds
+    for rid, produced in (("r0", 1), ("r1", 2), ("r3", 2)):
+        prompt = [ord(ch) for ch in f"<user>turn {rid[1]}<assistant>"]
+        # Every returned token is already in the cache (the "END" token too), the stop marker is not.
+        assert entries[rid].tokens == (*prompt, *(GENERATED_ID_BASE + i for i in range(produced)))
+        assert len(entries[rid].kv.tokens) == len(entries[rid].tokens)
+    assert backend.dispose_calls == 1  # the truncated turn's cache
+
+    # All three continue at once, each on its own warm cache.
+    follow_ups = [
+        await engine.submit(
+            request(
+                f"c{rid}",
+                messages=(
+                    Message("user", f"turn {rid[1]}"),
+                    Message("assistant", "x"),
+                    Message("user", "more"),
+                ),
+                session=engine.scoper.query(tenant=f"t{rid[1]}", previous_response_id=rid),
+                spec_=x,
+                max_tokens=1,
+            )
+        )
+        for rid in ("r0", "r1", "r3")
+    ]
+    assert [g.session_outcome for g in follow_ups] == ["hit"] * 3
+    results = await asyncio.wait_for(asyncio.gather(*(collect(g) for g in follow_ups)), 5)
+    assert [events[0].cached_tokens for events in results] == [len("<user>turn 0<assistant>")] * 3
+
+
+async def test_a_seed_request_runs_alone_in_fifo_order_without_starving(engine, backend):
+    """LANE-1: a seeded request cannot share the batch: it waits for the batch to drain, runs alone, then batching resumes."""
+    x = batching(3)
+    await engine.load(x)
+    backend.gated = True
+    specs = [{"max_tokens": 2}, {"max_tokens": 2, "seed": 7}, {"max_tokens": 2}]
+    a, generations = await first_then_rest(engine, backend, x, specs)
+    backend.gate.set()
+    assert isinstance(await next_event(a), Delta)
+    await asyncio.sleep(0.05)
+    # The seeded one waits at the head of the worker's FIFO; the later one waits behind it.
+    assert [h[2].seed for h in backend.history] == [None]
+    assert backend.batch_steps == [1]
+
+    ungate(backend)
+    results = await asyncio.wait_for(
+        asyncio.gather(collect_rest(a), *(collect(g) for g in generations[1:])), 5
+    )
+    assert [events[-1].usage.completion_tokens for events in results] == [2, 2, 2]
+    assert [events[-1].finish_reason for events in results] == ["length"] * 3
+    assert [h[2].seed for h in backend.history] == [None, 7, None]  # FIFO: nobody overtook the seeded one
+    assert backend.batch_steps == [1, 1, 1, 1]  # the seeded one ran on the exclusive path
+    assert len(backend.batches) == 1  # batching resumed on the same batch
+
+
+async def test_a_cancelled_waiter_behind_an_exclusive_turn_frees_its_slot_at_once(engine, backend):
+    """LANE-6: a request queued on the worker behind a seeded one is cancelled without waiting for the batch."""
+    x = batching(3)
+    await engine.load(x)
+    backend.gated = True
+    specs = [{"max_tokens": 50}, {"max_tokens": 2, "seed": 1}, {"max_tokens": 2}]
+    running, generations = await first_then_rest(engine, backend, x, specs)
+    assert engine.cancel("r2") is True
+    backend.gate.set()  # one step; r0 still has 49 to go when r2 is ended
+    events = await asyncio.wait_for(collect(generations[2]), 2)
+    assert events[-1].finish_reason == "cancelled"
+    await until(lambda: lane_of(engine)["active"] == 2, what="the cancelled slot to be freed")
+    assert [h[2].seed for h in backend.history] == [None]  # it never reached the model
+    ungate(backend)
+    assert [e async for e in running][-1].finish_reason == "length"
+    assert (await asyncio.wait_for(collect(generations[1]), 5))[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("reason", ["no batching", "shared cache"])
+async def test_a_model_that_cannot_batch_serves_one_at_a_time(engine, backend, reason):
+    """SES-5 / LANE-1: a model without a batch (or with one shared cache) runs every request exclusively."""
+    if reason == "no batching":
+        backend.batching = False
+    else:
+        backend.shared_cache = True
+    x = batching(2)
+    await engine.load(x)
+    generations = await submit_all(engine, x, [{"max_tokens": 3}] * 2)
+    results = await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 5)
+    assert [events[-1].usage.completion_tokens for events in results] == [3, 3]
+    assert backend.batch_steps == []
+    assert backend.batches == []
+
+
+async def test_a_failing_batch_step_fails_its_requests_and_a_new_batch_serves_the_next(
+    engine, backend, monkeypatch
+):
+    """OPS-2: a backend error mid-batch ends every batched request with Failed; the lane is freed."""
+    x = batching(2)
+    await engine.load(x)
+    real_step = FakeBatch.step
+    broken = {"left": 1}
+
+    def step(self):
+        if broken["left"]:
+            broken["left"] -= 1
+            raise RuntimeError("boom")
+        return real_step(self)
+
+    monkeypatch.setattr(FakeBatch, "step", step)
+    events = await asyncio.wait_for(collect(await engine.submit(request("r1", spec_=x, max_tokens=2))), 5)
+    assert isinstance(events[-1], Failed)
+    assert events[-1].code == "generation_failed"
+    await lane_idle(engine)
+    assert engine.get(1).stats.requests_failed == 1
+    assert backend.batches[0].closed
+
+    events = await asyncio.wait_for(collect(await engine.submit(request("r2", spec_=x, max_tokens=2))), 5)
+    assert events[-1].finish_reason == "length"
+    assert len(backend.batches) == 2
+
+
+async def test_lowering_capacity_to_one_switches_to_the_exclusive_scheduler(engine, backend):
+    """LANE-1: the lane's capacity is the batch's; capacity 1 serves through `model.generate` again."""
+    await engine.load(batching(2))
+    await collect(await engine.submit(request("r1", spec_=batching(2), max_tokens=2)))
+    assert backend.batch_steps == [1, 1]
+    await lane_idle(engine)
+    await collect(await engine.submit(request("r2", spec_=batching(1), max_tokens=2)))
+    assert backend.batch_steps == [1, 1]
+    assert len(backend.history) == 2
+
+
+@pytest.mark.parametrize("capacity", [pytest.param(1, id="exclusive"), pytest.param(2, id="batched")])
+async def test_token_ids_add_up_to_completion_tokens_while_a_stop_string_holds_text(
+    engine, backend, capacity
+):
+    """Both schedulers: every counted token reaches the reader, even while its text is withheld."""
+    backend.enqueue(["The ", "ans", "wer. ", "EN", "D here", " more"])
+    events = await collect(
+        await engine.submit(request(spec_=batching(capacity), max_tokens=50, stop=("END",)))
+    )
+    assert text_of(events) == "The answer. "
+    assert events[-1].finish_reason == "stop"
+    assert token_ids(events) == [GENERATED_ID_BASE + i for i in range(5)]
+    assert events[-1].usage.completion_tokens == 5
+    assert len(backend.batch_steps) == (0 if capacity == 1 else 5)
