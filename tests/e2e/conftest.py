@@ -132,3 +132,24 @@ def celery_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
             raise RuntimeError(f"celery worker did not start:\n{log.read_text(errors='replace')}")
         time.sleep(0.1)
     return process
+
+
+@pytest.fixture(autouse=True)
+def stored_rows_settle(transactional_db) -> Iterator[None]:
+    """After each test, wait until the server's stored responses stop landing.
+
+    The daphne process (and, with Redis, a Celery worker) writes rows after the client has its
+    answer; a write that meets the test database's TRUNCATE deadlocks PostgreSQL. Torn down
+    before `transactional_db` flushes, because it depends on it.
+    """
+    yield
+    from models_app.models import StoredResponse
+
+    deadline, last, stable_since = time.monotonic() + 15, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        count = StoredResponse.objects.count()
+        if count != last:
+            last, stable_since = count, time.monotonic()
+        elif time.monotonic() - stable_since >= 1.0:
+            return
+        time.sleep(0.1)

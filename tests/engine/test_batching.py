@@ -83,6 +83,8 @@ async def test_requests_share_decode_steps_each_with_its_own_script_and_limit(en
     assert max(backend.batch_steps) == 4
     await lane_idle(engine)
     stats = engine.get(1).stats
+    # The lane frees on the loop; the worker thread clears its own counters a moment later.
+    await until(lambda: stats.batch_size == 0 and stats.active_request is None, what="the worker to go idle")
     assert (stats.batch_size, stats.active_request, stats.requests_finished) == (0, None, 4)
 
 
