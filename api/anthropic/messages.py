@@ -6,13 +6,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from api.collect import NO_RESULT, collect_text
 from api.errors import ApiError, error_body
 from api.sse import sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, Started, Usage
 
 # The engine says "stop" for EOS and for a stop sequence alike; see `MessageTurn.stop_fields`.
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
-NO_RESULT = "The generation ended without a result."
 
 
 @dataclass
@@ -66,16 +66,8 @@ async def message_complete(turn: MessageTurn, generation: Generation) -> dict[st
     Raises:
         ApiError: 500 when the model failed mid-generation.
     """
-    parts: list[str] = []
-    async for event in generation.stream():
-        if isinstance(event, Delta):
-            parts.append(event.text)
-        elif isinstance(event, Failed):
-            raise _failure(event)
-        elif isinstance(event, Done):
-            content = [{"type": "text", "text": "".join(parts)}]
-            return turn.message(content, _final_usage(event.usage), event)
-    raise ApiError(500, NO_RESULT, "server_error", "generation_failed")
+    text, done = await collect_text(generation)
+    return turn.message([{"type": "text", "text": text}], _final_usage(done.usage), done)
 
 
 async def message_sse(turn: MessageTurn, generation: Generation) -> AsyncIterator[bytes]:

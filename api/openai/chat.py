@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.collect import collect_text
 from api.errors import ApiError, error_body
 from api.sse import SSE_DONE, sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, Usage
@@ -80,23 +81,16 @@ async def chat_complete(turn: ChatTurn, generation: Generation) -> dict[str, Any
     Raises:
         ApiError: 500 when the model failed mid-generation.
     """
-    parts: list[str] = []
-    async for event in generation.stream():
-        if isinstance(event, Delta):
-            parts.append(event.text)
-        elif isinstance(event, Failed):
-            raise ApiError(500, event.message, "server_error", event.code)
-        elif isinstance(event, Done):
-            body = turn.envelope("chat.completion")
-            message = {"role": "assistant", "content": "".join(parts), "refusal": None}
-            body["choices"] = [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": None,
-                    "finish_reason": FINISH_REASONS.get(event.finish_reason, "stop"),
-                }
-            ]
-            body["usage"] = usage_body(event.usage)
-            return body
-    raise ApiError(500, "The generation ended without a result.", "server_error", "generation_failed")
+    text, done = await collect_text(generation)
+    body = turn.envelope("chat.completion")
+    message = {"role": "assistant", "content": text, "refusal": None}
+    body["choices"] = [
+        {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": FINISH_REASONS.get(done.finish_reason, "stop"),
+        }
+    ]
+    body["usage"] = usage_body(done.usage)
+    return body

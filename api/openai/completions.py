@@ -11,6 +11,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from rest_framework import serializers
 
 from api.auth import api_endpoint, json_body
+from api.collect import collect_text
 from api.engine_client import get_engine
 from api.errors import ApiError, error_body
 from api.openai.chat import FINISH_REASONS, ChatTurn, usage_body
@@ -130,17 +131,10 @@ async def completion_collect(turn: ChatTurn, generation: Generation) -> dict[str
     Raises:
         ApiError: 500 when the model failed mid-generation.
     """
-    parts: list[str] = []
-    async for event in generation.stream():
-        if isinstance(event, Delta):
-            parts.append(event.text)
-        elif isinstance(event, Failed):
-            raise ApiError(500, event.message, "server_error", event.code)
-        elif isinstance(event, Done):
-            body = _body(turn, "".join(parts), FINISH_REASONS.get(event.finish_reason, "stop"))
-            body["usage"] = usage_body(event.usage)
-            return body
-    raise ApiError(500, "The generation ended without a result.", "server_error", "generation_failed")
+    text, done = await collect_text(generation)
+    body = _body(turn, text, FINISH_REASONS.get(done.finish_reason, "stop"))
+    body["usage"] = usage_body(done.usage)
+    return body
 
 
 @api_endpoint(dialect="openai", methods=("POST",))
