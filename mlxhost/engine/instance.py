@@ -60,7 +60,7 @@ class Instance:
             clock=clock,
             dispose=self._dispose_kv,
         )
-        self._worker = InstanceWorker(str(spec.instance_id), clock)
+        self._worker = InstanceWorker(str(spec.instance_id), clock, getattr(backend, "thread_exit", None))
         self._worker.reload = self._reload_on_worker
         # The lane's capacity is the batch's sequence capacity (LANE-1); the worker reads it per job.
         self._worker.batch_capacity = spec.lane.capacity

@@ -40,7 +40,12 @@ class InstanceWorker:
     everything behind them waits too, so neither side starves.
     """
 
-    def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        name: str,
+        clock: Callable[[], float] = time.monotonic,
+        on_exit: Callable[[], None] | None = None,
+    ) -> None:
         self.model: LoadedModel | None = None
         self.reload: Callable[[], LoadedModel] | None = None  # set by the instance
         self.batch_capacity = 1  # the lane's capacity, set by the instance (LANE-1)
@@ -50,6 +55,7 @@ class InstanceWorker:
         self._pending: deque[GenerateJob | CallJob | _Shutdown] = deque()  # taken, not yet started
         self._batch: BatchScheduler | None = None
         self._unbatchable: LoadedModel | None = None  # the model whose open_batch said no
+        self._on_exit = on_exit  # the backend's per-thread cleanup, run as the thread ends
         self._thread = threading.Thread(target=self._run, name=f"mlxhost-worker-{name}", daemon=True)
         self._thread.start()
 
@@ -65,6 +71,16 @@ class InstanceWorker:
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            if self._on_exit is not None:
+                try:
+                    self._on_exit()
+                except Exception:
+                    logger.exception("the worker's thread cleanup failed")
+
+    def _loop(self) -> None:
         while True:
             if not self._pending and not self._batch_busy():
                 self._pending.append(self._jobs.get())  # idle: block until there is work

@@ -142,6 +142,9 @@ class LoadedModel(Protocol):
 
 
 class Backend(Protocol):
+    """Loads models. It may also define `thread_exit()`, which each worker thread calls as it
+    ends, to free what the backend keeps per thread (MLX's streams)."""
+
     name: str
 
     def load(self, spec: ModelSpec, progress: ProgressCallback) -> LoadedModel: ...

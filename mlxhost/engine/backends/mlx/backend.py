@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,9 @@ from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
 from mlxhost.engine.backends.mlx.batch import MlxBatch, make_processors
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.weights import validate_model_folder
+
+# The main thread's streams too, before the interpreter finalizes (see `thread_exit`).
+atexit.register(mx.clear_streams)
 
 if TYPE_CHECKING:
     from mlxhost.engine.types import Message, ModelSpec, SamplingParams
@@ -113,6 +117,15 @@ class MlxModel:
 
 class MlxBackend:
     name = "mlx"
+
+    @staticmethod
+    def thread_exit() -> None:
+        """Destroy the streams MLX made for the calling thread; a worker runs this as it ends.
+
+        MLX (0.32) no longer cleans up a thread's streams by itself: a process whose threads
+        skipped this can abort at exit ("terminate called without an active exception").
+        """
+        mx.clear_streams()
 
     def load(self, spec: ModelSpec, progress: ProgressCallback) -> MlxModel:
         """Load a local folder (validated first) or a Hugging Face repo id at a pinned revision.
