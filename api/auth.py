@@ -32,6 +32,13 @@ def _authenticate_sync(raw_key: str) -> ApiKey | None:
     return key
 
 
+async def authenticate_raw(raw_key: str) -> ApiKey | None:
+    """The live key with this value, or None (the WebSocket's header or first-frame key)."""
+    if not raw_key:
+        return None
+    return await sync_to_async(_authenticate_sync)(raw_key)
+
+
 async def authenticate(request: HttpRequest) -> ApiKey:
     """Resolve the request's API key.
 

@@ -7,10 +7,9 @@ import logging
 import sys
 import uuid
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from mlxhost.engine import Engine, EngineConfig, ModelLoadError, ModelSpec
+from mlxhost.engine import Engine, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,28 +51,22 @@ def set_engine(engine: Engine | None) -> None:
     _engine = engine
 
 
-def _pinned_specs() -> list[tuple[str, ModelSpec]]:
-    from models_app import selectors
-
-    return [
-        (alias.name, selectors.model_spec_for(alias=alias))
-        for alias in selectors.aliases_enabled().filter(pinned=True)
-    ]
-
-
 async def engine_start() -> None:
-    """Load every enabled pinned alias; a failed load is logged and shown in /readyz, not fatal."""
+    """Start the engine's background work and reconcile it with the database (ADM-3).
+
+    Pinned aliases load now; a failed load is logged and shown in /readyz, not fatal. Control
+    messages (alias edits, admin actions) and the status publisher run until shutdown.
+    """
+    from api import control
+
     engine = get_engine()
     loop = asyncio.get_running_loop()
     _keep(loop.create_task(engine.housekeeping()))
     _start_persistence(loop)
-    for name, spec in await sync_to_async(_pinned_specs)():
-        try:
-            logger.info("loading pinned alias %s (instance %s)", name, spec.instance_id)
-            await engine.load(spec, name=name)
-            logger.info("alias %s ready", name)
-        except ModelLoadError as exc:
-            logger.error("alias %s failed to load: %s", name, exc)
+    actions = control.Actions(engine)
+    _keep(loop.create_task(control.run_control_listener(engine, actions), name="engine-control"))
+    _keep(loop.create_task(control.run_status_publisher(engine, actions), name="engine-status"))
+    await control.reconcile(engine, load_pinned=settings.MLXHOST_ENGINE.get("PRELOAD", True))
 
 
 def _start_persistence(loop: asyncio.AbstractEventLoop) -> None:
@@ -106,7 +99,7 @@ def schedule_engine_start() -> None:
     deferred with the reactor's `callWhenRunning`. Under other ASGI servers models load on
     their first request instead.
     """
-    if not settings.MLXHOST_ENGINE.get("PRELOAD", True) or "twisted.internet.reactor" not in sys.modules:
+    if "twisted.internet.reactor" not in sys.modules:
         return
     from twisted.internet import reactor
 

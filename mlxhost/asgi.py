@@ -9,15 +9,20 @@ from django.core.asgi import get_asgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mlxhost.settings")
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402  (needs Django set up first)
+from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs Django set up first)
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from api.engine_client import schedule_engine_start  # noqa: E402
+from api.routing import websocket_urlpatterns  # noqa: E402
 
 # Daphne serves no static files itself; the admin's CSS and the dashboard's JS come from here.
 http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.MLXHOST_SERVE_STATIC else django_asgi_app
-application = ProtocolTypeRouter({"http": http_app})
+# WebSocket consumers check Origin and credentials themselves (API-5): API-key clients send no Origin.
+application = ProtocolTypeRouter(
+    {"http": http_app, "websocket": AuthMiddlewareStack(URLRouter(websocket_urlpatterns))}
+)
 
 # Daphne installs its asyncio reactor before importing this module, so the engine starts on
 # the server's own loop as soon as it runs (pinned aliases load; /readyz reports progress).

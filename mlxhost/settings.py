@@ -81,14 +81,29 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env.str("REDIS_URL", default="")
+# Processes that share these prefixes (and Redis) see each other's control messages and status.
+MLXHOST_SHARED_PREFIX = env.str("MLXHOST_SHARED_PREFIX", default="mlxhost")
 if REDIS_URL:
+    # The channel layer carries admin edits to the engines and engine status to the dashboards (ADM-3).
     CHANNEL_LAYERS = {
-        "default": {"BACKEND": "channels_redis.core.RedisChannelLayer", "CONFIG": {"hosts": [REDIS_URL]}}
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL], "prefix": f"{MLXHOST_SHARED_PREFIX}:asgi"},
+        }
+    }
+    # Engine status for the admin pages of every process.
+    CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": MLXHOST_SHARED_PREFIX,
+        }
     }
     CELERY_BROKER_URL = REDIS_URL
     CELERY_TASK_ALWAYS_EAGER = False
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
     CELERY_BROKER_URL = "memory://"
     CELERY_TASK_ALWAYS_EAGER = True
 CELERY_TASK_EAGER_PROPAGATES = True
@@ -152,6 +167,11 @@ MLXHOST_ENGINE = {
     "SHUTDOWN_TIMEOUT_S": env.float("MLXHOST_SHUTDOWN_TIMEOUT_S", default=10.0),
 }
 MLXHOST_MAX_REQUEST_BYTES = env.int("MLXHOST_MAX_REQUEST_BYTES", default=4 * 1024 * 1024)
+# WebSocket /ws/v1/responses (API-3): frame size limit (larger closes with 1009), turns at once
+# per socket, and extra origins allowed besides the Host itself (behind a Host-rewriting proxy).
+MLXHOST_WS_MAX_FRAME_BYTES = env.int("MLXHOST_WS_MAX_FRAME_BYTES", default=1024 * 1024)
+MLXHOST_WS_MAX_TURNS = env.int("MLXHOST_WS_MAX_TURNS", default=1)
+MLXHOST_WS_ALLOWED_ORIGINS = env.list("MLXHOST_WS_ALLOWED_ORIGINS", default=[])
 DATA_UPLOAD_MAX_MEMORY_SIZE = MLXHOST_MAX_REQUEST_BYTES
 
 LOGGING = {

@@ -37,9 +37,11 @@ def alias_local_folder(*, alias: ModelAlias) -> Path:
     return resolve_under(Path(settings.MODELS_ROOT), alias.local_path)
 
 
-def model_spec_for(*, alias: ModelAlias) -> ModelSpec:
-    """What the engine needs to host the alias's instance; the engine never sees the alias."""
-    instance: ModelInstance = alias.instance  # type: ignore[assignment]
+def model_spec_for(*, alias: ModelAlias, instance: ModelInstance | None = None) -> ModelSpec:
+    """What the engine needs to host the alias's instance (or `instance`, weights being reloaded
+    for it) with the alias's settings; the engine never sees the alias."""
+    instance = instance or alias.instance
+    assert instance is not None, "an alias is saved with its instance"
     if instance.source_kind == ModelInstance.SourceKind.HUB:
         source, revision = instance.source, instance.revision or None
     else:

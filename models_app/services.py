@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from mlxhost.engine.errors import InvalidModelFolderError
 from mlxhost.engine.weights import folder_fingerprint, hub_fingerprint, resolve_under, validate_model_folder
+from models_app import control
 from models_app.apikeys import key_generate, key_hash, key_prefix
 from models_app.models import ApiKey, InstanceTombstone, ModelAlias, ModelInstance, StoredResponse
 
@@ -82,7 +83,51 @@ def alias_save(*, alias: ModelAlias) -> ModelAlias:
     )
     alias.full_clean()
     alias.save()
+    control.notify_models_changed()  # on commit: engines in every process reconcile (ADM-3)
     return alias
+
+
+@transaction.atomic
+def alias_delete(*, alias: ModelAlias) -> None:
+    """Delete the alias; engines unbind it, and its instance goes once its requests finish."""
+    alias.delete()
+    control.notify_models_changed()
+
+
+def alias_fresh_instance(*, alias: ModelAlias) -> ModelInstance:
+    """The instance of the weights the alias's source holds now (a new id if they changed),
+    without binding the alias to it: a reload loads it first (OPS-4).
+
+    Raises:
+        ValidationError: the source is no longer valid.
+    """
+    source, revision, fingerprint = alias_source_check(alias=alias)
+    return instance_register(
+        source_kind=alias.source_kind, source=source, revision=revision, fingerprint=fingerprint
+    )
+
+
+@transaction.atomic
+def alias_rebind(*, alias: ModelAlias, instance: ModelInstance) -> ModelAlias:
+    """Point the alias at `instance` (its reloaded weights are resident) and tell the engines."""
+    ModelAlias.objects.filter(pk=alias.pk).update(instance=instance, updated_at=timezone.now())
+    alias.instance = instance
+    control.notify_models_changed()
+    return alias
+
+
+def alias_request_action(*, alias: ModelAlias, action: str, requested_by: str = "") -> None:
+    """Ask the engines to load, unload or reload the alias, through their writer path (ADM-1).
+
+    Raises:
+        ValidationError: the action is unknown, or the alias is disabled (nothing may load it).
+    """
+    if action not in control.ACTIONS:
+        raise ValidationError(f"Unknown action {action!r}.")
+    if action != "unload" and not alias.enabled:
+        raise ValidationError(f"{alias.name} is disabled; enable it before you {action} it.")
+    with transaction.atomic():
+        control.request_action(alias_name=alias.name, action=action, requested_by=requested_by)  # type: ignore[arg-type]
 
 
 def alias_register(*, name: str, **fields: Any) -> ModelAlias:

@@ -104,19 +104,28 @@ class ResponseTurn:
         self.status, self.incomplete_reason = STATUS.get(event.finish_reason, ("completed", None))
         self.usage = event.usage
 
-    def event(self, kind: str, **fields: Any) -> bytes:
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return sse_event(payload, event=kind)
+        return payload
 
 
 async def response_sse(
     turn: ResponseTurn, generation: Generation, on_end: Callable[[ResponseTurn], None]
 ) -> AsyncIterator[bytes]:
-    """Stream a generation as Responses events, ending with completed / incomplete / failed.
+    """The Responses events as server-sent events, each named by its type."""
+    async for event in response_events(turn, generation, on_end):
+        yield sse_event(event, event=event["type"])
 
-    `on_end` runs after the terminal event went out (the client has its answer), and also
-    when the client hung up, so the turn is stored with its true status (PER-1).
+
+async def response_events(
+    turn: ResponseTurn, generation: Generation, on_end: Callable[[ResponseTurn], None]
+) -> AsyncIterator[dict[str, Any]]:
+    """Stream a generation as Responses event objects, ending with completed / incomplete / failed.
+
+    The SSE stream and the WebSocket send these same objects. `on_end` runs after the
+    terminal event went out (the client has its answer), and also when the client hung up,
+    so the turn is stored with its true status (PER-1).
     """
     item = {"item_id": turn.message_id, "output_index": 0}
     try:

@@ -176,6 +176,24 @@ class Generation:
             self.cancel()
             raise
 
+    async def queue_positions(self) -> AsyncIterator[int]:
+        """Yield the queue position each time it changes, until the request is admitted.
+
+        For clients that show the wait (the WebSocket surface); HTTP views just await
+        `admitted()`. The positions are taken off the stream, so `stream()` starts after them.
+
+        Raises:
+            QueueTimeoutError, DrainingError: as `admitted()`.
+        """
+        while not self._admission.done():
+            while self._events and isinstance(self._events[0], Queued):
+                yield self._events.popleft().position  # type: ignore[union-attr]
+            if self._admission.done():
+                break
+            self._wakeup = self._loop.create_future()
+            await asyncio.wait({self._wakeup, self._admission}, return_when=asyncio.FIRST_COMPLETED)
+        await self.admitted()
+
     async def stream(self) -> AsyncIterator[Event]:
         """Yield events until the terminal `Done` or `Failed`.
 

@@ -135,6 +135,7 @@ class Instance:
             "requests_cancelled": stats.requests_cancelled,
             "requests_failed": stats.requests_failed,
             "decode_tps": round(stats.last_decode_tps, 2),
+            "ttft_ms": round(stats.last_ttft_ms, 1),
             "batch_size": stats.batch_size,  # sequences sharing decode steps now (batched scheduler)
             "stalled_s": round(self.stalled_for(), 1),
             "memory_bytes": model.memory_bytes() if model is not None else 0,

@@ -54,6 +54,7 @@ class WorkerStats:
     requests_failed: int = 0
     active_request: str | None = None  # with a batch: its oldest sequence
     last_decode_tps: float = 0.0
+    last_ttft_ms: float = 0.0  # the last finished request's time to first token
     last_progress_at: float = 0.0  # the active request's last token (or start): a stall shows here
     batch_size: int = 0  # sequences in the batched scheduler now (0 when it runs exclusively)
 
@@ -75,13 +76,16 @@ def post_done(job: GenerateJob, turn: Turn, stats: WorkerStats, now: float, fini
     prefill_s = max(first_at - turn.started, 1e-9)
     decode_tps = (count - 1) / decode_s if count > 1 else 0.0
     stats.last_decode_tps = decode_tps or stats.last_decode_tps
+    ttft_ms = (first_at - job.submitted_at) * 1000
+    if count:
+        stats.last_ttft_ms = ttft_ms
     if finish == "cancelled":
         stats.requests_cancelled += 1
     else:
         stats.requests_finished += 1
     timings = Timings(
         queue_ms=turn.queue_ms,
-        ttft_ms=(first_at - job.submitted_at) * 1000,
+        ttft_ms=ttft_ms,
         prefill_tps=(len(job.prompt_ids) - turn.cached) / prefill_s,
         decode_tps=decode_tps,
     )

@@ -106,6 +106,10 @@ class Registry:
     def instances(self) -> list[Instance]:
         return list(self._by_id.values())
 
+    def names(self) -> list[str]:
+        """Every bound name."""
+        return sorted(self._bindings)
+
     def names_of(self, instance: Instance) -> list[str]:
         return sorted(name for name, bound in self._bindings.items() if bound is instance)
 

@@ -1,0 +1,280 @@
+"""The engine process's side of cross-process control (ADM-3) and of the live status (ADM-2, OPS-4).
+
+`run_control_listener` joins the engine group on the channel layer: a `models.changed` message
+reconciles the engine with the database, a `models.action` message loads, unloads or reloads an
+alias through the instance's writer path (LANE-4). `run_status_publisher` reports every instance
+about once a second to the cache (the admin reads it) and to the dashboard group (pushed to the
+browsers). The message vocabulary lives in `models_app.control`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
+from django.core.exceptions import ValidationError
+
+from api.engine_client import BOOT_ID
+from api.health import instance_status
+from mlxhost.engine import Engine, EngineError, ModelSpec
+from models_app import control, selectors, services
+from models_app.models import ModelAlias
+
+logger = logging.getLogger(__name__)
+
+STATUS_INTERVAL_S = 1.0
+# Channels' Redis layer forgets a group member after a day; re-join well before that.
+REJOIN_INTERVAL_S = 600.0
+STARTED_AT = time.time()
+
+
+# Reconciling ------------------------------------------------------------------------------------
+
+
+def _desired() -> dict[str, tuple[ModelSpec, bool]]:
+    """Every enabled alias -> (the spec it should be served with, pinned)."""
+    return {
+        alias.name: (selectors.model_spec_for(alias=alias), alias.pinned)
+        for alias in selectors.aliases_enabled()
+    }
+
+
+async def reconcile(engine: Engine, *, load_pinned: bool = True) -> None:
+    """Make the engine match the database: drop removed or disabled aliases, apply changed
+    settings or weights to bound ones (REG-5, hot swap), and load pinned ones."""
+    desired = await sync_to_async(_desired)()
+    bound = set(engine.registry.names())
+    for name in bound:
+        if _is_alias(name) and name not in desired:
+            logger.info("alias %s is gone or disabled: unbinding it", name)
+            engine.unbind(name)
+    loads = []
+    for name, (spec, pinned) in desired.items():
+        pinned = pinned and load_pinned
+        if name in bound or pinned:
+            instance = engine.bind(name, spec)
+            if pinned and instance.state != "ready":
+                loads.append(_load_logged(engine, name, spec))
+    await asyncio.gather(*loads)
+
+
+def _is_alias(name: str) -> bool:
+    # The engine also binds internal names ("instance:7" for bare specs, "reload:x" while reloading).
+    return ":" not in name
+
+
+async def _load_logged(engine: Engine, name: str, spec: ModelSpec) -> None:
+    try:
+        logger.info("loading alias %s (instance %s)", name, spec.instance_id)
+        await engine.load(spec, name=name)
+        logger.info("alias %s ready", name)
+    except EngineError as exc:
+        logger.error("alias %s failed to load: %s", name, exc)
+
+
+# Actions ------------------------------------------------------------------------------------------
+
+
+class Actions:
+    """Runs admin actions for one engine and remembers the last result per alias (shown by the admin)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.results: dict[str, dict[str, Any]] = {}
+        self._running: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, alias_name: str, action: str) -> asyncio.Task[None]:
+        """Run `action` in the background; one action at a time per alias, in arrival order."""
+        previous = self._running.get(alias_name)
+        task = asyncio.get_running_loop().create_task(self._after(previous, alias_name, action))
+        self._running[alias_name] = task
+        task.add_done_callback(
+            lambda t: self._running.pop(alias_name, None) if self._running.get(alias_name) is t else None
+        )
+        return task
+
+    async def _after(self, previous: asyncio.Task[None] | None, alias_name: str, action: str) -> None:
+        if previous is not None:
+            await asyncio.wait({previous})
+        await self.run(alias_name, action)
+
+    async def run(self, alias_name: str, action: str) -> None:
+        self.results[alias_name] = {"action": action, "state": "running", "error": "", "at": time.time()}
+        try:
+            instance_id = await self._run(alias_name, action)
+        except (EngineError, ValidationError, ModelAlias.DoesNotExist) as exc:
+            error = _reason(exc)
+            logger.error("%s of alias %s failed: %s", action, alias_name, error)
+            self.results[alias_name] = {
+                "action": action,
+                "state": "failed",
+                "error": error,
+                "at": time.time(),
+            }
+            return
+        self.results[alias_name] = {
+            "action": action,
+            "state": "done",
+            "error": "",
+            "at": time.time(),
+            "instance_id": instance_id,
+        }
+
+    async def _run(self, alias_name: str, action: str) -> int | None:
+        engine = self.engine
+        if action == "unload":
+            if alias_name not in engine.registry.names():
+                return None  # nothing of it is resident here
+            instance = engine.registry.resolve(alias_name)
+            await instance.unload()  # a lane writer: waits for running requests (LANE-4)
+            return instance.instance_id
+        alias = await sync_to_async(selectors.alias_resolve)(name=alias_name)
+        if action == "load":
+            return (await engine.load(selectors.model_spec_for(alias=alias), name=alias_name)).instance_id
+        if action == "reload":
+            return await self._reload(alias)
+        raise ValueError(f"unknown action {action!r}")
+
+    async def _reload(self, alias: ModelAlias) -> int:
+        """Read the alias's weights again. New weights load beside the old instance, which keeps
+        serving until they are resident and is kept if they fail (OPS-4)."""
+        engine = self.engine
+        fresh = await sync_to_async(services.alias_fresh_instance)(alias=alias)
+        if fresh.pk == alias.instance_id:  # the same weights: reload them in place, as a writer
+            instance = engine.bind(alias.name, selectors.model_spec_for(alias=alias))
+            await instance.unload()
+            await instance.ensure_loaded()
+            return instance.instance_id
+        staging = f"reload:{alias.name}"
+        spec = selectors.model_spec_for(alias=alias, instance=fresh)
+        try:
+            await engine.load(spec, name=staging)
+            await sync_to_async(services.alias_rebind)(alias=alias, instance=fresh)
+            engine.bind(alias.name, spec)  # the hot swap: the old instance ends after its requests
+        finally:
+            engine.unbind(staging)
+        return fresh.pk
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        return "; ".join(exc.messages)
+    if isinstance(exc, ModelAlias.DoesNotExist):
+        return "The alias does not exist or is disabled."
+    return str(exc) or type(exc).__name__
+
+
+# The listener -------------------------------------------------------------------------------------
+
+
+async def run_control_listener(engine: Engine, actions: Actions) -> None:
+    """Receive control messages for this engine until cancelled."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    channel = await layer.new_channel("mlxhost.engine.")
+    try:
+        while True:
+            await layer.group_add(control.ENGINE_GROUP, channel)
+            try:
+                message = await asyncio.wait_for(layer.receive(channel), REJOIN_INTERVAL_S)
+            except TimeoutError:
+                continue
+            await handle_message(engine, actions, message)
+    finally:
+        with contextlib.suppress(Exception):  # shutting down with the layer gone
+            await layer.group_discard(control.ENGINE_GROUP, channel)
+
+
+async def handle_message(engine: Engine, actions: Actions, message: dict[str, Any]) -> None:
+    kind = message.get("type")
+    try:
+        if kind == control.MODELS_CHANGED:
+            await reconcile(engine)
+        elif kind == control.MODEL_ACTION:
+            actions.start(str(message.get("alias", "")), str(message.get("action", "")))
+        else:
+            logger.warning("ignoring control message of type %r", kind)
+    except Exception:
+        logger.exception("control message %r failed", kind)
+
+
+# Status -------------------------------------------------------------------------------------------
+
+
+class StatusBuilder:
+    """Turns engine snapshots into the status the admin and dashboard show, with rates over time."""
+
+    def __init__(self, engine: Engine, actions: Actions) -> None:
+        self.engine = engine
+        self.actions = actions
+        self._last: dict[int, tuple[int, float]] = {}  # instance id -> (tokens generated, when)
+
+    def build(self) -> dict[str, Any]:
+        now = time.monotonic()
+        views = [self._view(snap, now) for snap in self.engine.snapshot()]
+        return {
+            "boot_id": BOOT_ID,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": STARTED_AT,
+            "at": time.time(),
+            "instances": sorted(views, key=lambda view: view["instance_id"]),
+            "actions": dict(self.actions.results),
+        }
+
+    def _view(self, snap: dict[str, Any], now: float) -> dict[str, Any]:
+        instance_id, tokens = snap["instance_id"], snap["tokens_generated"]
+        last_tokens, last_at = self._last.get(instance_id, (tokens, now))
+        self._last[instance_id] = (tokens, now)
+        elapsed = now - last_at
+        lane, progress = snap["lane"], snap["load_progress"]
+        return {
+            "instance_id": instance_id,
+            "aliases": [name for name in snap["aliases"] if _is_alias(name)],
+            "state": snap["state"],
+            "status": instance_status(snap),
+            "error": snap["last_error"] or "",
+            "active": lane["active"],
+            "queued": lane["queued"],
+            "capacity": lane["capacity"],
+            "draining": lane["draining"],
+            "tokens_per_s": round((tokens - last_tokens) / elapsed, 1) if elapsed > 0 else 0.0,
+            "decode_tps": snap["decode_tps"],
+            "ttft_ms": snap["ttft_ms"],
+            "batch_size": snap["batch_size"],
+            "warm_sessions": snap["sessions"]["entries"],
+            "warm_bytes": snap["sessions"]["bytes"],
+            "memory_bytes": snap["memory_bytes"],
+            "load_progress": progress,
+            "requests_finished": snap["requests_finished"],
+            "stalled_s": snap["stalled_s"],
+        }
+
+
+async def run_status_publisher(engine: Engine, actions: Actions) -> None:
+    """Publish this engine's status every STATUS_INTERVAL_S until cancelled."""
+    layer = get_channel_layer()
+    builder = StatusBuilder(engine, actions)
+    failing = False
+    while True:
+        status = builder.build()
+        try:
+            await sync_to_async(control.status_publish)(status)
+            if layer is not None:
+                await layer.group_send(
+                    control.DASHBOARD_GROUP, {"type": control.DASHBOARD_STATUS, "status": status}
+                )
+            failing = False
+        except Exception:
+            if not failing:  # say it once, not every second
+                logger.warning("could not publish the engine status", exc_info=True)
+            failing = True
+        await asyncio.sleep(STATUS_INTERVAL_S)

@@ -1,0 +1,244 @@
+"""WebSocket surfaces: `/ws/v1/responses` (API-3) and the dashboard's live status (ADM-2).
+
+Consumers stay thin: a Responses turn runs through the very code of `POST /v1/responses`
+(`api.openai.responses_run`), and the frames are the same event objects as its SSE stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from asgiref.sync import sync_to_async
+from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
+
+from api.auth import authenticate_raw
+from api.engine_client import get_engine
+from api.errors import ApiError, as_api_error, error_body
+from api.openai.responses import response_events
+from api.openai.responses_input import ResponsesInput
+from api.openai.responses_run import response_start
+from api.openai.views import validated
+from models_app import control
+
+# Close codes: 4401/4403 mirror HTTP 401/403; 1009 is the protocol's "message too big".
+CLOSE_UNAUTHENTICATED = 4401
+CLOSE_FORBIDDEN = 4403
+CLOSE_TOO_BIG = 1009
+AUTH_FRAME_TIMEOUT_S = 10.0
+
+
+def _header(scope: dict[str, Any], name: bytes) -> str:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value.decode("latin1")
+    return ""
+
+
+def origin_allowed(scope: dict[str, Any]) -> bool:
+    """True when the handshake has no Origin (not a browser) or one of this site.
+
+    "This site" is the Host the browser connected to, or an origin listed in
+    MLXHOST_WS_ALLOWED_ORIGINS (for a proxy that rewrites Host).
+    """
+    origin = _header(scope, b"origin")
+    if not origin:
+        return True
+    allowed = {o.rstrip("/") for o in settings.MLXHOST_WS_ALLOWED_ORIGINS}
+    if origin.rstrip("/") in allowed:
+        return True
+    return urlsplit(origin).netloc.lower() == _header(scope, b"host").lower()
+
+
+def presented_key(scope: dict[str, Any]) -> str:
+    """The API key from `Authorization: Bearer` or `x-api-key`; never from the query string."""
+    header = _header(scope, b"authorization")
+    if header[:7].lower() == "bearer ":
+        return header[7:].strip()
+    return _header(scope, b"x-api-key").strip()
+
+
+def session_user(scope: dict[str, Any]) -> Any | None:
+    """The logged-in, active user of a browser handshake from this site, else None.
+
+    A session cookie counts only with an Origin header: a browser always sends one, and
+    `origin_allowed` has checked it is ours (no cross-site WebSocket hijacking).
+    """
+    user = scope.get("user")
+    if user is None or not user.is_authenticated or not user.is_active or not _header(scope, b"origin"):
+        return None
+    return user
+
+
+class ResponsesConsumer(AsyncWebsocketConsumer):
+    """`/ws/v1/responses`: `response.create` / `response.cancel` frames in, Responses events out.
+
+    Auth: an API key header, the Django session of a page of this site, or, when the URL says
+    `?auth=first-frame`, a first frame `{"type": "auth", "api_key": ...}`. A bad frame gets an
+    error frame and the socket stays open. Turns run back to back, at most
+    MLXHOST_WS_MAX_TURNS at once; closing the socket cancels them.
+    """
+
+    tenant: int | None = None
+
+    async def connect(self) -> None:
+        self.turns: dict[str, asyncio.Task[None]] = {}
+        self.closed = False
+        if not origin_allowed(self.scope):
+            await self.close(code=CLOSE_FORBIDDEN)
+            return
+        raw_key = presented_key(self.scope)
+        if raw_key:
+            key = await authenticate_raw(raw_key)
+            if key is None:
+                await self.close(code=CLOSE_UNAUTHENTICATED)
+                return
+            self.tenant = key.owner_id
+        elif (user := session_user(self.scope)) is not None:
+            self.tenant = user.pk
+        elif "first-frame" not in parse_qs(self.scope.get("query_string", b"").decode()).get("auth", []):
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+            return
+        await self.accept()
+        if self.tenant is None:
+            self._auth_deadline = asyncio.get_running_loop().call_later(
+                AUTH_FRAME_TIMEOUT_S, self._auth_expired
+            )
+
+    def _auth_expired(self) -> None:
+        if self.tenant is None and not self.closed:
+            asyncio.ensure_future(self.close(code=CLOSE_UNAUTHENTICATED))
+
+    async def disconnect(self, code: int) -> None:
+        self.closed = True
+        engine = get_engine()
+        for response_id, task in list(self.turns.items()):
+            engine.cancel(response_id)  # out of the queue at once, or stopped within one step
+            task.cancel()
+        if self.turns:
+            await asyncio.wait(self.turns.values(), timeout=5)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        size = len(text_data.encode()) if text_data is not None else len(bytes_data or b"")
+        if size > settings.MLXHOST_WS_MAX_FRAME_BYTES:
+            await self.close(code=CLOSE_TOO_BIG)
+            return
+        try:
+            frame = _frame(text_data)
+            await self._dispatch(frame)
+        except Exception as exc:  # every failure is an error frame; the socket stays usable
+            await self.send_error(as_api_error(exc))
+
+    async def _dispatch(self, frame: dict[str, Any]) -> None:
+        kind = frame.get("type")
+        if self.tenant is None:
+            if kind != "auth" or not isinstance(frame.get("api_key"), str):
+                await self.close(code=CLOSE_UNAUTHENTICATED)
+                return
+            key = await authenticate_raw(frame["api_key"])
+            if key is None:
+                await self.close(code=CLOSE_UNAUTHENTICATED)
+                return
+            self.tenant = key.owner_id
+            await self.send_json({"type": "auth.ok"})
+            return
+        if kind == "response.create":
+            self._create({k: v for k, v in frame.items() if k != "type"})
+        elif kind == "response.cancel":
+            self._cancel(frame.get("response_id"))
+        else:
+            raise ApiError(
+                400,
+                "Unknown frame type; send 'response.create' or 'response.cancel'.",
+                code="unknown_frame_type",
+                param="type",
+            )
+
+    def _create(self, body: dict[str, Any]) -> None:
+        if len(self.turns) >= settings.MLXHOST_WS_MAX_TURNS:
+            raise ApiError(
+                429,
+                f"This socket already runs {len(self.turns)} turn(s); wait for one to finish or cancel it.",
+                type="rate_limit_error",
+                code="too_many_turns",
+            )
+        data = validated(ResponsesInput, body)
+        data["stream"] = True
+        response_id = f"resp_{secrets.token_hex(16)}"
+        task = asyncio.get_running_loop().create_task(self._run_turn(response_id, data))
+        self.turns[response_id] = task
+        task.add_done_callback(lambda _t: self.turns.pop(response_id, None))
+
+    def _cancel(self, response_id: Any) -> None:
+        targets = [response_id] if isinstance(response_id, str) else list(self.turns)
+        engine = get_engine()
+        for target in targets:
+            if target in self.turns:
+                engine.cancel(target)  # the turn ends with its terminal event, status "cancelled"
+
+    async def _run_turn(self, response_id: str, data: dict[str, Any]) -> None:
+        async def on_queued(position: int) -> None:
+            await self.send_json(
+                {"type": "response.queued", "response_id": response_id, "position": position}
+            )
+
+        try:
+            started = await response_start(data, self.tenant, response_id=response_id, on_queued=on_queued)  # type: ignore[arg-type]
+        except Exception as exc:
+            await self.send_error(as_api_error(exc, model=data.get("model")), response_id=response_id)
+            return
+        async for event in response_events(started.response, started.generation, started.on_end):
+            if event["type"] == "response.created":
+                event["session_cache"] = started.generation.session_outcome  # what the HTTP header says
+            await self.send_json(event)
+
+    async def send_json(self, payload: dict[str, Any]) -> None:
+        if not self.closed:
+            await self.send(text_data=json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+
+    async def send_error(self, error: ApiError, response_id: str | None = None) -> None:
+        frame: dict[str, Any] = {"type": "error", "status": error.status, **error_body(error, "openai")}
+        if response_id is not None:
+            frame["response_id"] = response_id
+        if error.retry_after is not None:
+            frame["retry_after"] = error.retry_after
+        await self.send_json(frame)
+
+
+def _frame(text: str | None) -> dict[str, Any]:
+    if text is None:
+        raise ApiError(400, "Send JSON text frames, not binary ones.", code="invalid_frame")
+    try:
+        frame = json.loads(text)
+    except ValueError:
+        raise ApiError(400, "The frame is not valid JSON.", code="invalid_json") from None
+    if not isinstance(frame, dict):
+        raise ApiError(400, "A frame must be a JSON object with a 'type'.", code="invalid_frame")
+    return frame
+
+
+class DashboardConsumer(AsyncWebsocketConsumer):
+    """`/ws/dashboard`: staff only; pushes every engine's status as it is published (ADM-2)."""
+
+    async def connect(self) -> None:
+        user = session_user(self.scope) if origin_allowed(self.scope) else None
+        if user is None or not user.is_staff:
+            await self.close(code=CLOSE_FORBIDDEN if user is not None else CLOSE_UNAUTHENTICATED)
+            return
+        await self.channel_layer.group_add(control.DASHBOARD_GROUP, self.channel_name)
+        await self.accept()
+        for status in await sync_to_async(control.engine_statuses)():
+            await self.send(text_data=json.dumps({"type": "status", "status": status}))
+
+    async def disconnect(self, code: int) -> None:
+        await self.channel_layer.group_discard(control.DASHBOARD_GROUP, self.channel_name)
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        pass  # the dashboard only listens; actions go through the admin's forms (CSRF)
+
+    async def dashboard_status(self, message: dict[str, Any]) -> None:
+        await self.send(text_data=json.dumps({"type": "status", "status": message["status"]}))

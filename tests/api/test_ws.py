@@ -1,0 +1,229 @@
+"""WebSocket /ws/v1/responses in process (channels' WebsocketCommunicator) with the tiny real MLX model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from channels.testing import WebsocketCommunicator
+from django.test import AsyncClient
+
+from mlxhost.asgi import application
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+PATH = "/ws/v1/responses"
+HOST = (b"host", b"testserver")
+
+
+def key_headers(api_key: str, *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    return [HOST, (b"authorization", f"Bearer {api_key}".encode()), *extra]
+
+
+async def connect(headers: list[tuple[bytes, bytes]], path: str = PATH) -> WebsocketCommunicator:
+    socket = WebsocketCommunicator(application, path, headers=headers)
+    connected, code = await socket.connect(timeout=10)
+    assert connected, code
+    return socket
+
+
+async def frames_until(socket: WebsocketCommunicator, *types: str, timeout: float = 60) -> list[dict]:
+    """Every frame up to and including the first whose type is one of `types`."""
+    seen = []
+    while True:
+        frame = json.loads(await socket.receive_from(timeout=timeout))
+        seen.append(frame)
+        if frame["type"] in types:
+            return seen
+
+
+TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+
+
+async def create(socket: WebsocketCommunicator, **body) -> None:
+    await socket.send_to(text_data=json.dumps({"type": "response.create", "model": "tiny", **body}))
+
+
+def text_of(frames: list[dict]) -> str:
+    return "".join(f["delta"] for f in frames if f["type"] == "response.output_text.delta")
+
+
+async def lane(engine) -> dict:
+    return engine.snapshot()[0]["lane"]
+
+
+async def test_a_turn_streams_the_responses_events_and_matches_http(tiny_alias, api_key, mlx_engine):
+    """API-3: the socket runs the same generation path as POST /v1/responses and sends its events."""
+    socket = await connect(key_headers(api_key))
+    await create(socket, input="Hello there", max_output_tokens=6, store=False)
+    frames = await frames_until(socket, *TERMINAL)
+    types = [f["type"] for f in frames]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert [f["sequence_number"] for f in frames] == list(range(len(frames)))
+    assert frames[0]["session_cache"] in ("hit", "cold_replay", "fresh")
+    final = frames[-1]["response"]
+    streamed = text_of(frames)
+    assert final["output"][0]["content"][0]["text"] == streamed
+    assert final["usage"]["output_tokens"] == 6 or final["status"] == "completed"
+    await socket.disconnect()
+
+    http = await AsyncClient().post(
+        "/v1/responses",
+        data=json.dumps({"model": "tiny", "input": "Hello there", "max_output_tokens": 6, "store": False}),
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {api_key}"},
+    )
+    assert http.json()["output"][0]["content"][0]["text"] == streamed  # greedy: the same text
+
+
+async def test_two_turns_run_back_to_back_and_the_second_continues_the_first(tiny_alias, api_key, mlx_engine):
+    """API-3: one socket runs turns in sequence; a turn continues the stored chain by id (PER-1)."""
+    socket = await connect(key_headers(api_key))
+    await create(socket, input="My name is Ada.", max_output_tokens=4)
+    first = (await frames_until(socket, *TERMINAL))[-1]
+    assert first["type"] != "error", first
+    await create(socket, input="What is my name?", max_output_tokens=4, previous_response_id=first["response"]["id"])
+    second = (await frames_until(socket, *TERMINAL))[-1]
+    assert second["type"] != "error", second
+    assert second["response"]["previous_response_id"] == first["response"]["id"]
+    # The stored conversation carries turn one: the prompt of turn two is longer than its own input.
+    assert second["response"]["usage"]["input_tokens"] > first["response"]["usage"]["input_tokens"]
+    await socket.disconnect()
+
+
+async def test_no_credentials_close_with_4401_before_accept(tiny_alias, mlx_engine):
+    """API-5: no API key and no session: the handshake is refused with 4401, nothing is accepted."""
+    socket = WebsocketCommunicator(application, PATH, headers=[HOST])
+    connected, code = await socket.connect(timeout=10)
+    assert (connected, code) == (False, 4401)
+
+
+async def test_a_wrong_key_closes_with_4401(tiny_alias, mlx_engine):
+    """API-5: an unknown key is refused like a missing one."""
+    socket = WebsocketCommunicator(application, PATH, headers=key_headers("sk-not-a-real-key-123456"))
+    assert await socket.connect(timeout=10) == (False, 4401)
+
+
+async def test_a_foreign_origin_is_rejected_even_with_a_valid_key(tiny_alias, api_key, mlx_engine):
+    """API-5: the socket checks Origin; a page of another site cannot use it."""
+    headers = key_headers(api_key, (b"origin", b"https://evil.example"))
+    socket = WebsocketCommunicator(application, PATH, headers=headers)
+    assert await socket.connect(timeout=10) == (False, 4403)
+    same_site = await connect(key_headers(api_key, (b"origin", b"http://testserver")))
+    await same_site.disconnect()
+
+
+async def test_a_session_counts_only_from_a_page_of_this_site(tiny_alias, mlx_engine, user):
+    """API-5: the Django session authenticates a browser socket, which always sends Origin."""
+    client = AsyncClient()
+    await client.aforce_login(user)
+    cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
+    without_origin = WebsocketCommunicator(application, PATH, headers=[HOST, (b"cookie", cookie)])
+    assert await without_origin.connect(timeout=10) == (False, 4401)
+    socket = await connect([HOST, (b"cookie", cookie), (b"origin", b"http://testserver")])
+    await create(socket, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(socket, *TERMINAL))[-1]["type"] != "error"
+    await socket.disconnect()
+
+
+async def test_an_api_key_in_the_first_frame_authenticates_when_asked_for(tiny_alias, api_key, mlx_engine):
+    """API-5: `?auth=first-frame` accepts, then the first frame must carry a valid key."""
+    socket = await connect([HOST], path=f"{PATH}?auth=first-frame")
+    await socket.send_to(text_data=json.dumps({"type": "auth", "api_key": api_key}))
+    assert json.loads(await socket.receive_from(timeout=10)) == {"type": "auth.ok"}
+    await create(socket, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(socket, *TERMINAL))[-1]["type"] != "error"
+    await socket.disconnect()
+
+    wrong = await connect([HOST], path=f"{PATH}?auth=first-frame")
+    await create(wrong, input="Hi")  # anything but an auth frame first
+    assert (await wrong.receive_output(timeout=10)) == {"type": "websocket.close", "code": 4401}
+
+
+async def test_bad_frames_get_error_frames_and_the_socket_stays_usable(tiny_alias, api_key, mlx_engine):
+    """API-3, API-4: invalid JSON, an unknown type and an invalid body each get an error frame."""
+    socket = await connect(key_headers(api_key))
+    await socket.send_to(text_data="{not json")
+    assert json.loads(await socket.receive_from(timeout=10))["error"]["code"] == "invalid_json"
+    await socket.send_to(text_data=json.dumps({"type": "response.explode"}))
+    assert json.loads(await socket.receive_from(timeout=10))["error"]["code"] == "unknown_frame_type"
+    await create(socket, input="Hi", max_output_tokens=-3)
+    error = json.loads(await socket.receive_from(timeout=10))
+    assert (error["type"], error["status"], error["error"]["param"]) == ("error", 400, "max_output_tokens")
+    await create(socket, model="no-such-model", input="Hi")
+    error = json.loads(await socket.receive_from(timeout=10))
+    assert (error["status"], error["error"]["code"]) == (404, "model_not_found")
+    await create(socket, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(socket, *TERMINAL))[-1]["type"] == "response.incomplete"
+    await socket.disconnect()
+
+
+async def test_an_oversized_frame_closes_with_1009(tiny_alias, api_key, mlx_engine, settings):
+    """API-3: a frame over MLXHOST_WS_MAX_FRAME_BYTES closes the socket with 1009 (message too big)."""
+    settings.MLXHOST_WS_MAX_FRAME_BYTES = 1000
+    socket = await connect(key_headers(api_key))
+    await create(socket, input="x" * 2000)
+    assert await socket.receive_output(timeout=10) == {"type": "websocket.close", "code": 1009}
+
+
+async def test_the_queue_position_is_reported_and_cancel_frees_the_slot(
+    tiny_alias, api_key, mlx_engine, tiny_eos_id
+):
+    """API-3, LANE-6: a waiting turn hears its position; a cancel frame ends the running turn with
+    its terminal event (status cancelled) and the waiting one gets the slot."""
+    no_eos = {str(tiny_eos_id): -100}
+    first = await connect(key_headers(api_key))
+    await create(first, input="Count", max_output_tokens=100_000, logit_bias=no_eos, store=False)
+    await frames_until(first, "response.output_text.delta")
+    second = await connect(key_headers(api_key))
+    await create(second, input="Hi", max_output_tokens=3, logit_bias=no_eos, store=False)
+    queued = json.loads(await second.receive_from(timeout=10))
+    assert (queued["type"], queued["position"]) == ("response.queued", 1)
+    assert (await lane(mlx_engine))["queued"] == 1
+
+    await first.send_to(text_data=json.dumps({"type": "response.cancel"}))
+    ended = (await frames_until(first, *TERMINAL))[-1]
+    assert (ended["type"], ended["response"]["status"]) == ("response.incomplete", "cancelled")
+    done = (await frames_until(second, *TERMINAL))[-1]
+    assert done["response"]["usage"]["output_tokens"] == 3
+    assert (await lane(mlx_engine))["active"] == 0
+    await first.disconnect()
+    await second.disconnect()
+
+
+async def test_closing_the_socket_cancels_the_running_turn_and_frees_the_slot(
+    tiny_alias, api_key, mlx_engine, tiny_eos_id
+):
+    """API-3, LANE-6: a closed socket stops its generation; /readyz shows the slot free."""
+    socket = await connect(key_headers(api_key))
+    await create(socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100})
+    await frames_until(socket, "response.output_text.delta")
+    await socket.disconnect()
+    for _ in range(500):
+        if (await lane(mlx_engine))["active"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    readyz = await AsyncClient().get("/readyz", headers={"Authorization": f"Bearer {api_key}"})
+    assert readyz.json()["instances"][0]["lane"]["active"] == 0
+    assert mlx_engine.snapshot()[0]["requests_cancelled"] == 1
+
+
+async def test_a_socket_runs_at_most_its_limit_of_turns_at_once(tiny_alias, api_key, mlx_engine, tiny_eos_id):
+    """API-3: a create beyond MLXHOST_WS_MAX_TURNS gets an error frame; the running turn goes on."""
+    socket = await connect(key_headers(api_key))
+    await create(socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100}, store=False)
+    await frames_until(socket, "response.output_text.delta")
+    await create(socket, input="Also")
+    frames = await frames_until(socket, "error")
+    assert frames[-1]["error"]["code"] == "too_many_turns"
+    assert frames[-1]["status"] == 429
+    await socket.send_to(text_data=json.dumps({"type": "response.cancel"}))
+    assert (await frames_until(socket, *TERMINAL))[-1]["response"]["status"] == "cancelled"
+    await socket.disconnect()

@@ -1,0 +1,95 @@
+"""/ws/v1/responses through a real daphne process, with a real WebSocket client (`websockets`)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import ClientConnection, connect
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
+
+TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
+
+
+def ws_url(server) -> str:
+    return server.url.replace("http://", "ws://") + "/ws/v1/responses"
+
+
+def open_socket(server, api_key: str, **kwargs) -> ClientConnection:
+    return connect(ws_url(server), additional_headers={"Authorization": f"Bearer {api_key}"}, **kwargs)
+
+
+def frames_until(socket: ClientConnection, *types: str) -> list[dict]:
+    seen = []
+    while True:
+        frame = json.loads(socket.recv(timeout=60))
+        seen.append(frame)
+        if frame["type"] in types:
+            return seen
+
+
+def create(socket: ClientConnection, **body) -> None:
+    socket.send(json.dumps({"type": "response.create", "model": "tiny", **body}))
+
+
+def lane_of(server, api_key: str) -> dict:
+    body = httpx.get(f"{server.url}/readyz", headers={"Authorization": f"Bearer {api_key}"}, timeout=10).json()
+    return body["instances"][0]["lane"]
+
+
+def test_two_streamed_turns_on_one_socket(daphne_server, api_key, tiny_alias):
+    """API-3: a real client streams two turns back to back; the second continues the first."""
+    with open_socket(daphne_server, api_key) as socket:
+        create(socket, input="Hello there", max_output_tokens=5)
+        first = frames_until(socket, *TERMINAL)
+        deltas = [f["delta"] for f in first if f["type"] == "response.output_text.delta"]
+        assert first[-1]["type"] == "response.incomplete"
+        assert "".join(deltas) == first[-1]["response"]["output"][0]["content"][0]["text"]
+        create(socket, input="And then?", max_output_tokens=5, previous_response_id=first[-1]["response"]["id"])
+        second = frames_until(socket, *TERMINAL)[-1]
+        assert second["type"] == "response.incomplete", second
+        assert second["response"]["previous_response_id"] == first[-1]["response"]["id"]
+
+
+def test_queue_position_then_cancel_frees_the_slot(daphne_server, api_key, tiny_alias, tiny_eos_id):
+    """API-3, LANE-6: the waiting socket hears its position; a cancel frees the slot (/readyz)."""
+    no_eos = {str(tiny_eos_id): -100}
+    with open_socket(daphne_server, api_key) as running, open_socket(daphne_server, api_key) as waiting:
+        create(running, input="Count", max_output_tokens=100_000, logit_bias=no_eos, store=False)
+        frames_until(running, "response.output_text.delta")
+        create(waiting, input="Hi", max_output_tokens=3, logit_bias=no_eos, store=False)
+        queued = json.loads(waiting.recv(timeout=30))
+        assert (queued["type"], queued["position"]) == ("response.queued", 1)
+
+        running.send(json.dumps({"type": "response.cancel"}))
+        assert frames_until(running, *TERMINAL)[-1]["response"]["status"] == "cancelled"
+        assert frames_until(waiting, *TERMINAL)[-1]["response"]["usage"]["output_tokens"] == 3
+    assert lane_of(daphne_server, api_key)["active"] == 0
+
+
+def test_closing_the_socket_frees_the_slot(daphne_server, api_key, tiny_alias, tiny_eos_id):
+    """API-3, LANE-6: hanging up mid-stream cancels the turn on the server."""
+    with open_socket(daphne_server, api_key) as socket:
+        create(socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100}, store=False)
+        frames_until(socket, "response.output_text.delta")
+    deadline = time.monotonic() + 30
+    while lane_of(daphne_server, api_key)["active"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lane_of(daphne_server, api_key)["active"] == 0
+
+
+def test_a_foreign_origin_and_missing_credentials_are_refused(daphne_server, api_key, tiny_alias):
+    """API-5: daphne turns a close before accept into a refused handshake (HTTP 403)."""
+    with pytest.raises(InvalidStatus) as foreign:
+        open_socket(daphne_server, api_key, origin="https://evil.example")
+    assert foreign.value.response.status_code == 403
+    with pytest.raises(InvalidStatus) as anonymous:
+        connect(ws_url(daphne_server))
+    assert anonymous.value.response.status_code == 403
+    with open_socket(daphne_server, api_key, origin=daphne_server.url) as same_site:
+        create(same_site, input="Hi", max_output_tokens=2, store=False)
+        assert frames_until(same_site, *TERMINAL)[-1]["type"] == "response.incomplete"
