@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -61,24 +62,35 @@ def wait_until_up(server: Server, timeout: float = 60.0) -> None:
 
 @pytest.fixture(scope="module")
 def daphne_server(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Server]:
-    from django.conf import settings
-
     with django_db_blocker.unblock():
         url = database_url()
+    with running_daphne(url, tmp_path_factory.mktemp("daphne")) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def running_daphne(database: str, log_dir: Path, **env_extra: str) -> Iterator[Server]:
+    """daphne serving mlxhost on a free port against `database`, stopped on exit.
+
+    With REDIS_URL (in the environment or `env_extra`) a Celery worker runs beside it, so stored
+    responses go through a real broker, as in production.
+    """
+    from django.conf import settings
+
     port = free_port()
-    log = tmp_path_factory.mktemp("daphne") / "daphne.log"
+    log = log_dir / "daphne.log"
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "mlxhost.settings",
-        "DATABASE_URL": url,
+        "DATABASE_URL": database,
         "MODELS_ROOT": str(settings.MODELS_ROOT),
         "MLXHOST_PRELOAD": "false",
         "PYTHONUNBUFFERED": "1",
         # A queue of this server's own, so concurrent runs on one Redis never share tasks.
         "MLXHOST_CELERY_QUEUE": f"mlxhost-e2e-{uuid.uuid4().hex[:12]}",
+        **env_extra,
     }
-    # With Redis (CI) stored responses go through a real Celery worker, as in production.
-    worker = celery_worker(env, log.with_name("celery.log")) if os.environ.get("REDIS_URL") else None
+    worker = celery_worker(env, log.with_name("celery.log")) if env.get("REDIS_URL") else None
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "mlxhost.asgi:application"],
@@ -102,7 +114,7 @@ def daphne_server(django_db_setup, django_db_blocker, tmp_path_factory) -> Itera
                 proc.kill()
                 proc.wait()
         if worker is not None:
-            queue_delete(os.environ["REDIS_URL"], env["MLXHOST_CELERY_QUEUE"])
+            queue_delete(env["REDIS_URL"], env["MLXHOST_CELERY_QUEUE"])
 
 
 def queue_delete(redis_url: str, queue: str) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from mlxhost.engine.types import Message, ModelSpec, SamplingParams
 
-ProgressCallback = Callable[[int, int], None]  # (done, total) in bytes
+ProgressCallback = Callable[[int, int], None]  # (done, total): bytes read, or files downloaded
 
 
 @dataclass(frozen=True, slots=True)

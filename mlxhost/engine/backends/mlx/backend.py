@@ -18,6 +18,8 @@ from mlxhost.engine.backends.mlx.batch import MlxBatch, make_processors
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.weights import validate_model_folder
 
+READ_CHUNK = 16 * 1024 * 1024
+
 # The main thread's streams too, before the interpreter finalizes (see `thread_exit`).
 atexit.register(mx.clear_streams)
 
@@ -139,14 +141,35 @@ class MlxBackend:
         else:
             path = _download(spec.source, spec.revision, progress)
             validate_model_folder(path)
-        total = sum(p.stat().st_size for p in path.glob("*") if p.is_file())
-        progress(0, total)
+        _read_with_progress(path, progress)
         try:
             model, tokenizer = mlx_load(str(path))
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: MLX's own reader
             raise ModelLoadError(f"mlx-lm could not load the model: {exc}") from exc
-        progress(total, total)
         return MlxModel(model, tokenizer, path)
+
+
+def _read_with_progress(folder: Path, progress: ProgressCallback) -> None:
+    """Read the folder's files once, reporting bytes as they come in (OPS-4).
+
+    mlx-lm loads all weights in one call that says nothing while it runs; reading the files
+    first moves the slow part (the disk) here, where it can be shown, and leaves mlx-lm to
+    read them back from the page cache.
+    """
+    files = sorted(p for p in folder.glob("*") if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    done = 0
+    progress(0, total)
+    buffer = bytearray(READ_CHUNK)
+    for file in files:
+        try:
+            with file.open("rb", buffering=0) as handle:
+                while count := handle.readinto(buffer):
+                    done += count
+                    progress(min(done, total), total)
+        except OSError as exc:
+            raise ModelLoadError(f"Could not read {file.name}: {exc}") from exc
+    progress(total, total)
 
 
 def _download(repo_id: str, revision: str | None, progress: ProgressCallback) -> Path:
@@ -155,7 +178,22 @@ def _download(repo_id: str, revision: str | None, progress: ProgressCallback) ->
 
     patterns = ["*.json", "model*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
     try:
-        folder = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+        folder = snapshot_download(
+            repo_id, revision=revision, allow_patterns=patterns, tqdm_class=_reporting_bar(progress)
+        )
     except Exception as exc:
         raise ModelLoadError(f"Could not fetch {repo_id}@{revision or 'main'} from the hub: {exc}") from exc
     return Path(folder)
+
+
+def _reporting_bar(progress: ProgressCallback) -> type:
+    """A tqdm class for `snapshot_download` that reports files fetched as load progress (OPS-4)."""
+    from tqdm.auto import tqdm
+
+    class ReportingBar(tqdm):  # type: ignore[misc, valid-type]
+        def update(self, n: float | None = 1) -> bool | None:
+            shown = super().update(n)
+            progress(int(self.n), int(self.total or 0))
+            return shown
+
+    return ReportingBar
