@@ -89,7 +89,9 @@ async def test_two_turns_run_back_to_back_and_the_second_continues_the_first(tin
     await create(socket, input="My name is Ada.", max_output_tokens=4)
     first = (await frames_until(socket, *TERMINAL))[-1]
     assert first["type"] != "error", first
-    await create(socket, input="What is my name?", max_output_tokens=4, previous_response_id=first["response"]["id"])
+    await create(
+        socket, input="What is my name?", max_output_tokens=4, previous_response_id=first["response"]["id"]
+    )
     second = (await frames_until(socket, *TERMINAL))[-1]
     assert second["type"] != "error", second
     assert second["response"]["previous_response_id"] == first["response"]["id"]
@@ -218,7 +220,9 @@ async def test_closing_the_socket_cancels_the_running_turn_and_frees_the_slot(
 async def test_a_socket_runs_at_most_its_limit_of_turns_at_once(tiny_alias, api_key, mlx_engine, tiny_eos_id):
     """API-3: a create beyond MLXHOST_WS_MAX_TURNS gets an error frame; the running turn goes on."""
     socket = await connect(key_headers(api_key))
-    await create(socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100}, store=False)
+    await create(
+        socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100}, store=False
+    )
     await frames_until(socket, "response.output_text.delta")
     await create(socket, input="Also")
     frames = await frames_until(socket, "error")

@@ -37,7 +37,9 @@ def create(socket: ClientConnection, **body) -> None:
 
 
 def lane_of(server, api_key: str) -> dict:
-    body = httpx.get(f"{server.url}/readyz", headers={"Authorization": f"Bearer {api_key}"}, timeout=10).json()
+    body = httpx.get(
+        f"{server.url}/readyz", headers={"Authorization": f"Bearer {api_key}"}, timeout=10
+    ).json()
     return body["instances"][0]["lane"]
 
 
@@ -49,7 +51,9 @@ def test_two_streamed_turns_on_one_socket(daphne_server, api_key, tiny_alias):
         deltas = [f["delta"] for f in first if f["type"] == "response.output_text.delta"]
         assert first[-1]["type"] == "response.incomplete"
         assert "".join(deltas) == first[-1]["response"]["output"][0]["content"][0]["text"]
-        create(socket, input="And then?", max_output_tokens=5, previous_response_id=first[-1]["response"]["id"])
+        create(
+            socket, input="And then?", max_output_tokens=5, previous_response_id=first[-1]["response"]["id"]
+        )
         second = frames_until(socket, *TERMINAL)[-1]
         assert second["type"] == "response.incomplete", second
         assert second["response"]["previous_response_id"] == first[-1]["response"]["id"]
@@ -74,7 +78,9 @@ def test_queue_position_then_cancel_frees_the_slot(daphne_server, api_key, tiny_
 def test_closing_the_socket_frees_the_slot(daphne_server, api_key, tiny_alias, tiny_eos_id):
     """API-3, LANE-6: hanging up mid-stream cancels the turn on the server."""
     with open_socket(daphne_server, api_key) as socket:
-        create(socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100}, store=False)
+        create(
+            socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100}, store=False
+        )
         frames_until(socket, "response.output_text.delta")
     deadline = time.monotonic() + 30
     while lane_of(daphne_server, api_key)["active"] and time.monotonic() < deadline:
