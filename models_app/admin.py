@@ -2,55 +2,123 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django import forms
 from django.contrib import admin, messages
-from django.core.exceptions import ValidationError
-from django.http import HttpRequest
+from django.contrib.admin.utils import quote, unquote
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.db.models import QuerySet
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
+from django.shortcuts import redirect
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path, reverse
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
 
-from models_app import services
+from models_app import control, selectors, services
+from models_app.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
+from models_app.forms import ApiKeyCreateForm, ModelAliasForm
 from models_app.models import ApiKey, InstanceTombstone, ModelAlias, ModelInstance, StoredResponse
 
-ALIAS_FORM_FIELDS = (
-    "name", "description", "enabled", "pinned",
-    "source_kind", "local_path", "hf_repo", "hf_revision",
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
-    "max_output_tokens", "max_input_tokens",
-    "concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s", "keep_alive_s",
-)  # fmt: skip
+ACTION_REQUESTED = "{action} requested for {names}; progress shows here and on the dashboard."
+ACTION_NEEDS_ENABLED = "Enable the alias first."
+NEW_KEY_SHOWN_ONCE = "New API key (shown once, copy it now): {raw}"
+DASH = "—"
 
 
-class ModelAliasForm(forms.ModelForm):
-    class Meta:
-        model = ModelAlias
-        fields = ALIAS_FORM_FIELDS
+# Live state, rendered ----------------------------------------------------------------------------
 
-    def clean(self) -> dict[str, Any]:
-        cleaned = super().clean()
-        if not self.errors:
-            for field, value in cleaned.items():
-                setattr(self.instance, field, value)
-            # Validates the weights source (folder safety, pinned revision) before save_model runs.
-            services.alias_source_check(alias=self.instance)
-        return cleaned
+
+def live_state_html(live: selectors.AliasLiveState) -> SafeString:
+    """The state badge, with a progress bar while loading and the reason of an error."""
+    badge = format_html('<span class="mlxhost-state mlxhost-state-{}">{}</span>', live.state, live.label)
+    if live.state == "loading":
+        percent = live.progress_percent
+        if percent is None:  # size unknown yet (a download starting): an indeterminate bar
+            return format_html('{} <progress class="mlxhost-progress"></progress>', badge)
+        return format_html(
+            '{} <progress class="mlxhost-progress" value="{}" max="100" title="{} of {}">{}%</progress> {}%',
+            badge,
+            percent,
+            live.progress_done,
+            live.progress_total,
+            percent,
+            percent,
+        )
+    if live.state == "error":
+        return format_html('{} <span class="mlxhost-error">{}</span>', badge, live.error)
+    return badge
+
+
+def live_load_text(live: selectors.AliasLiveState, *, short: bool = False) -> str:
+    if not live.resident_counts:
+        return DASH
+    if short:
+        return f"{live.active} / {live.queued} / {live.capacity}"
+    return f"{live.active} active / {live.queued} queued (capacity {live.capacity})"
+
+
+def last_action_html(live: selectors.AliasLiveState) -> SafeString | str:
+    if not live.last_action:
+        return DASH
+    return format_html(
+        '<span class="mlxhost-action mlxhost-action-{}">{}</span>', live.last_action_state, live.last_action
+    )
+
+
+class _LiveColumns:
+    """The changelist's live columns for one request: one status read per page, one state per row."""
+
+    def __init__(self) -> None:
+        self.views, self.actions = selectors.live_views()
+        self._states: dict[int, selectors.AliasLiveState] = {}
+
+    def state_of(self, alias: ModelAlias) -> selectors.AliasLiveState:
+        if alias.pk not in self._states:
+            self._states[alias.pk] = selectors.alias_live_state(
+                alias=alias, views=self.views, actions=self.actions
+            )
+        return self._states[alias.pk]
+
+    def columns(self) -> tuple[Callable[[ModelAlias], Any], ...]:
+        @admin.display(description="live state")
+        def live_state(alias: ModelAlias) -> SafeString:
+            return live_state_html(self.state_of(alias))
+
+        @admin.display(description="instance")
+        def instance_live(alias: ModelAlias) -> str:
+            instance_id = self.state_of(alias).instance_id
+            return f"#{instance_id}" if instance_id else DASH
+
+        @admin.display(description="active / queued / capacity")
+        def requests_live(alias: ModelAlias) -> str:
+            return live_load_text(self.state_of(alias), short=True)
+
+        @admin.display(description="warm sessions")
+        def warm_sessions(alias: ModelAlias) -> str:
+            live = self.state_of(alias)
+            return str(live.warm_sessions) if live.resident_counts else DASH
+
+        @admin.display(description="last action")
+        def last_action(alias: ModelAlias) -> SafeString | str:
+            return last_action_html(self.state_of(alias))
+
+        return (live_state, instance_live, requests_live, warm_sessions, last_action)
+
+
+# Aliases -------------------------------------------------------------------------------------------
 
 
 @admin.register(ModelAlias)
 class ModelAliasAdmin(admin.ModelAdmin):
     form = ModelAliasForm
-    list_display = (
-        "name",
-        "source_label",
-        "instance_id_display",
-        "enabled",
-        "pinned",
-        "concurrency",
-        "updated_at",
-    )
+    list_display = ("name", "source_label", "enabled", "pinned", "concurrency", "updated_at")
     list_filter = ("enabled", "pinned", "source_kind")
     search_fields = ("name", "local_path", "hf_repo", "description")
     readonly_fields = ("instance", "created_at", "updated_at")
+    actions = ("load", "unload", "reload")
     fieldsets = (
         (None, {"fields": ("name", "description", "enabled", "pinned", "instance")}),
         ("Weights", {"fields": ("source_kind", "local_path", "hf_repo", "hf_revision")}),
@@ -64,9 +132,106 @@ class ModelAliasAdmin(admin.ModelAdmin):
         ("History", {"fields": ("created_at", "updated_at")}),
     )
 
-    @admin.display(description="instance")
-    def instance_id_display(self, obj: ModelAlias) -> str:
-        return f"#{obj.instance_id}" if obj.instance_id else "—"
+    # The changelist ---------------------------------------------------------------------------
+
+    def get_list_display(self, request: HttpRequest) -> tuple[Any, ...]:
+        columns: _LiveColumns | None = getattr(request, "_mlxhost_live_columns", None)
+        if columns is None:  # Django asks more than once per page; read the engines' status once
+            columns = _LiveColumns()
+            request._mlxhost_live_columns = columns  # type: ignore[attr-defined]
+        name, source, *rest = self.list_display
+        return (name, source, *columns.columns(), *rest)
+
+    @admin.action(description="Load selected aliases", permissions=["change"])
+    def load(self, request: HttpRequest, queryset: QuerySet[ModelAlias]) -> None:
+        self._request_actions(request, queryset, "load")
+
+    @admin.action(description="Unload selected aliases", permissions=["change"])
+    def unload(self, request: HttpRequest, queryset: QuerySet[ModelAlias]) -> None:
+        self._request_actions(request, queryset, "unload")
+
+    @admin.action(
+        description="Reload selected aliases (the old weights serve until the new are in)",
+        permissions=["change"],
+    )
+    def reload(self, request: HttpRequest, queryset: QuerySet[ModelAlias]) -> None:
+        self._request_actions(request, queryset, "reload")
+
+    def _request_actions(self, request: HttpRequest, aliases: Iterable[ModelAlias], action: str) -> None:
+        # Only services talk to the engines; this collects their answers into messages.
+        requested: list[str] = []
+        for alias in aliases:
+            try:
+                services.alias_request_action(
+                    alias=alias, action=action, requested_by=request.user.get_username()
+                )
+            except ValidationError as exc:
+                messages.error(request, "; ".join(exc.messages))
+                continue
+            requested.append(alias.name)
+        if requested:
+            messages.success(
+                request, ACTION_REQUESTED.format(action=action.capitalize(), names=", ".join(requested))
+            )
+
+    # The change page and its action buttons ---------------------------------------------------------
+
+    def get_urls(self) -> list[URLPattern]:
+        # Before the defaults: their "<path:object_id>/" would swallow ".../action/load/".
+        action = path(
+            "<path:object_id>/action/<str:action>/",
+            self.admin_site.admin_view(self.action_view),
+            name="models_app_modelalias_action",
+        )
+        return [action, *super().get_urls()]
+
+    def action_view(self, request: HttpRequest, object_id: str, action: str) -> HttpResponse:
+        """POST only: ask the engines to load, unload or reload this alias (ADM-1)."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        alias = self.get_object(request, unquote(object_id))
+        if alias is None:
+            raise Http404("No such alias.")
+        if not self.has_change_permission(request, alias):
+            raise PermissionDenied
+        self._request_actions(request, [alias], action)
+        return redirect(reverse("admin:models_app_modelalias_change", args=(quote(alias.pk),)))
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: ModelAlias | None = None,
+    ) -> HttpResponse:
+        if obj is not None and obj.pk is not None:
+            views, actions = selectors.live_views()
+            live = selectors.alias_live_state(alias=obj, views=views, actions=actions)
+            context.update(
+                live=live,
+                live_state_html=live_state_html(live),
+                live_load_text=live_load_text(live),
+                last_action_html=last_action_html(live),
+                alias_actions=self._action_buttons(request, obj),
+            )
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def _action_buttons(self, request: HttpRequest, alias: ModelAlias) -> list[dict[str, Any]]:
+        if not self.has_change_permission(request, alias):
+            return []
+        return [
+            {
+                "name": action,
+                "label": action.capitalize(),
+                "url": reverse("admin:models_app_modelalias_action", args=(quote(alias.pk), action)),
+                "disabled_reason": "" if alias.enabled or action == "unload" else ACTION_NEEDS_ENABLED,
+            }
+            for action in control.ACTIONS
+        ]
+
+    # Writes ---------------------------------------------------------------------------------------
 
     def save_model(self, request: HttpRequest, obj: ModelAlias, form: forms.ModelForm, change: bool) -> None:
         try:
@@ -74,6 +239,13 @@ class ModelAliasAdmin(admin.ModelAdmin):
         except ValidationError as exc:  # the folder changed between clean() and save
             messages.error(request, "; ".join(exc.messages))
             raise
+
+    def delete_model(self, request: HttpRequest, obj: ModelAlias) -> None:
+        services.alias_delete(alias=obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[ModelAlias]) -> None:
+        for alias in queryset:
+            services.alias_delete(alias=alias)
 
 
 @admin.register(ModelInstance)
@@ -100,18 +272,17 @@ class ModelInstanceAdmin(admin.ModelAdmin):
         return False
 
 
-class ApiKeyCreateForm(forms.ModelForm):
-    class Meta:
-        model = ApiKey
-        fields = ("owner", "name")
+# API keys ------------------------------------------------------------------------------------------
 
 
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
+    """The full key appears once, in the message after creation; pages show only the prefix."""
+
     list_display = ("name", "prefix", "owner", "created_at", "last_used_at", "revoked_at")
     list_filter = ("revoked_at",)
     search_fields = ("name", "prefix", "owner__username")
-    readonly_fields = ("prefix", "created_at", "last_used_at", "revoked_at")
+    list_select_related = ("owner",)
     exclude = ("secret_hash",)
     actions = ("revoke",)
 
@@ -119,6 +290,11 @@ class ApiKeyAdmin(admin.ModelAdmin):
         if obj is None:
             kwargs["form"] = ApiKeyCreateForm
         return super().get_form(request, obj, **kwargs)
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        if obj is None:
+            return ["owner", "name"]
+        return ["name", "owner", "prefix", "created_at", "last_used_at", "revoked_at"]  # never the hash
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         return ("owner", "prefix", "created_at", "last_used_at", "revoked_at") if obj else ()
@@ -129,26 +305,83 @@ class ApiKeyAdmin(admin.ModelAdmin):
             return
         key, raw = services.apikey_create(owner=obj.owner, name=obj.name)
         obj.pk, obj.prefix, obj.secret_hash = key.pk, key.prefix, key.secret_hash
-        messages.warning(request, f"New API key (shown once, copy it now): {raw}")
+        # Messages are consumed when shown: the key is displayed on the next page and never again.
+        messages.warning(request, NEW_KEY_SHOWN_ONCE.format(raw=raw))
 
-    @admin.action(description="Revoke selected keys")
-    def revoke(self, request: HttpRequest, queryset: Any) -> None:
+    @admin.action(description="Revoke selected keys", permissions=["change"])
+    def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         for key in queryset.filter(revoked_at__isnull=True):
             services.apikey_revoke(key=key)
 
 
+# Stored responses ------------------------------------------------------------------------------------
+
+
 @admin.register(StoredResponse)
 class StoredResponseAdmin(admin.ModelAdmin):
-    list_display = ("public_id", "alias_name", "owner", "status", "instance_id", "created_at", "expires_at")
+    """Read-only (staff may delete), searchable, with a chain view per row."""
+
+    list_display = (
+        "public_id",
+        "alias_name",
+        "owner",
+        "status",
+        "instance_id",
+        "chain_link",
+        "created_at",
+        "expires_at",
+    )
     list_filter = ("status", "alias_name")
-    search_fields = ("public_id", "previous_response_id", "output_text")
+    list_select_related = ("owner",)
+    search_fields = ("public_id", "previous_response_id", "alias_name", "owner__username", "output_text")
     readonly_fields = [f.name for f in StoredResponse._meta.fields]
+
+    @admin.display(description="chain")
+    def chain_link(self, obj: StoredResponse) -> SafeString:
+        url = reverse("admin:models_app_storedresponse_chain", args=(quote(obj.pk),))
+        label = "follow back" if obj.previous_response_id else "root"
+        return format_html('<a href="{}">{}</a>', url, label)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    def get_urls(self) -> list[URLPattern]:
+        chain = path(
+            "<path:object_id>/chain/",
+            self.admin_site.admin_view(self.chain_view),
+            name="models_app_storedresponse_chain",
+        )
+        return [chain, *super().get_urls()]
+
+    def chain_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """Every turn from the conversation's root to this row, within the row's owner."""
+        response = self.get_object(request, unquote(object_id))
+        if response is None:
+            raise Http404("No such stored response.")
+        if not self.has_view_permission(request, response):
+            raise PermissionDenied
+        chain = selectors.response_chain(response=response)
+        turns = [
+            {
+                "row": row,
+                "input_text": selectors.response_input_text(response=row),
+                "url": reverse("admin:models_app_storedresponse_change", args=(quote(row.pk),)),
+                "current": row.pk == response.pk,
+            }
+            for row in chain.turns
+        ]
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"Conversation chain of {response.public_id}",
+            "original": response,
+            "chain": chain,
+            "turns": turns,
+        }
+        return TemplateResponse(request, "admin/models_app/storedresponse/chain.html", context)
 
 
 @admin.register(InstanceTombstone)

@@ -1,8 +1,9 @@
-"""Reads: resolve aliases, authenticate API keys, merge sampling settings, build specs, stored rows."""
+"""Reads: aliases, API keys, sampling, specs, stored rows, and the admin's live state, folders and chains."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,9 @@ from django.db.models import QuerySet
 from django.utils import timezone
 
 from mlxhost.engine import LaneSettings, ModelSpec, SamplingParams
+from mlxhost.engine.errors import InvalidModelFolderError
 from mlxhost.engine.weights import resolve_under
+from models_app import control
 from models_app.apikeys import key_matches, key_prefix
 from models_app.models import ApiKey, ModelAlias, ModelInstance, StoredResponse
 
@@ -58,6 +61,8 @@ def model_spec_for(*, alias: ModelAlias, instance: ModelInstance | None = None) 
             unbounded=alias.queue_unbounded,
             queue_timeout_s=alias.queue_timeout_s,
         ),
+        keep_alive_s=alias.keep_alive_s,  # None: never freed for idleness (OPS-3)
+        pinned=alias.pinned,
     )
 
 
@@ -108,3 +113,227 @@ def responses_landed(*, public_ids: Iterable[str]) -> set[str]:
     """Which of `public_ids` have a row (any owner): the persist monitor's one query per tick."""
     ids = list(public_ids)
     return set(StoredResponse.objects.filter(public_id__in=ids).values_list("public_id", flat=True))
+
+
+# The admin's reads: live state per alias, model folders, and stored-response chains (ADM-1, OPS-4) --
+
+MODEL_FOLDER_DEPTH = 2  # MODELS_ROOT/<name> or MODELS_ROOT/<owner>/<name>
+RESPONSE_CHAIN_MAX_DEPTH = 100
+LIVE_LABELS = {
+    "unloaded": "not loaded",
+    "loading": "loading",
+    "resident": "resident",
+    "degraded": "resident (degraded)",
+    "draining": "draining",
+    "error": "error",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class AliasLiveState:
+    """What the engines report about one alias, ready to show.
+
+    `state` is one of: unreported (no engine process publishes status), disabled (the alias is
+    not served), unloaded, loading, resident, degraded, draining, error.
+    """
+
+    state: str
+    label: str
+    instance_id: int | None = None
+    error: str = ""
+    active: int = 0
+    queued: int = 0
+    capacity: int = 0
+    warm_sessions: int = 0
+    progress_done: int = 0
+    progress_total: int = 0
+    last_action: str = ""  # "reload failed: <reason>", "load done", "unload running"
+    last_action_state: str = ""  # running | done | failed
+
+    @property
+    def reporting(self) -> bool:
+        return self.state != "unreported"
+
+    @property
+    def resident_counts(self) -> bool:
+        """Whether the request and session counters mean anything (an engine holds the instance)."""
+        return self.state not in ("unreported", "unloaded", "disabled")
+
+    @property
+    def progress_percent(self) -> int | None:
+        if self.progress_total <= 0:
+            return None
+        return max(0, min(100, round(100 * self.progress_done / self.progress_total)))
+
+
+def live_views() -> tuple[dict[int, dict[str, Any]] | None, dict[str, dict[str, Any]]]:
+    """(instance views, last action per alias) from every engine publishing status; the views are
+    None when no engine process reports at all (so the admin says so instead of guessing)."""
+    statuses = control.engine_statuses()
+    if not statuses:
+        return None, {}
+    return control.instance_views(statuses), control.action_views(statuses)
+
+
+def alias_live_state(
+    *,
+    alias: ModelAlias,
+    views: Mapping[int, Mapping[str, Any]] | None,
+    actions: Mapping[str, Mapping[str, Any]],
+) -> AliasLiveState:
+    """The live state of `alias` from `live_views()` output (views None: no engine reporting)."""
+    action, action_state = _action_text(actions.get(alias.name))
+    if views is None:
+        return AliasLiveState(
+            state="unreported",
+            label="no engine process reporting",
+            instance_id=alias.instance_id,
+            last_action=action,
+            last_action_state=action_state,
+        )
+    view = _view_for(alias, views)
+    if not alias.enabled and (view is None or alias.name not in view.get("aliases", ())):
+        # Its weights may be resident for another alias, but nothing is served under this name.
+        return AliasLiveState(
+            state="disabled",
+            label="disabled (not served)",
+            instance_id=alias.instance_id,
+            last_action=action,
+            last_action_state=action_state,
+        )
+    if view is None:
+        return AliasLiveState(
+            state="unloaded",
+            label="not loaded",
+            instance_id=alias.instance_id,
+            last_action=action,
+            last_action_state=action_state,
+        )
+    state = _live_state(view)
+    progress = view.get("load_progress") or {}
+    return AliasLiveState(
+        state=state,
+        label=LIVE_LABELS[state],
+        instance_id=view.get("instance_id"),
+        error=str(view.get("error") or "") if state == "error" else "",
+        active=int(view.get("active") or 0),
+        queued=int(view.get("queued") or 0),
+        capacity=int(view.get("capacity") or 0),
+        warm_sessions=int(view.get("warm_sessions") or 0),
+        progress_done=int(progress.get("done") or 0),
+        progress_total=int(progress.get("total") or 0),
+        last_action=action,
+        last_action_state=action_state,
+    )
+
+
+def _view_for(alias: ModelAlias, views: Mapping[int, Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    # What an engine serves under the name is the truth (a hot swap may be ahead of this row);
+    # otherwise the row's instance, which another alias of the same weights may have loaded.
+    bound = [view for view in views.values() if alias.name in view.get("aliases", ())]
+    for view in bound:
+        if view.get("instance_id") == alias.instance_id:
+            return view
+    if bound:
+        return bound[0]
+    return views.get(alias.instance_id) if alias.instance_id is not None else None
+
+
+def _live_state(view: Mapping[str, Any]) -> str:
+    state = view.get("state")
+    if view.get("draining") and state in ("ready", "unloaded"):
+        return "draining"
+    if state == "ready":
+        return "degraded" if view.get("status") == "degraded" else "resident"
+    if state in ("loading", "error"):
+        return str(state)
+    return "unloaded"
+
+
+def _action_text(result: Mapping[str, Any] | None) -> tuple[str, str]:
+    if not result:
+        return "", ""
+    action, state = str(result.get("action", "")), str(result.get("state", ""))
+    if state == "failed":
+        return f"{action} failed: {result.get('error') or 'no reason given'}", state
+    return f"{action} {state}", state
+
+
+def model_folders_available(*, root: Path | None = None) -> list[str]:
+    """Folders under MODELS_ROOT that look like mlx-lm models (config.json and *.safetensors),
+    relative to it, at most MODEL_FOLDER_DEPTH levels down; what the admin offers for `local_path`.
+
+    Only a shape check: registering one still runs the full validation (remote code, weights).
+    """
+    root = (root or Path(settings.MODELS_ROOT)).resolve()
+    if not root.is_dir():
+        return []
+    found: list[str] = []
+    pending = [(root, 0)]
+    while pending:
+        folder, depth = pending.pop()
+        for child in _subfolders(folder):
+            try:
+                resolve_under(root, str(child.relative_to(root)))  # a symlink must not leave the root
+            except InvalidModelFolderError:
+                continue
+            if (child / "config.json").is_file() and any(child.glob("*.safetensors")):
+                found.append(child.relative_to(root).as_posix())
+            elif depth + 1 < MODEL_FOLDER_DEPTH:
+                pending.append((child, depth + 1))
+    return sorted(found)
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    try:
+        return [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    except OSError:
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseChain:
+    """A stored response and its ancestors, root first (the admin's chain view)."""
+
+    turns: list[StoredResponse]
+    missing_id: str = ""  # an ancestor that is not stored for this owner (expired or deleted)
+    truncated: bool = False  # stopped after `max_depth` rows before reaching the root
+
+
+def response_chain(*, response: StoredResponse, max_depth: int = RESPONSE_CHAIN_MAX_DEPTH) -> ResponseChain:
+    """Follow `previous_response_id` from `response` back to the root, within its owner only
+    (PER-6), reading at most `max_depth` rows. Expired rows still count: this is for staff."""
+    turns, seen = [response], {response.public_id}
+    missing, truncated = "", False
+    current = response
+    while current.previous_response_id:
+        parent_id = current.previous_response_id
+        if len(turns) >= max_depth or parent_id in seen:  # ids are random: a cycle is corrupt data
+            truncated = True
+            break
+        parent = StoredResponse.objects.filter(public_id=parent_id, owner_id=response.owner_id).first()
+        if parent is None:
+            missing = parent_id
+            break
+        turns.append(parent)
+        seen.add(parent_id)
+        current = parent
+    turns.reverse()
+    return ResponseChain(turns=turns, missing_id=missing, truncated=truncated)
+
+
+def response_input_text(*, response: StoredResponse) -> str:
+    """The user input of one stored turn as plain text (its request's `input` turns)."""
+    raw = (response.request or {}).get("input")
+    if isinstance(raw, str):
+        return raw
+    parts: list[str] = []
+    for turn in raw or []:
+        if not isinstance(turn, Mapping) or turn.get("role", "user") not in ("user", "system", "developer"):
+            continue
+        content = turn.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
+    return "\n".join(part for part in parts if part)

@@ -34,11 +34,7 @@ def validate_model_folder(folder: Path) -> None:
         config = json.loads(config_path.read_text())
     except (OSError, ValueError) as exc:
         raise InvalidModelFolderError(f"{folder.name!r} has an unreadable config.json.") from exc
-    wanted = [key for key in REMOTE_CODE_KEYS if key in config]
-    if wanted:
-        raise InvalidModelFolderError(
-            f"{folder.name!r} asks for remote code ({', '.join(wanted)} in config.json); refused."
-        )
+    _refuse_remote_code(folder, config)
     unsafe = sorted(p.name for p in folder.iterdir() if p.suffix in UNSAFE_WEIGHT_SUFFIXES)
     if unsafe:
         raise InvalidModelFolderError(
@@ -48,6 +44,33 @@ def validate_model_folder(folder: Path) -> None:
         raise InvalidModelFolderError(f"{folder.name!r} has no model*.safetensors weights.")
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
         raise InvalidModelFolderError(f"{folder.name!r} has no tokenizer.json.")
+
+
+def _refuse_remote_code(folder: Path, config: dict[str, object]) -> None:
+    # transformers' trust_remote_code imports Python shipped with the weights; mlxhost never runs it.
+    wanted = [f"{key} in config.json" for key in REMOTE_CODE_KEYS if key in config]
+    if _tokenizer_wants_code(folder):
+        wanted.append("auto_map in tokenizer_config.json")
+    if wanted:
+        raise InvalidModelFolderError(f"{folder.name!r} asks for remote code ({', '.join(wanted)}); refused.")
+    scripts = sorted(str(p.relative_to(folder)) for p in _python_files(folder))
+    if scripts:
+        raise InvalidModelFolderError(
+            f"{folder.name!r} ships Python code ({', '.join(scripts[:3])}); "
+            "remote code is never run, so the folder is refused."
+        )
+
+
+def _tokenizer_wants_code(folder: Path) -> bool:
+    try:
+        return "auto_map" in json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False  # missing is fine; a broken one fails at load with mlx-lm's own message
+
+
+def _python_files(folder: Path) -> list[Path]:
+    # Top level and one level down: where hub repos keep modeling_*.py and custom tokenizers.
+    return [p for pattern in ("*.py", "*/*.py") for p in folder.glob(pattern) if p.is_file()]
 
 
 def looks_like_model_folder(folder: Path) -> bool:

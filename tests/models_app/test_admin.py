@@ -75,3 +75,440 @@ def test_admin_lists_tombstones_read_only(admin_client):
     assert admin_client.get("/admin/models_app/instancetombstone/add/").status_code == 403
     detail = admin_client.get(f"/admin/models_app/instancetombstone/{tombstone.pk}/change/")
     assert detail.status_code == 200 and 'name="response_public_id"' not in detail.content.decode()
+
+
+# ADM-1 / OPS-4: live state, actions, model folders, keys and chains ---------------------------------
+
+ALIASES_URL = "/admin/models_app/modelalias/"
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_status():
+    """Each test starts with no engine process reporting (the locmem cache outlives tests)."""
+    from django.core.cache import cache
+
+    cache.clear()
+    yield
+    cache.clear()
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    """Control messages that reached the channel layer (sent on commit)."""
+    from models_app import control
+
+    messages: list[dict] = []
+    monkeypatch.setattr(control, "_send", messages.append)
+    return messages
+
+
+def _view(instance_id, **fields):
+    view = {
+        "instance_id": instance_id,
+        "aliases": ["tiny"],
+        "state": "ready",
+        "status": "ok",
+        "error": "",
+        "active": 0,
+        "queued": 0,
+        "capacity": 1,
+        "draining": False,
+        "warm_sessions": 0,
+        "load_progress": {"done": 0, "total": 0},
+    }
+    return {**view, **fields}
+
+
+def _publish(*views, actions=None):
+    from models_app import control
+
+    control.status_publish(
+        {"boot_id": "boot-a", "started_at": 1.0, "instances": list(views), "actions": actions or {}}
+    )
+
+
+def _stored(owner, public_id, previous="", text_in="", text_out="", **fields):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from models_app.models import StoredResponse
+
+    return StoredResponse.objects.create(
+        public_id=public_id,
+        owner=owner,
+        alias_name="tiny",
+        instance_id=1,
+        weights_fingerprint="f" * 64,
+        boot_id="boot-a",
+        previous_response_id=previous,
+        request={"input": [{"role": "user", "content": text_in}]},
+        output_text=text_out,
+        status="completed",
+        expires_at=timezone.now() + timedelta(days=1),
+        **fields,
+    )
+
+
+def test_every_admin_page_renders(admin_client, tiny_alias, user):
+    """ADM-1: changelist, add and change pages of every model render for staff (read-only ones refuse add)."""
+    from models_app import services
+    from models_app.models import InstanceTombstone, StoredResponse
+
+    key, _ = services.apikey_create(owner=user, name="k")
+    row = _stored(user, "resp_page", text_in="hi", text_out="hello")
+    tomb = services.tombstone_record(
+        instance_id=9, weights_key=("tiny-llama", "", "f" * 64), public_id="resp_t"
+    )
+    pages = {
+        "modelalias": (tiny_alias.pk, 200),
+        "modelinstance": (tiny_alias.instance_id, 403),
+        "apikey": (key.pk, 200),
+        "storedresponse": (row.pk, 403),
+        "instancetombstone": (tomb.pk, 403),
+    }
+    for model, (pk, add_status) in pages.items():
+        base = f"/admin/models_app/{model}/"
+        assert admin_client.get(base).status_code == 200, model
+        assert admin_client.get(f"{base}add/").status_code == add_status, model
+        assert admin_client.get(f"{base}{pk}/change/").status_code == 200, model
+    assert admin_client.get(f"/admin/models_app/storedresponse/{row.pk}/chain/").status_code == 200
+    assert StoredResponse.objects.count() == 1 and InstanceTombstone.objects.count() == 1
+
+
+@pytest.mark.parametrize("action", ["load", "unload", "reload"])
+def test_bulk_actions_send_the_control_message(
+    admin_client, tiny_alias, sent, action, django_capture_on_commit_callbacks
+):
+    """ADM-1: the changelist's bulk actions ask every engine, on commit, to run the action (LANE-4 there)."""
+    with django_capture_on_commit_callbacks(execute=True):
+        response = admin_client.post(
+            ALIASES_URL, {"action": action, "_selected_action": [tiny_alias.pk]}, follow=True
+        )
+    assert {"type": "models.action", "alias": "tiny", "action": action, "by": "admin"} in sent
+    assert f"{action.capitalize()} requested for tiny; progress shows here" in response.content.decode()
+
+
+@pytest.mark.parametrize("action", ["load", "unload", "reload"])
+def test_change_page_buttons_post_the_action(
+    admin_client, tiny_alias, sent, action, django_capture_on_commit_callbacks
+):
+    """ADM-1: the change page has a CSRF-protected POST button per action; pressing it sends the message."""
+    url = f"{ALIASES_URL}{tiny_alias.pk}/action/{action}/"
+    page = admin_client.get(f"{ALIASES_URL}{tiny_alias.pk}/change/").content.decode()
+    assert f'action="{url}"' in page and "csrfmiddlewaretoken" in page
+    with django_capture_on_commit_callbacks(execute=True):
+        response = admin_client.post(url)
+    assert response.status_code == 302 and response["Location"].endswith(f"/{tiny_alias.pk}/change/")
+    assert sent == [{"type": "models.action", "alias": "tiny", "action": action, "by": "admin"}]
+    shown = admin_client.get(response["Location"]).content.decode()
+    assert f"{action.capitalize()} requested for tiny; progress shows here and on the dashboard." in shown
+
+
+def test_action_url_needs_csrf(client, admin_user, tiny_alias, sent, django_capture_on_commit_callbacks):
+    """ADM-1: an action is a state change, so a POST without the CSRF token is refused."""
+    from django.test import Client
+
+    csrf_client = Client(enforce_csrf_checks=True)
+    csrf_client.force_login(admin_user)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = csrf_client.post(f"{ALIASES_URL}{tiny_alias.pk}/action/load/")
+    assert response.status_code == 403 and sent == []
+
+
+def test_get_on_an_action_url_does_nothing(
+    admin_client, tiny_alias, sent, django_capture_on_commit_callbacks
+):
+    """ADM-1: following a link (GET) never loads or unloads a model."""
+    with django_capture_on_commit_callbacks(execute=True) as callbacks:
+        response = admin_client.get(f"{ALIASES_URL}{tiny_alias.pk}/action/unload/")
+    assert response.status_code == 405
+    assert sent == [] and callbacks == []
+
+
+def test_actions_need_staff_with_change_permission(
+    client, user, tiny_alias, sent, django_capture_on_commit_callbacks
+):
+    """ADM-1: a staff member who may only view aliases cannot request actions."""
+    from django.contrib.auth.models import Permission
+
+    user.is_staff = True
+    user.save()
+    user.user_permissions.add(Permission.objects.get(codename="view_modelalias"))
+    client.force_login(user)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = client.post(f"{ALIASES_URL}{tiny_alias.pk}/action/load/")
+    assert response.status_code == 403 and sent == []
+    page = client.get(f"{ALIASES_URL}{tiny_alias.pk}/change/").content.decode()
+    assert "/action/load/" not in page
+
+
+def test_a_disabled_alias_cannot_be_loaded(
+    admin_client, tiny_alias, sent, django_capture_on_commit_callbacks
+):
+    """ADM-1: load and reload of a disabled alias are refused with a message; unload still works."""
+    ModelAlias.objects.filter(pk=tiny_alias.pk).update(enabled=False)
+    with django_capture_on_commit_callbacks(execute=True):
+        response = admin_client.post(f"{ALIASES_URL}{tiny_alias.pk}/action/load/", follow=True)
+        bulk = admin_client.post(
+            ALIASES_URL, {"action": "reload", "_selected_action": [tiny_alias.pk]}, follow=True
+        )
+    assert "is disabled; enable it before you load it." in response.content.decode()
+    assert "is disabled; enable it before you reload it." in bulk.content.decode()
+    assert sent == []
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(f"{ALIASES_URL}{tiny_alias.pk}/action/unload/")
+    assert [m["action"] for m in sent] == ["unload"]
+
+
+def test_an_unknown_action_is_refused(admin_client, tiny_alias, sent, django_capture_on_commit_callbacks):
+    """ADM-1: only load, unload and reload exist."""
+    with django_capture_on_commit_callbacks(execute=True):
+        response = admin_client.post(f"{ALIASES_URL}{tiny_alias.pk}/action/explode/", follow=True)
+    assert "Unknown action" in response.content.decode() and sent == []
+
+
+def test_deleting_aliases_notifies_the_engines(
+    admin_client, tiny_model_dir, sent, django_capture_on_commit_callbacks
+):
+    """ADM-1 / ADM-3: single and bulk deletes go through the service, which tells the engines."""
+    from models_app import services
+
+    one = services.alias_register(name="one", source_kind="local", local_path="tiny-llama")
+    two = services.alias_register(name="two", source_kind="local", local_path="tiny-llama")
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(f"{ALIASES_URL}{one.pk}/delete/", {"post": "yes"})
+    assert not ModelAlias.objects.filter(pk=one.pk).exists()
+    assert sent == [{"type": "models.changed"}]
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(
+            ALIASES_URL, {"action": "delete_selected", "_selected_action": [two.pk], "post": "yes"}
+        )
+    assert not ModelAlias.objects.filter(pk=two.pk).exists()
+    assert sent == [{"type": "models.changed"}] * 2
+
+
+def test_the_add_form_offers_model_folders(admin_client, tiny_model_dir):
+    """ADM-1: registering a model suggests the folders under MODELS_ROOT that look like mlx-lm models."""
+    page = admin_client.get(f"{ALIASES_URL}add/").content.decode()
+    assert 'list="id_local_path_choices"' in page
+    assert '<datalist id="id_local_path_choices">' in page
+    assert '<option value="tiny-llama"></option>' in page
+
+
+def test_model_folders_are_listed_two_levels_down(tmp_path):
+    """ADM-1: config.json + *.safetensors marks a model folder; deeper and incomplete folders are skipped."""
+    from models_app import selectors
+
+    def model(folder):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(b"")
+
+    model(tmp_path / "plain")
+    model(tmp_path / "org" / "nested")
+    model(tmp_path / "a" / "b" / "too-deep")
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "config.json").write_text("{}")
+    model(tmp_path / ".hidden")
+    assert selectors.model_folders_available(root=tmp_path) == ["org/nested", "plain"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        pytest.param(
+            lambda d: (d / "modeling_evil.py").write_text("import os"), "ships Python code", id="py-file"
+        ),
+        pytest.param(
+            lambda d: _edit_json(d / "config.json", auto_map={"AutoModel": "m.M"}),
+            "remote code",
+            id="auto-map",
+        ),
+        pytest.param(
+            lambda d: _edit_json(d / "tokenizer_config.json", auto_map={"AutoTokenizer": ["t.T", None]}),
+            "auto_map in tokenizer_config.json",
+            id="tokenizer-auto-map",
+        ),
+    ],
+)
+def test_a_folder_with_remote_code_is_refused(admin_client, tiny_model_dir, mutate, message):
+    """ADM-1: the add form refuses remote code with a clear message on the folder field."""
+    import shutil
+
+    bad = tiny_model_dir.parent / "tiny-remote"
+    shutil.rmtree(bad, ignore_errors=True)
+    shutil.copytree(tiny_model_dir, bad)
+    try:
+        mutate(bad)
+        response = admin_client.post(f"{ALIASES_URL}add/", {**ALIAS_FORM, "local_path": "tiny-remote"})
+        assert response.status_code == 200
+        errors = response.context["adminform"].form.errors
+        assert list(errors) == ["local_path"]
+        assert message in errors["local_path"][0] and "refused" in errors["local_path"][0]
+        assert not ModelAlias.objects.filter(name="tiny-admin").exists()
+    finally:
+        shutil.rmtree(bad)
+
+
+def _edit_json(path, **fields):
+    import json
+
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def test_a_hub_alias_needs_repo_and_revision(admin_client, tiny_model_dir):
+    """ADM-1 / REG-1: a Hugging Face source takes a repo id and a pinned revision, errors on the right field."""
+    hub = {**ALIAS_FORM, "source_kind": "hub", "local_path": "", "hf_repo": "mlx-community/tiny"}
+    response = admin_client.post(f"{ALIASES_URL}add/", hub)
+    assert list(response.context["adminform"].form.errors) == ["hf_revision"]
+    response = admin_client.post(f"{ALIASES_URL}add/", {**hub, "hf_repo": "not-a-repo", "hf_revision": "abc"})
+    assert list(response.context["adminform"].form.errors) == ["hf_repo"]
+    response = admin_client.post(f"{ALIASES_URL}add/", {**hub, "hf_revision": "abc123"})
+    assert response.status_code == 302
+    assert ModelAlias.objects.get(name="tiny-admin").source_label == "mlx-community/tiny@abc123"
+
+
+def test_a_new_api_key_is_shown_once_then_only_its_prefix(admin_client, admin_user):
+    """ADM-1 / API-5: the full key appears in the message after creation, never again; the hash never."""
+    response = admin_client.post(
+        "/admin/models_app/apikey/add/", {"owner": admin_user.pk, "name": "ci"}, follow=True
+    )
+    [raw] = re.findall(r"mlxh_[A-Za-z0-9]{8}_[A-Za-z0-9_-]{20,}", response.content.decode())
+    key = ApiKey.objects.get(name="ci")
+    for url in (
+        "/admin/models_app/apikey/",
+        f"/admin/models_app/apikey/{key.pk}/change/",
+        "/admin/models_app/apikey/?q=ci",
+    ):
+        page = admin_client.get(url).content.decode()
+        assert raw not in page and key.secret_hash not in page, url
+        assert key.prefix in page, url
+    assert 'name="secret_hash"' not in admin_client.get("/admin/models_app/apikey/add/").content.decode()
+
+
+def test_stored_responses_are_read_only_and_searchable(admin_client, user, django_user_model):
+    """ADM-1: stored responses cannot be added or edited in the admin, and are found by owner or text."""
+    row = _stored(user, "resp_search", text_in="q", text_out="the purple answer")
+    bob = django_user_model.objects.create_user(username="bob", password="pw-bob-123")
+    _stored(bob, "resp_other", text_out="nothing")
+    for query in ("purple", "alice", "resp_search"):
+        page = admin_client.get("/admin/models_app/storedresponse/", {"q": query}).content.decode()
+        assert "resp_search" in page and "resp_other" not in page, query
+    detail = admin_client.get(f"/admin/models_app/storedresponse/{row.pk}/change/").content.decode()
+    assert 'name="output_text"' not in detail and "Conversation chain" in detail
+    response = admin_client.post(f"/admin/models_app/storedresponse/{row.pk}/change/", {"output_text": "x"})
+    assert response.status_code == 403
+
+
+def test_the_chain_view_lists_a_three_turn_chain_in_order(admin_client, user, django_user_model):
+    """ADM-1 / PER-6: the chain view follows previous_response_id to the root, oldest first, one owner only."""
+    from models_app import selectors
+
+    mallory = django_user_model.objects.create_user(username="mallory", password="pw-mallory-123")
+    _stored(mallory, "resp_foreign", text_in="foreign-question", text_out="foreign-answer")
+    _stored(user, "resp_1", text_in="first-question", text_out="first-answer")
+    _stored(user, "resp_2", previous="resp_1", text_in="second-question", text_out="second-answer")
+    third = _stored(user, "resp_3", previous="resp_2", text_in="third-question", text_out="third-answer")
+    page = admin_client.get(f"/admin/models_app/storedresponse/{third.pk}/chain/").content.decode()
+    order = [
+        page.index(text) for text in ("first-question", "first-answer", "second-question", "third-answer")
+    ]
+    assert order == sorted(order)
+    assert "3 turns" in page and "foreign" not in page
+    # A row whose parent belongs to someone else: the walk stops there, as if the parent were missing.
+    stray = _stored(user, "resp_stray", previous="resp_foreign", text_in="stray-question")
+    chain = selectors.response_chain(response=stray)
+    assert [row.public_id for row in chain.turns] == ["resp_stray"] and chain.missing_id == "resp_foreign"
+    page = admin_client.get(f"/admin/models_app/storedresponse/{stray.pk}/chain/").content.decode()
+    assert "foreign-answer" not in page and "is not stored" in page
+
+
+def test_the_chain_walk_is_bounded(user):
+    """ADM-1: the chain selector reads at most max_depth rows, however long the chain."""
+    from models_app import selectors
+
+    previous = ""
+    for n in range(6):
+        row = _stored(user, f"resp_{n}", previous=previous)
+        previous = row.public_id
+    chain = selectors.response_chain(response=row, max_depth=4)
+    assert [r.public_id for r in chain.turns] == ["resp_2", "resp_3", "resp_4", "resp_5"]
+    assert chain.truncated
+
+
+LIVE_CASES = [
+    pytest.param(None, None, "no engine process reporting", id="no-engine"),
+    pytest.param([], None, "not loaded", id="unloaded"),
+    pytest.param(
+        [_view(0, state="loading", load_progress={"done": 30, "total": 120})],
+        None,
+        'value="25" max="100"',
+        id="loading-progress",
+    ),
+    pytest.param(
+        [_view(0, active=2, queued=3, capacity=4, warm_sessions=5)],
+        None,
+        ("2 / 3 / 4", "2 active / 3 queued (capacity 4)"),
+        id="resident",
+    ),
+    pytest.param([_view(0, draining=True, active=1)], None, "draining", id="draining"),
+    pytest.param(
+        [_view(0, state="error", status="error", error="weights are corrupt")],
+        None,
+        "weights are corrupt",
+        id="error",
+    ),
+    pytest.param(
+        [_view(0)],
+        {"tiny": {"action": "reload", "state": "failed", "error": "no space left", "at": 2.0}},
+        "reload failed: no space left",
+        id="reload-failed",
+    ),
+]
+
+
+@pytest.mark.parametrize(("views", "actions", "shown"), LIVE_CASES)
+def test_alias_pages_show_the_live_state(admin_client, tiny_alias, views, actions, shown):
+    """ADM-1 / OPS-4: the changelist and change page show each live state the engines publish."""
+    if views is not None:
+        _publish(
+            *[{**view, "instance_id": view["instance_id"] or tiny_alias.instance_id} for view in views],
+            actions=actions,
+        )
+    list_text, change_text = shown if isinstance(shown, tuple) else (shown, shown)
+    for url, text in ((ALIASES_URL, list_text), (f"{ALIASES_URL}{tiny_alias.pk}/change/", change_text)):
+        page = admin_client.get(url).content.decode()
+        assert text in page, url
+
+
+def test_live_state_selector_maps_each_engine_state(tiny_alias):
+    """OPS-4: the selector turns an engine's instance view into the state the admin shows."""
+    from models_app import selectors
+
+    def state(views, actions=None):
+        return selectors.alias_live_state(alias=tiny_alias, views=views, actions=actions or {})
+
+    iid = tiny_alias.instance_id
+    assert state(None).state == "unreported"
+    assert state({}).state == "unloaded"
+    loading = state({iid: _view(iid, state="loading", load_progress={"done": 1, "total": 4})})
+    assert (loading.state, loading.progress_percent) == ("loading", 25)
+    assert state({iid: _view(iid, state="loading")}).progress_percent is None
+    assert state({iid: _view(iid)}).state == "resident"
+    assert state({iid: _view(iid, status="degraded")}).label == "resident (degraded)"
+    assert state({iid: _view(iid, draining=True)}).state == "draining"
+    failed = state({iid: _view(iid, state="error", error="boom")})
+    assert (failed.state, failed.error) == ("error", "boom")
+    # Another alias of the same weights loaded the instance: this one shows it resident too (REG-2).
+    assert state({iid: _view(iid, aliases=["other"])}).state == "resident"
+    # Mid hot swap the engine already serves the name from a newer instance: that one is shown.
+    swapped = state({iid: _view(iid, aliases=[]), iid + 1: _view(iid + 1, state="loading")})
+    assert swapped.instance_id == iid + 1 and swapped.state == "loading"
+    # A disabled alias is not served, even while its weights are resident for another alias.
+    tiny_alias.enabled = False
+    assert state({iid: _view(iid, aliases=["other"])}).state == "disabled"
+    assert state({iid: _view(iid, aliases=["tiny"], draining=True)}).state == "draining"  # not yet unbound
+    tiny_alias.enabled = True
+    running = state({}, {"tiny": {"action": "load", "state": "running", "error": "", "at": 1}})
+    assert (running.last_action, running.last_action_state) == ("load running", "running")

@@ -1,0 +1,83 @@
+"""Admin forms: registering an alias (folder suggestions, source validation) and creating API keys."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.utils.html import format_html, format_html_join
+from django.utils.safestring import SafeString
+
+from models_app import selectors, services
+from models_app.models import ApiKey, ModelAlias
+
+ALIAS_FORM_FIELDS = (
+    "name", "description", "enabled", "pinned",
+    "source_kind", "local_path", "hf_repo", "hf_revision",
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
+    "max_output_tokens", "max_input_tokens",
+    "concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s", "keep_alive_s",
+)  # fmt: skip
+FOLDERS_FOUND_HELP = (
+    "A folder relative to MODELS_ROOT. Suggested: the {count} folder(s) there that look like "
+    "mlx-lm models (config.json and *.safetensors, up to two levels down)."
+)
+NO_FOLDERS_HELP = (
+    "A folder relative to MODELS_ROOT. None there looks like an mlx-lm model yet "
+    "(config.json and *.safetensors, up to two levels down); or use a Hugging Face repo id below."
+)
+SOURCE_HELP = "A folder under MODELS_ROOT, or a Hugging Face repo id with a pinned revision."
+API_KEY_ONCE_HELP = "The full key is shown once, right after you save; only its prefix is kept readable."
+
+
+class DatalistInput(forms.TextInput):
+    """A text box that suggests values through an HTML <datalist> (no JavaScript needed)."""
+
+    def __init__(self, options: list[str], attrs: dict[str, Any] | None = None) -> None:
+        super().__init__(attrs={"class": "vTextField", **(attrs or {})})
+        self.options = options
+
+    def render(
+        self, name: str, value: Any, attrs: dict[str, Any] | None = None, renderer: Any = None
+    ) -> SafeString:
+        list_id = f"{(attrs or {}).get('id') or name}_choices"
+        html = super().render(name, value, {**(attrs or {}), "list": list_id}, renderer)
+        options = format_html_join("", '<option value="{}"></option>', ((option,) for option in self.options))
+        return format_html('{}<datalist id="{}">{}</datalist>', html, list_id, options)
+
+
+class ModelAliasForm(forms.ModelForm):
+    """Registers or edits an alias; the weights source is checked before the admin saves it."""
+
+    class Meta:
+        model = ModelAlias
+        fields = ALIAS_FORM_FIELDS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        local_path = self.fields.get("local_path")
+        if local_path is not None:  # absent when the admin shows the page read-only
+            folders = selectors.model_folders_available()
+            local_path.widget = DatalistInput(folders)
+            local_path.help_text = (
+                FOLDERS_FOUND_HELP.format(count=len(folders)) if folders else NO_FOLDERS_HELP
+            )
+        if "source_kind" in self.fields:
+            self.fields["source_kind"].help_text = SOURCE_HELP
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        if not self.errors:
+            for field, value in cleaned.items():
+                setattr(self.instance, field, value)
+            # Folder safety (MODELS_ROOT, remote code, weights) or a pinned revision, keyed by the
+            # offending field, before save_model runs.
+            services.alias_source_check(alias=self.instance)
+        return cleaned
+
+
+class ApiKeyCreateForm(forms.ModelForm):
+    class Meta:
+        model = ApiKey
+        fields = ("owner", "name")
+        help_texts = {"name": API_KEY_ONCE_HELP}

@@ -1,0 +1,113 @@
+"""ADM-3 across processes: the admin runs here, the engine runs in a daphne process; they share
+the database and Redis (channel layer + cache) and nothing else."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+import redis
+from django.test import Client
+
+from models_app import control, services
+from models_app.admin import ALIAS_FORM_FIELDS
+from models_app.models import ModelAlias
+from tests.e2e.conftest import database_url, running_daphne
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(240), pytest.mark.celery]
+
+CHANGELIST = "/admin/models_app/modelalias/"
+
+
+def wait_for(what: str, probe: Callable[[], object], timeout: float = 60.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def shared_prefix(redis_url: str, settings) -> Iterator[str]:
+    """This process and the daphne under test share Redis under a prefix of this test's own."""
+    prefix = f"mlxhost-test-{uuid.uuid4().hex[:12]}"
+    settings.CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [redis_url], "prefix": f"{prefix}:asgi"},
+        }
+    }
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "django.core.cache.backends.redis.RedisCache",
+            "LOCATION": redis_url,
+            "KEY_PREFIX": prefix,
+        }
+    }
+    yield prefix
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(f"{prefix}*"):
+        client.delete(key)
+    client.close()
+
+
+def admin_edit(client: Client, alias: ModelAlias, **changes) -> None:
+    """Save the alias through the admin's change form, as staff would."""
+    data = {}
+    for field in ALIAS_FORM_FIELDS:
+        value = changes.get(field, getattr(alias, field))
+        if isinstance(value, bool):
+            if value:
+                data[field] = "on"
+            continue
+        data[field] = "" if value is None else value
+    response = client.post(f"{CHANGELIST}{alias.pk}/change/", data)
+    assert response.status_code == 302, response.content.decode()[:2000]
+
+
+def test_the_admin_here_drives_the_engine_in_another_process(
+    shared_prefix, redis_url, tiny_model_dir, tmp_path, django_user_model
+):
+    """ADM-3, ADM-1, LANE-4: admin actions and edits made in this process reach the engine in the
+    daphne process over the channel layer, and its live state comes back through the cache."""
+    staff = django_user_model.objects.create_superuser("root", "root@example.com", "pw-root-123")
+    _, key = services.apikey_create(owner=staff, name="probe")
+    alias = services.alias_register(name="tiny", source_kind="local", local_path="tiny-llama", temperature=0.0)
+    admin = Client()
+    admin.force_login(staff)
+
+    with running_daphne(database_url(), tmp_path, REDIS_URL=redis_url, MLXHOST_SHARED_PREFIX=shared_prefix) as server:
+
+        def readyz() -> list[dict]:
+            headers = {"Authorization": f"Bearer {key}"}
+            return httpx.get(f"{server.url}/readyz", headers=headers, timeout=10).json().get("instances", [])
+
+        def engine_view() -> dict | None:
+            return control.instance_views().get(alias.instance_id)
+
+        statuses = wait_for("the engine's status in this process's cache", control.engine_statuses)
+        assert [s["pid"] for s in statuses] == [server.process.pid]
+        assert readyz() == []  # nothing loaded: the engine only knows what it was told
+
+        response = admin.post(CHANGELIST, {"action": "load", "_selected_action": [alias.pk]})
+        assert response.status_code == 302
+        wait_for("the load", lambda: [i for i in readyz() if i["state"] == "ready"])
+        view = wait_for("the resident state in the admin's view", lambda: (v := engine_view()) and v["state"] == "ready" and v)
+        assert view["aliases"] == ["tiny"]
+        assert admin.get(CHANGELIST).status_code == 200
+
+        admin_edit(admin, alias, concurrency=3)
+        wait_for("the new lane capacity", lambda: readyz()[0]["lane"]["capacity"] == 3)
+
+        response = admin.post(CHANGELIST, {"action": "unload", "_selected_action": [alias.pk]})
+        assert response.status_code == 302
+        wait_for("the unload", lambda: readyz()[0]["state"] == "unloaded")
+
+        alias.refresh_from_db()
+        admin_edit(admin, alias, enabled=False)
+        wait_for("the disabled alias to leave the engine", lambda: readyz() == [])
