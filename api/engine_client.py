@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 import uuid
+from typing import Any
 
 from django.conf import settings
 
@@ -17,6 +18,11 @@ logger = logging.getLogger(__name__)
 BOOT_ID = uuid.uuid4().hex
 
 _engine: Engine | None = None
+
+# Shutdown (OPS-5): beyond the drain, how long the workers may take, and how long a view has to
+# record its turn after its stream's last event.
+STOP_GRACE_S = 5.0
+STREAM_SETTLE_S = 0.1
 
 
 def get_engine() -> Engine:
@@ -37,6 +43,8 @@ def engine_config() -> EngineConfig:
         max_session_bytes=options.get("MAX_SESSION_BYTES", 2 << 30),
         session_ttl_s=options.get("SESSION_TTL_S", 1800.0),
         shutdown_timeout_s=options.get("SHUTDOWN_TIMEOUT_S", 10.0),
+        housekeeping_interval_s=options.get("HOUSEKEEPING_INTERVAL_S", 30.0),
+        memory_budget_bytes=options.get("MEMORY_BUDGET_BYTES") or None,
     )
 
 
@@ -93,7 +101,8 @@ def _start_on_running_loop() -> None:
 
 
 def schedule_engine_start() -> None:
-    """Called from asgi.py: start the engine once daphne's reactor (and its asyncio loop) runs.
+    """Called from asgi.py: start the engine once daphne's reactor (and its asyncio loop) runs,
+    and drain it before the reactor shuts down (OPS-5).
 
     Daphne imports the application before it sets its loop as current, so the start is
     deferred with the reactor's `callWhenRunning`. Under other ASGI servers models load on
@@ -106,3 +115,68 @@ def schedule_engine_start() -> None:
     # callWhenRunning fires as the reactor starts, before asyncio's loop is "running";
     # call_soon defers once more so create_task sees a running loop.
     reactor.callWhenRunning(lambda: asyncio.get_event_loop().call_soon(_start_on_running_loop))
+    # SIGTERM/SIGINT stop the reactor; it waits for this Deferred before it closes connections
+    # and the loop (OPS-5). Daphne's own before-shutdown trigger cancels each request's ASGI
+    # task at the same moment, but Django runs the view and its streaming response in a task of
+    # its own that outlives that cancel, so streams still end with their terminal event
+    # (tests/e2e/test_shutdown.py proves it with a real daphne).
+    reactor.addSystemEventTrigger("before", "shutdown", _drain_before_shutdown)
+
+
+_stop_task: asyncio.Task[None] | None = None
+
+
+def _drain_before_shutdown() -> Any:
+    from twisted.internet.defer import Deferred
+
+    global _stop_task
+    if _stop_task is None:
+        _stop_task = asyncio.ensure_future(engine_stop())
+    return Deferred.fromFuture(_stop_task)
+
+
+async def engine_stop() -> None:
+    """Drain and stop this process's engine, then flush stored responses (OPS-5, LANE-7).
+
+    New requests get 503 `draining`, queued ones too; running streams get SHUTDOWN_TIMEOUT_S
+    to finish, then are aborted, and each still ends with its terminal event. Bounded: a wedged
+    load or persist is logged and left behind, never waited for without end.
+    """
+    for task in list(_start_tasks):  # control messages, status, housekeeping: nothing new starts
+        task.cancel()
+    engine = engine_if_started()
+    timeout = engine.config.shutdown_timeout_s if engine else engine_config().shutdown_timeout_s
+    if engine is not None:
+        logger.info("draining the engine (up to %.0fs)", timeout)
+        try:
+            await asyncio.wait_for(engine.shutdown(), 2 * timeout + STOP_GRACE_S)
+        except TimeoutError:
+            logger.error("the engine did not stop in time; exiting anyway")
+        except Exception:  # the process exits either way; say why it was not clean
+            logger.exception("draining the engine failed")
+    try:
+        await _flush_persistence(timeout)
+    except Exception:
+        logger.exception("flushing stored responses failed")
+    logger.info("engine stopped")
+
+
+async def _flush_persistence(timeout: float) -> None:
+    from models_app.persistence import persistence_if_started
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    recorded = -1.0
+    while loop.time() < deadline:
+        # A view records its turn a moment after its stream's last event: settle, then flush.
+        await asyncio.sleep(STREAM_SETTLE_S)
+        store = persistence_if_started()
+        if store is None:
+            return
+        now_recorded = store.stats()["recorded"]
+        flushed = await store.flush(timeout_s=max(0.0, deadline - loop.time()))
+        if flushed and now_recorded == recorded:
+            store.close()
+            return
+        recorded = now_recorded
+    logger.error("stored responses were still being written at shutdown")

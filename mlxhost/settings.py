@@ -165,7 +165,13 @@ MLXHOST_ENGINE = {
     "MAX_SESSION_BYTES": env.int("MLXHOST_MAX_SESSION_BYTES", default=2 << 30),
     "SESSION_TTL_S": env.float("MLXHOST_SESSION_TTL_S", default=1800.0),
     "SHUTDOWN_TIMEOUT_S": env.float("MLXHOST_SHUTDOWN_TIMEOUT_S", default=10.0),
+    # Keep-alive (OPS-3): how often idle instances are looked for; the alias sets each keep-alive.
+    "HOUSEKEEPING_INTERVAL_S": env.float("MLXHOST_HOUSEKEEPING_INTERVAL_S", default=30.0),
+    # Most bytes resident models (weights + warm sessions) may hold; unset or 0: no budget (OPS-3).
+    "MEMORY_BUDGET_BYTES": env.int("MLXHOST_MEMORY_BUDGET_BYTES", default=0) or None,
 }
+# /metrics (OPS-1) needs an API key or a staff login unless this is true (scrapers without auth).
+MLXHOST_METRICS_PUBLIC = env.bool("MLXHOST_METRICS_PUBLIC", default=False)
 MLXHOST_MAX_REQUEST_BYTES = env.int("MLXHOST_MAX_REQUEST_BYTES", default=4 * 1024 * 1024)
 # WebSocket /ws/v1/responses (API-3): frame size limit (larger closes with 1009), turns at once
 # per socket, and extra origins allowed besides the Host itself (behind a Host-rewriting proxy).

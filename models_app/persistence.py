@@ -295,6 +295,12 @@ class Persistence:
         """Counters for /metrics: published, inline_writes, landed, breaker_trips, publish_failures…"""
         return {**self._stats, "pending": len(self._pending), "late": len(self._late)}
 
+    def oldest_pending_s(self) -> float:
+        """Seconds the oldest write still pending has waited (0 when none): the persist lag now."""
+        if not self._pending:
+            return 0.0
+        return max(0.0, self._clock() - min(entry.recorded_at for entry in self._pending.values()))
+
     # Monitor and breaker -------------------------------------------------------------------
 
     async def run_monitor(self) -> None:

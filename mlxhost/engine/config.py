@@ -19,3 +19,7 @@ class EngineConfig:
     stall_after_s: float = 30.0
     # A cancel for an id the engine has not seen yet is remembered this long (LANE-6).
     early_cancel_ttl_s: float = 60.0
+    # Keep-alive and the memory budget (OPS-3): how often housekeeping looks for idle instances,
+    # and the most bytes resident models may hold (None: no budget).
+    housekeeping_interval_s: float = 30.0
+    memory_budget_bytes: int | None = None

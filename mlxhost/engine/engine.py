@@ -12,27 +12,50 @@ from typing import TYPE_CHECKING, Literal
 from mlxhost.engine.backends import make_backend
 from mlxhost.engine.config import EngineConfig
 from mlxhost.engine.errors import (
+    DrainingError,
     DuplicateRequestError,
     EngineClosedError,
     ModelLoadError,
     PromptTooLongError,
+    QueueFullError,
     RequestCancelledError,
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.instance import Instance
 from mlxhost.engine.registry import Registry
+from mlxhost.engine.residency import Residency
 from mlxhost.engine.sessions import SessionScoper
+from mlxhost.engine.stats import REJECTIONS, EngineStats
 from mlxhost.engine.types import Done, Failed, Timings, Usage
 from mlxhost.engine.worker import GenerateJob, JobResult
 
 if TYPE_CHECKING:
     from mlxhost.engine.backends.base import Backend
     from mlxhost.engine.lane import Ticket
-    from mlxhost.engine.types import GenerationRequest, ModelSpec
+    from mlxhost.engine.residency import MemoryPolicy
+    from mlxhost.engine.stats import Key
+    from mlxhost.engine.types import Event, GenerationRequest, ModelSpec
 
 logger = logging.getLogger(__name__)
 
 EARLY_CANCEL_LIMIT = 4096
+SHUTDOWN_MESSAGE = "The server is shutting down; retry shortly."
+
+
+class _CountedGeneration(Generation):
+    """A Generation that reports its one terminal event to the engine's counters (OPS-1)."""
+
+    def __init__(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, on_end: Callable[[Event], None]
+    ) -> None:
+        super().__init__(request, loop)
+        self._on_end: Callable[[Event], None] | None = on_end
+
+    def post(self, event: Event) -> None:
+        if self._on_end is not None and isinstance(event, Done | Failed):
+            on_end, self._on_end = self._on_end, None
+            on_end(event)
+        super().post(event)
 
 
 class Engine:
@@ -58,6 +81,9 @@ class Engine:
         self._live: dict[str, Generation] = {}
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
         self._teardowns: set[asyncio.Task[None]] = set()
+        self.stats = EngineStats()
+        self.residency = Residency(self.registry, self.config.memory_budget_bytes, self.stats)
+        self._stopping = False  # shutdown began: arrivals are refused as draining (LANE-7)
         self._closed = False
 
     # Registry -----------------------------------------------------------------------------
@@ -66,14 +92,20 @@ class Engine:
         """Bind a name (an alias) to the instance of `spec`'s weights; see `Registry.bind`.
 
         Raises:
-            EngineClosedError: the engine is shutting down.
+            DrainingError: the engine is draining for shutdown.
+            EngineClosedError: the engine has shut down.
         """
         if self._closed:
             raise EngineClosedError("The engine is shutting down.")
-        return self.registry.bind(name, spec)
+        if self._stopping:
+            raise DrainingError(SHUTDOWN_MESSAGE)
+        instance = self.registry.bind(name, spec)
+        self.residency.bound(name, spec)
+        return instance
 
     def unbind(self, name: str) -> None:
         self.registry.unbind(name)
+        self.residency.unbound(name)
 
     def get(self, instance_id: int) -> Instance:
         return self.registry.get(instance_id)
@@ -85,7 +117,7 @@ class Engine:
             ModelLoadError: the weights could not be loaded.
         """
         instance = self.bind(name or _default_name(spec), spec)
-        await instance.ensure_loaded()
+        await self.residency.ensure_loaded(instance)
         return instance
 
     async def unload(self, instance_id: int) -> None:
@@ -115,17 +147,27 @@ class Engine:
             RequestCancelledError: a cancel for this id arrived first (LANE-6).
             ModelLoadError: the model could not be loaded.
             PromptTooLongError: the prompt exceeds the model's max_input_tokens.
-            EngineClosedError: the engine is shutting down.
+            EngineClosedError: the engine has shut down.
         """
         request_id = request.request_id
         if request_id in self._live:
             raise DuplicateRequestError(f"A request with id {request_id!r} is already in flight.")
-        instance = self.bind(request.binding or _default_name(request.model), request.model)
-        ticket = instance.lane.reserve(request_id)
-        generation = Generation(request, asyncio.get_running_loop())
+        binding = request.binding or _default_name(request.model)
+        key: Key = (binding, request.model.instance_id)
+        try:
+            instance = self.bind(binding, request.model)
+            key = (binding, instance.instance_id)
+            ticket = instance.lane.reserve(request_id)
+        except (QueueFullError, DrainingError) as exc:
+            self.stats.reject(key, exc.code)
+            raise
+        generation = _CountedGeneration(
+            request, asyncio.get_running_loop(), lambda event: self._count_end(key, event)
+        )
         generation.instance_id = instance.instance_id
         self._live[request_id] = generation
         self.registry.lease(instance)
+        instance.touch()
         try:
             if self._take_early_cancel(request_id):
                 raise RequestCancelledError("The request was cancelled before it started.")
@@ -133,9 +175,15 @@ class Engine:
             if generation.cancelled:
                 raise RequestCancelledError("The request was cancelled before it started.")
             self._enter(instance, ticket, generation, prompt_ids)
-        except BaseException:
+        except BaseException as exc:
             instance.lane.release(ticket)
             self._forget(instance, generation)
+            if isinstance(exc, RequestCancelledError | asyncio.CancelledError):
+                self.stats.outcome(key, "cancelled")
+            elif isinstance(exc, DrainingError):
+                self.stats.reject(key, exc.code)
+            elif isinstance(exc, ModelLoadError):
+                self.stats.outcome(key, "failed")
             raise
         return generation
 
@@ -153,7 +201,7 @@ class Engine:
         instance = self.bind(request.binding or _default_name(request.model), request.model)
         self.registry.lease(instance)  # an unbind while the count renders defers teardown (REG-6)
         try:
-            await instance.ensure_loaded()
+            await self.residency.ensure_loaded(instance)
             model = instance.model
             if model is None:
                 raise ModelLoadError("The model was unloaded while the request waited; retry.")
@@ -175,7 +223,8 @@ class Engine:
         return False
 
     async def _prepare(self, instance: Instance, request: GenerationRequest) -> list[int]:
-        await instance.ensure_loaded()
+        # A keep-alive reload (or a budget eviction) waits here, under the permit (LANE-3).
+        await self.residency.ensure_loaded(instance)
         model = instance.model
         if model is None:  # unloaded between the load wait and now; the client may retry
             raise ModelLoadError("The model was unloaded while the request waited; retry.")
@@ -271,7 +320,16 @@ class Engine:
     def _forget(self, instance: Instance, generation: Generation) -> None:
         if self._live.get(generation.request_id) is generation:
             del self._live[generation.request_id]
+            instance.touch()  # the keep-alive counts from the last request's end (OPS-3)
             self.registry.unlease(instance)
+
+    def _count_end(self, key: Key, event: Event) -> None:
+        if isinstance(event, Done):
+            self.stats.finished(key, event)
+        elif isinstance(event, Failed) and event.code in REJECTIONS:
+            self.stats.reject(key, event.code)  # left the queue without running (LANE-7/8)
+        else:
+            self.stats.outcome(key, "failed")
 
     def _take_early_cancel(self, request_id: str) -> bool:
         now = self._clock()
@@ -307,28 +365,58 @@ class Engine:
         self._take_early_cancel("")  # also drops expired early cancels
         return sum(instance.sessions.sweep() for instance in self.registry.instances())
 
-    async def housekeeping(self, interval_s: float = 30.0) -> None:
-        """Sweep expired sessions forever (idle instances free their warm memory too, SES-6)."""
-        while not self._closed:
-            await asyncio.sleep(interval_s)
+    async def housekeeping(self, interval_s: float | None = None) -> None:
+        """Every `interval_s` (default `config.housekeeping_interval_s`), until shutdown: dispose
+        expired warm sessions (SES-6) and free instances idle past their keep-alive (OPS-3)."""
+        interval = self.config.housekeeping_interval_s if interval_s is None else interval_s
+        while not (self._closed or self._stopping):
+            await asyncio.sleep(interval)
             if swept := self.sweep():
                 logger.info("disposed %d expired warm sessions", swept)
+            try:
+                await self.unload_idle()
+            except Exception:  # one failed unload must not stop the keep-alive for the others
+                logger.exception("keep-alive unload failed")
+
+    # Keep-alive and the memory budget (OPS-3) ---------------------------------------------
+
+    def policy(self, instance: Instance) -> MemoryPolicy:
+        """The instance's keep-alive and pin, merged over every alias that binds it (REG-2)."""
+        return self.residency.policy(instance)
+
+    async def unload_idle(self) -> list[int]:
+        """Free every resident, unpinned instance idle at least its keep-alive; returns their ids."""
+        return await self.residency.unload_idle()
+
+    def resident_bytes(self) -> int:
+        """Bytes every instance holds now: weights plus warm sessions (the budget's measure)."""
+        return self.residency.resident_bytes()
 
     def snapshot(self) -> list[dict[str, object]]:
         snapshots = []
         for instance in self.registry.instances():
             snap = instance.snapshot()
+            policy = self.policy(instance)
             snap["aliases"] = self.registry.names_of(instance)
             snap["stalled"] = instance.stalled_for() >= self.config.stall_after_s
+            snap["idle_s"] = round(instance.idle_for(), 1)
+            snap["pinned"] = policy.pinned
+            snap["keep_alive_s"] = policy.keep_alive_s
             snapshots.append(snap)
         return snapshots
 
     async def shutdown(self) -> None:
-        """Drain every instance (LANE-7, OPS-5), then stop the workers."""
-        self._closed = True
+        """Drain every instance (LANE-7, OPS-5), then stop the workers.
+
+        From the first call, new requests are refused with `DrainingError`; queued ones fail
+        with it; running ones get `shutdown_timeout_s` to finish, then are aborted (their
+        streams still end with a `Done`). Then the engine is closed.
+        """
+        self._stopping = self.residency.stopped = True
         timeout = self.config.shutdown_timeout_s
         instances = self.registry.instances()
         await asyncio.gather(*(i.lane.drain("wait", timeout) for i in instances), return_exceptions=True)
+        self._closed = True
         for instance in instances:
             instance.sessions.clear()
         await asyncio.gather(*(asyncio.to_thread(i.stop, timeout) for i in instances))

@@ -103,14 +103,33 @@ class Instance:
             await self.free()
 
     async def free(self) -> None:
-        """Free the model and its warm sessions now; the caller guarantees the lane is empty."""
+        """Free the model and its warm sessions now; the caller guarantees the lane is empty.
+
+        Marked unloaded first: a request that arrives meanwhile waits for a reload under its
+        permit (LANE-3) instead of finding a model that is being freed.
+        """
+        self.state = "unloaded"
         self.sessions.clear()
         await self._on_worker(self._close_model)
-        self.state = "unloaded"
 
     def dispatch(self, job: GenerateJob) -> None:
         self.last_used = self._clock()
         self._worker.submit(job)
+
+    def touch(self) -> None:
+        """A request arrived or left, or the weights loaded: the idle clock restarts (OPS-3)."""
+        self.last_used = self._clock()
+
+    def busy(self) -> bool:
+        """Whether anything holds or waits for the lane: a permit, a request, a writer."""
+        probe = self.lane.probe()
+        return bool(probe.active or probe.queued or probe.permits or probe.writers)
+
+    def idle_for(self) -> float:
+        """Seconds since the last request left (or the load finished); 0 while the lane is busy."""
+        if self.busy():
+            return 0.0
+        return max(0.0, self._clock() - self.last_used)
 
     def stop(self, timeout: float) -> None:
         """Free the model and end the worker thread (blocking; call off the loop)."""
@@ -155,6 +174,7 @@ class Instance:
                 self.state, self.last_error = "error", _describe(exc)
                 raise ModelLoadError(self.last_error) from exc
             self.state = "ready"
+            self.touch()  # a fresh load is not idle yet: its keep-alive starts now
             if self.model is not None and self.model.shared_cache:
                 self.sessions.max_entries = 1  # one shared mutable cache: one warm session (SES-5)
 

@@ -51,6 +51,9 @@ class ModelSpec:
 
     `instance_id` is the caller's id for these weights (a database sequence); the registry
     may keep an older id for the same weights (a live binding or a tombstone, REG-7).
+    `keep_alive_s` and `pinned` are the binding alias's memory policy (OPS-3): free the
+    weights after that many idle seconds (None: never); a pinned alias is never freed for
+    idleness or for the memory budget.
     """
 
     instance_id: int
@@ -59,6 +62,8 @@ class ModelSpec:
     revision: str | None = None
     max_input_tokens: int | None = None
     lane: LaneSettings = field(default_factory=LaneSettings)
+    keep_alive_s: float | None = None
+    pinned: bool = False
 
     @property
     def weights_key(self) -> tuple[str, str, str]:

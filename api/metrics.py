@@ -1,0 +1,233 @@
+"""GET /metrics: the engine's and persistence's counters in Prometheus' text format (OPS-1).
+
+The engine only counts (`mlxhost.engine.stats`, its snapshots) and never imports an exporter;
+this module renders those numbers with a collector built per scrape, so nothing is registered
+globally and a scrape never builds the engine or the persistence layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+
+from api.auth import api_endpoint, may_see_internals
+from api.engine_client import engine_if_started
+from api.errors import INVALID_KEY_MESSAGE, ApiError
+from models_app.persistence import persistence_if_started
+
+if TYPE_CHECKING:
+    from mlxhost.engine import Engine
+    from mlxhost.engine.stats import Histogram, RequestStats
+    from models_app.persistence import Persistence
+
+REQUEST_LABELS = ["model", "instance"]
+INSTANCE_STATES = ("unloaded", "loading", "ready", "error")
+# Per-instance gauges: (metric name, help, how to read it from an engine snapshot).
+INSTANCE_GAUGES: tuple[tuple[str, str, Any], ...] = (
+    ("mlxhost_queue_depth", "Requests waiting in the instance's lane.", lambda s: s["lane"]["queued"]),
+    ("mlxhost_active_requests", "Requests running on the instance.", lambda s: s["lane"]["active"]),
+    (
+        "mlxhost_queue_permits",
+        "Requests admitted but still preparing (loading, templating) before the lane.",
+        lambda s: s["lane"]["permits"],
+    ),
+    ("mlxhost_lane_capacity", "Requests the instance runs at once.", lambda s: s["lane"]["capacity"]),
+    ("mlxhost_warm_sessions", "Warm sessions (KV caches) kept.", lambda s: s["sessions"]["entries"]),
+    ("mlxhost_warm_session_bytes", "Bytes held by warm sessions.", lambda s: s["sessions"]["bytes"]),
+    ("mlxhost_resident_memory_bytes", "Bytes of resident model weights.", lambda s: s["memory_bytes"]),
+    ("mlxhost_instance_idle_seconds", "Seconds since the last request left.", lambda s: s["idle_s"]),
+)
+
+
+@api_endpoint(dialect="openai", methods=("GET", "HEAD"), public=True)
+async def metrics(request: HttpRequest) -> HttpResponse:
+    """Prometheus exposition; needs an API key or a staff login unless MLXHOST_METRICS_PUBLIC (API-5)."""
+    if not settings.MLXHOST_METRICS_PUBLIC and not await may_see_internals(request):
+        raise ApiError(401, INVALID_KEY_MESSAGE, "authentication_error", "invalid_api_key")
+    return HttpResponse(
+        render(engine_if_started(), persistence_if_started()), content_type=CONTENT_TYPE_LATEST
+    )
+
+
+def render(engine: Engine | None, store: Persistence | None) -> bytes:
+    """The exposition text for `engine` and `store` (either may be None: not started)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(engine, store))
+    return generate_latest(registry)
+
+
+class _Collector:
+    """Reads the counters at scrape time; registered on a registry of its own per scrape."""
+
+    def __init__(self, engine: Engine | None, store: Persistence | None) -> None:
+        self._engine = engine
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        if self._engine is not None:
+            yield from _request_metrics(self._engine)
+            yield from _instance_metrics(self._engine)
+        if self._store is not None:
+            yield from _persist_metrics(self._store)
+
+
+def _request_metrics(engine: Engine) -> Iterator[Metric]:
+    requests = CounterMetricFamily(
+        "mlxhost_requests",
+        "Requests that entered a lane, by how they ended (completed, incomplete = max_tokens, "
+        "cancelled, failed).",
+        labels=[*REQUEST_LABELS, "outcome"],
+    )
+    rejected = CounterMetricFamily(
+        "mlxhost_requests_rejected",
+        "Requests refused at admission: queue_full (429, Anthropic 529), draining and queue_timeout (503).",
+        labels=[*REQUEST_LABELS, "reason"],
+    )
+    tokens = {
+        kind: CounterMetricFamily(f"mlxhost_{kind}_tokens", text, labels=REQUEST_LABELS)
+        for kind, text in (
+            ("prompt", "Prompt tokens of finished requests."),
+            ("cached_prompt", "Prompt tokens served from a cached prefix (warm session)."),
+            ("completion", "Generated tokens of finished requests."),
+        )
+    }
+    ratio = GaugeMetricFamily(
+        "mlxhost_cached_token_ratio",
+        "Cached prompt tokens / prompt tokens, over the process's lifetime.",
+        labels=REQUEST_LABELS,
+    )
+    ttft = HistogramMetricFamily(
+        "mlxhost_time_to_first_token_seconds",
+        "From entering the lane to the first generated token.",
+        labels=REQUEST_LABELS,
+    )
+    decode = HistogramMetricFamily(
+        "mlxhost_decode_tokens_per_second", "Decode rate of one request.", labels=REQUEST_LABELS
+    )
+    for name, instance_id, stats in sorted(engine.stats.requests(), key=lambda item: item[:2]):
+        labels = [name, str(instance_id)]
+        for outcome, count in stats.outcomes.items():
+            requests.add_metric([*labels, outcome], count)
+        for reason, count in stats.rejected.items():
+            rejected.add_metric([*labels, reason], count)
+        _add_tokens(tokens, labels, stats)
+        ratio.add_metric(labels, stats.cached_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0)
+        _add_histogram(ttft, labels, stats.ttft_s)
+        _add_histogram(decode, labels, stats.decode_tps)
+    yield from (requests, rejected, *tokens.values(), ratio, ttft, decode)
+
+
+def _add_tokens(tokens: dict[str, CounterMetricFamily], labels: list[str], stats: RequestStats) -> None:
+    tokens["prompt"].add_metric(labels, stats.prompt_tokens)
+    tokens["cached_prompt"].add_metric(labels, stats.cached_tokens)
+    tokens["completion"].add_metric(labels, stats.completion_tokens)
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], histogram: Histogram) -> None:
+    buckets = [(_le(bound), count) for bound, count in histogram.cumulative()]
+    family.add_metric(labels, buckets, histogram.total)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+def _instance_metrics(engine: Engine) -> Iterator[Metric]:
+    bound = GaugeMetricFamily(
+        "mlxhost_model_instance",
+        "1 for each alias bound to an instance (join on `instance`).",
+        labels=REQUEST_LABELS,
+    )
+    state = GaugeMetricFamily(
+        "mlxhost_instance_state", "1 for the instance's current state.", labels=["instance", "state"]
+    )
+    gauges = [
+        (GaugeMetricFamily(name, text, labels=["instance"]), read) for name, text, read in INSTANCE_GAUGES
+    ]
+    generated = CounterMetricFamily("mlxhost_tokens_generated", "Tokens generated.", labels=["instance"])
+    unloads = CounterMetricFamily(
+        "mlxhost_instance_unloads",
+        "Weights freed without an admin action: keep_alive (idle) or memory_budget (evicted).",
+        labels=["instance", "reason"],
+    )
+    for snap in sorted(engine.snapshot(), key=lambda s: s["instance_id"]):  # type: ignore[arg-type, return-value]
+        instance = str(snap["instance_id"])
+        for name in snap["aliases"]:  # type: ignore[attr-defined]
+            bound.add_metric([name, instance], 1)
+        for name in INSTANCE_STATES:
+            state.add_metric([instance, name], 1 if snap["state"] == name else 0)
+        for family, read in gauges:
+            family.add_metric([instance], read(snap))
+        generated.add_metric([instance], snap["tokens_generated"])  # type: ignore[arg-type]
+    for instance_id, reasons in sorted(engine.stats.unloads.items()):
+        for reason, count in reasons.items():
+            unloads.add_metric([str(instance_id), reason], count)
+    yield from (bound, state, *(family for family, _ in gauges), generated, unloads)
+    budget = engine.config.memory_budget_bytes
+    if budget is not None:
+        yield GaugeMetricFamily("mlxhost_memory_budget_bytes", "The memory budget (OPS-3).", value=budget)
+    yield GaugeMetricFamily(
+        "mlxhost_resident_bytes",
+        "Weights and warm sessions of every instance.",
+        value=engine.resident_bytes(),
+    )
+
+
+def _persist_metrics(store: Persistence) -> Iterator[Metric]:
+    stats = store.stats()
+    writes = CounterMetricFamily(
+        "mlxhost_persist_writes",
+        "Stored-response writes started, by path: published to Celery, inline (broker down), eager.",
+        labels=["path"],
+    )
+    for path, key in (("published", "published"), ("inline", "inline_writes"), ("eager", "eager_writes")):
+        writes.add_metric([path], stats[key])
+    failures = CounterMetricFamily(
+        "mlxhost_persist_failures",
+        "Persist failures: publish (fell back inline), write (the row was not written), breaker "
+        "(given up after the hard timeout, PER-4).",
+        labels=["kind"],
+    )
+    for kind, key in (
+        ("publish", "publish_failures"),
+        ("write", "write_failures"),
+        ("breaker", "breaker_trips"),
+    ):
+        failures.add_metric([kind], stats[key])
+    yield CounterMetricFamily(
+        "mlxhost_persist_recorded", "Responses handed to persistence.", value=stats["recorded"]
+    )
+    yield writes
+    yield failures
+    yield CounterMetricFamily("mlxhost_persist_landed", "Rows seen landed in time.", value=stats["landed"])
+    yield CounterMetricFamily(
+        "mlxhost_persist_late_landed",
+        "Rows that landed after the breaker gave up.",
+        value=stats["late_landed"],
+    )
+    yield SummaryMetricFamily(
+        "mlxhost_persist_lag_seconds",
+        "From the client's answer to the row seen landed.",
+        count_value=int(stats["landed"]),
+        sum_value=stats["lag_s_sum"],
+    )
+    yield GaugeMetricFamily(
+        "mlxhost_persist_lag_max_seconds", "The longest lag seen.", value=stats["lag_s_max"]
+    )
+    yield GaugeMetricFamily("mlxhost_persist_pending", "Writes not landed yet.", value=stats["pending"])
+    yield GaugeMetricFamily(
+        "mlxhost_persist_oldest_pending_seconds",
+        "How long the oldest pending write has waited (0 when none).",
+        value=store.oldest_pending_s(),
+    )

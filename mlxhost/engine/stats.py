@@ -1,0 +1,110 @@
+"""Request counters and histograms the engine keeps for `/metrics` (OPS-1): plain numbers, no exporter.
+
+The engine counts; `api/metrics.py` renders. Counters are keyed by (binding name, instance id),
+so two aliases of one instance (REG-2) keep their own counts.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlxhost.engine.types import Done
+
+# Seconds from entering the lane to the first token.
+TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Decode tokens per second of one request (after its first token).
+DECODE_BUCKETS_TPS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
+
+# How a request that entered its lane ended; the names match the stored response statuses.
+OUTCOMES = ("completed", "incomplete", "cancelled", "failed")
+# Why a request was refused at admission: 429/529 queue_full, 503 draining and queue_timeout.
+REJECTIONS = ("queue_full", "draining", "queue_timeout")
+# Why an instance's weights were freed without an admin asking (OPS-3).
+UNLOAD_REASONS = ("keep_alive", "memory_budget")
+
+_OUTCOME_OF_FINISH = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}
+
+Key = tuple[str, int]  # (binding name, instance id)
+
+
+@dataclass(slots=True)
+class Histogram:
+    """A fixed-bucket histogram: `counts[i]` observations <= `bounds[i]`, the last slot above all."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations at or below it) per bucket, ending with (+inf, count)."""
+        running, out = 0, []
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """One binding's requests on one instance."""
+
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REJECTIONS, 0))
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    decode_tps: Histogram = field(default_factory=lambda: Histogram(DECODE_BUCKETS_TPS))
+
+
+class EngineStats:
+    """Every binding's `RequestStats`, and why instances were unloaded; touched on the loop only."""
+
+    def __init__(self) -> None:
+        self._requests: dict[Key, RequestStats] = {}
+        self.unloads: dict[int, dict[str, int]] = {}  # instance id -> reason -> count
+
+    def requests(self) -> list[tuple[str, int, RequestStats]]:
+        return [(name, instance_id, stats) for (name, instance_id), stats in self._requests.items()]
+
+    def reject(self, key: Key, reason: str) -> None:
+        self._of(key).rejected[reason if reason in REJECTIONS else "draining"] += 1
+
+    def outcome(self, key: Key, outcome: str) -> None:
+        self._of(key).outcomes[outcome] += 1
+
+    def finished(self, key: Key, done: Done) -> None:
+        """Count a request's terminal `Done`: outcome, tokens, time to first token, decode rate."""
+        stats = self._of(key)
+        stats.outcomes[_OUTCOME_OF_FINISH.get(done.finish_reason, "failed")] += 1
+        usage = done.usage
+        stats.prompt_tokens += usage.prompt_tokens
+        stats.cached_tokens += usage.cached_tokens
+        stats.completion_tokens += usage.completion_tokens
+        if usage.completion_tokens > 0:
+            stats.ttft_s.observe(max(0.0, done.timings.ttft_ms) / 1000)
+        if usage.completion_tokens > 1 and done.timings.decode_tps > 0:
+            stats.decode_tps.observe(done.timings.decode_tps)
+
+    def unloaded(self, instance_id: int, reason: str) -> None:
+        reasons = self.unloads.setdefault(instance_id, dict.fromkeys(UNLOAD_REASONS, 0))
+        reasons[reason] += 1
+
+    def _of(self, key: Key) -> RequestStats:
+        stats = self._requests.get(key)
+        if stats is None:
+            stats = self._requests[key] = RequestStats()
+        return stats

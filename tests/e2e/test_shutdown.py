@@ -1,0 +1,130 @@
+"""End to end: SIGTERM drains a real daphne process, ends every open stream, and exits 0 (OPS-5)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Server, database_url, running_daphne
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
+
+SHUTDOWN_TIMEOUT_S = 2
+# Generous bounds, never timings: the stream must end and the process exit well within these.
+STREAM_END_WITHIN_S = 60
+EXIT_WITHIN_S = 60
+HELLO = [{"role": "user", "content": "Tell me a long story"}]
+
+
+@pytest.fixture
+def server(django_db_setup, django_db_blocker, tmp_path) -> Iterator[Server]:
+    """A daphne of this test's own: the test stops it."""
+    with django_db_blocker.unblock():
+        url = database_url()
+    with running_daphne(url, tmp_path, MLXHOST_SHUTDOWN_TIMEOUT_S=str(SHUTDOWN_TIMEOUT_S)) as server:
+        yield server
+
+
+class StreamReader(threading.Thread):
+    """Reads one SSE response line by line on a thread; `lines` grows as data arrives."""
+
+    def __init__(self, url: str, headers: dict[str, str], body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.headers, self.body = url, headers, body
+        self.lines: list[str] = []
+        self.status = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with (
+                httpx.Client(timeout=httpx.Timeout(120, connect=10)) as client,
+                client.stream("POST", self.url, json=self.body, headers=self.headers) as response,
+            ):
+                self.status = response.status_code
+                for line in response.iter_lines():
+                    if line:
+                        self.lines.append(line)
+        except BaseException as exc:  # reported by the test, not lost on the thread
+            self.error = exc
+
+    def data(self) -> list[str]:
+        return [line.removeprefix("data: ") for line in self.lines if line.startswith("data: ")]
+
+    @property
+    def ended(self) -> bool:
+        return "[DONE]" in self.data()
+
+
+def wait_for(predicate, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def lane(server: Server, headers: dict[str, str]) -> dict:
+    instances = httpx.get(f"{server.url}/readyz", headers=headers, timeout=10).json().get("instances", [])
+    return instances[0]["lane"] if instances else {}
+
+
+def test_sigterm_drains_ends_every_stream_and_exits_zero(server, tiny_alias, api_key, tiny_eos_id):
+    """OPS-5, LANE-7: on SIGTERM the running stream gets SHUTDOWN_TIMEOUT_S to finish, is then
+    aborted and still ends with a finish_reason chunk and [DONE]; the queued request and a new
+    one sent during the drain get 503 `draining`; then the process exits with status 0."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    chat = f"{server.url}/v1/chat/completions"
+    no_eos = {str(tiny_eos_id): -100}
+    stream = StreamReader(
+        chat,
+        headers,
+        {"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 1_000_000, "logit_bias": no_eos},
+    )
+    stream.start()
+    wait_for(lambda: len(stream.data()) >= 5 or stream.error is not None, "the stream's first chunks")
+    assert stream.error is None and stream.status == 200
+
+    queued: dict[str, httpx.Response] = {}
+    waiter = threading.Thread(
+        target=lambda: queued.setdefault(
+            "response",
+            httpx.post(
+                chat, json={"model": "tiny", "messages": HELLO, "max_tokens": 2}, headers=headers, timeout=120
+            ),
+        ),
+        daemon=True,
+    )
+    waiter.start()
+    wait_for(lambda: lane(server, headers).get("queued") == 1, "the second request to queue")
+
+    server.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: lane(server, headers).get("draining") is True, "the drain to start")
+    assert not stream.ended, "the stream must still be running while the drain refuses arrivals"
+    late = httpx.post(
+        chat, json={"model": "tiny", "messages": HELLO, "max_tokens": 2}, headers=headers, timeout=30
+    )
+    assert late.status_code == 503
+    assert late.json()["error"]["code"] == "draining"
+    assert int(late.headers["Retry-After"]) >= 1
+
+    waiter.join(STREAM_END_WITHIN_S)
+    assert queued["response"].status_code == 503
+    assert queued["response"].json()["error"]["code"] == "draining"
+
+    stream.join(STREAM_END_WITHIN_S)
+    assert not stream.is_alive(), "the open stream hung"
+    assert stream.error is None, stream.error
+    data = stream.data()
+    assert data[-1] == "[DONE]"
+    finishes = [c["choices"][0]["finish_reason"] for c in map(json.loads, data[:-1]) if c.get("choices")]
+    assert finishes[-1] is not None and all(f is None for f in finishes[:-1])
+
+    assert server.process.wait(timeout=EXIT_WITHIN_S) == 0, server.output()
+    assert "engine stopped" in server.output()
