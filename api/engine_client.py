@@ -10,7 +10,7 @@ from typing import Any
 
 from django.conf import settings
 
-from mlxhost.engine import Engine, EngineConfig
+from mlxhost.engine import Engine, EngineClosedError, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ def get_engine() -> Engine:
     """This process's engine, built on first use (never in AppConfig.ready, which runs for migrate too)."""
     global _engine
     if _engine is None:
+        if not settings.MLXHOST_RUN_ENGINE:
+            raise EngineClosedError("This process does not serve models (MLXHOST_RUN_ENGINE=false).")
         _engine = Engine(engine_config())
     return _engine
 
@@ -108,7 +110,7 @@ def schedule_engine_start() -> None:
     deferred with the reactor's `callWhenRunning`. Under other ASGI servers models load on
     their first request instead.
     """
-    if "twisted.internet.reactor" not in sys.modules:
+    if "twisted.internet.reactor" not in sys.modules or not settings.MLXHOST_RUN_ENGINE:
         return
     from twisted.internet import reactor
 

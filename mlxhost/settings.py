@@ -156,6 +156,9 @@ REST_FRAMEWORK = {
 # Local model folders must live under this root; a request's `model` is never a path.
 MODELS_ROOT = Path(env.str("MODELS_ROOT", default=str(VAR_DIR / "models"))).resolve()
 
+# False for a process that only serves the admin and dashboard: it starts no engine, loads no
+# model, and its generation endpoints answer 503 (another process's engine serves them, ADM-3).
+MLXHOST_RUN_ENGINE = env.bool("MLXHOST_RUN_ENGINE", default=True)
 MLXHOST_ENGINE = {
     "BACKEND": env.str("MLXHOST_ENGINE_BACKEND", default="mlx"),
     "PRELOAD": env.bool("MLXHOST_PRELOAD", default=True),

@@ -173,3 +173,22 @@ async def test_the_status_reports_rates_and_reaches_the_cache(tiny_alias, api_ke
     assert [s["boot_id"] for s in statuses] == [second["boot_id"]]
     views = await sync_to_async(control.instance_views)()
     assert views[view["instance_id"]]["aliases"] == ["tiny"]
+
+
+async def test_an_admin_only_process_serves_no_models(tiny_alias, api_key, settings):
+    """ADM-3: with MLXHOST_RUN_ENGINE=false a process builds no engine; generation answers 503."""
+    from django.test import AsyncClient
+
+    from api import engine_client
+
+    settings.MLXHOST_RUN_ENGINE = False
+    engine_client.set_engine(None)
+    response = await AsyncClient().post(
+        "/v1/chat/completions",
+        data='{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}',
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {api_key}"},
+    )
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "engine_closed"
+    assert engine_client.engine_if_started() is None
