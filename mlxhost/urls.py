@@ -13,5 +13,6 @@ admin.site.index_title = "Models, keys and stored responses"
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),
+    path("dashboard/", include("models_app.urls")),
     path("", include("api.urls")),
 ]

@@ -1,0 +1,13 @@
+"""Routes of the staff pages, mounted under /dashboard/ (ADM-2)."""
+
+from __future__ import annotations
+
+from django.urls import path
+
+from models_app import views
+
+app_name = "dashboard"
+
+urlpatterns = [
+    path("", views.dashboard, name="index"),
+]

@@ -1,0 +1,414 @@
+/* mlxhost staff dashboard (ADM-2, OPS-4): the live instance table, uPlot charts and load
+ * progress, fed by the status frames that /ws/dashboard pushes (one per engine per second).
+ * Also exports the reconnecting socket and formatters the playground uses (window.mlxhost). */
+(function () {
+  "use strict";
+
+  var DASH = "\u2014"; // an em dash: no value (yet)
+  var HISTORY_POINTS = 120; // two minutes at one report a second
+  var ENGINE_STALE_MS = 15000; // matches STATUS_TTL_S: an engine silent this long is gone
+  var BACKOFF_MIN_MS = 500;
+  var BACKOFF_MAX_MS = 15000;
+  // Close codes after which retrying is useless until the user signs in again.
+  var DENIED = { 4401: "signed out", 4403: "forbidden" };
+  var STATE_LABELS = { ready: "resident", loading: "loading", unloaded: "not loaded", error: "error" };
+
+  // Helpers -----------------------------------------------------------------------------------
+
+  function el(tag, attrs, children) {
+    var node = document.createElement(tag);
+    Object.keys(attrs || {}).forEach(function (key) {
+      if (key === "text") node.textContent = attrs[key];
+      else if (key === "className") node.className = attrs[key];
+      else node.setAttribute(key, attrs[key]);
+    });
+    (children || []).forEach(function (child) {
+      if (child !== null && child !== undefined) node.append(child);
+    });
+    return node;
+  }
+
+  function formatBytes(bytes) {
+    if (!bytes) return "0 B";
+    var units = ["B", "KB", "MB", "GB", "TB"];
+    var i = Math.min(units.length - 1, Math.floor(Math.log(bytes) / Math.log(1024)));
+    var value = bytes / Math.pow(1024, i);
+    return (i === 0 ? value : value.toFixed(1)) + " " + units[i];
+  }
+
+  function formatNumber(value, digits) {
+    if (value === null || value === undefined || Number.isNaN(value)) return DASH;
+    return Number(value).toFixed(digits === undefined ? 1 : digits);
+  }
+
+  function socketUrl(path) {
+    return (location.protocol === "https:" ? "wss://" : "ws://") + location.host + path;
+  }
+
+  // The admin's words for an instance's state (models_app.views.state_label says the same).
+  function stateLabel(view) {
+    if (view.draining && (view.state === "ready" || view.state === "unloaded")) return "draining";
+    if (view.state === "ready" && view.status === "degraded") return "resident (degraded)";
+    return STATE_LABELS[view.state] || view.state;
+  }
+
+  function slug(text) {
+    return String(text).toLowerCase().replace(/[^a-z0-9]+/g, "-").replace(/^-+|-+$/g, "");
+  }
+
+  // Load progress (OPS-4): bytes read, or files fetched while a hub download runs. The status
+  // carries no unit yet, so the text is a percentage unless `unit` says which.
+  function loadProgress(progress) {
+    if (!progress.total) {
+      return el("div", { className: "load" }, [el("progress", {}), el("span", { className: "quiet", text: "starting\u2026" })]);
+    }
+    var percent = Math.max(0, Math.min(100, Math.round((100 * progress.done) / progress.total)));
+    var detail = percent + "%";
+    if (progress.unit === "bytes") detail += " (" + formatBytes(progress.done) + " of " + formatBytes(progress.total) + ")";
+    else if (progress.unit === "files") detail += " (" + progress.done + " of " + progress.total + " files)";
+    return el("div", { className: "load" }, [
+      el("progress", { max: String(progress.total), value: String(progress.done), title: progress.done + " of " + progress.total }),
+      el("span", { className: "quiet", text: detail }),
+    ]);
+  }
+
+  // A WebSocket that reconnects with exponential backoff and reports its state ------------------
+
+  function LiveSocket(path, handlers) {
+    this.path = path;
+    this.handlers = handlers;
+    this.attempt = 0;
+    this.ws = null;
+    this.timer = null;
+    this.stopped = false;
+  }
+
+  LiveSocket.prototype.connect = function () {
+    var self = this;
+    clearTimeout(this.timer);
+    this.stopped = false;
+    this.state("connecting", "connecting\u2026");
+    var ws = new WebSocket(socketUrl(this.path));
+    this.ws = ws;
+    ws.addEventListener("open", function () {
+      self.attempt = 0;
+      self.state("open", "live");
+      if (self.handlers.onOpen) self.handlers.onOpen();
+    });
+    ws.addEventListener("message", function (event) {
+      var frame;
+      try {
+        frame = JSON.parse(event.data);
+      } catch (err) {
+        return;
+      }
+      self.handlers.onMessage(frame);
+    });
+    ws.addEventListener("close", function (event) {
+      if (self.ws !== ws) return;
+      self.ws = null;
+      if (self.handlers.onClose) self.handlers.onClose(event);
+      if (DENIED[event.code]) {
+        self.state("denied", DENIED[event.code] + " (" + event.code + "): reload the page after signing in");
+        return;
+      }
+      if (self.stopped || self.handlers.reconnect === false) {
+        self.state("closed", "closed");
+        return;
+      }
+      self.retry();
+    });
+  };
+
+  LiveSocket.prototype.retry = function () {
+    var self = this;
+    var delay = Math.min(BACKOFF_MAX_MS, BACKOFF_MIN_MS * Math.pow(2, this.attempt));
+    delay = Math.round(delay * (0.8 + Math.random() * 0.4)); // jitter: don't reconnect in lockstep
+    this.attempt += 1;
+    var until = Date.now() + delay;
+    var tick = function () {
+      var left = Math.max(0, Math.ceil((until - Date.now()) / 1000));
+      self.state("reconnecting", "disconnected, retrying in " + left + " s");
+      if (Date.now() >= until) self.connect();
+      else self.timer = setTimeout(tick, Math.min(1000, until - Date.now()));
+    };
+    tick();
+  };
+
+  LiveSocket.prototype.isOpen = function () {
+    return this.ws !== null && this.ws.readyState === WebSocket.OPEN;
+  };
+
+  LiveSocket.prototype.send = function (payload) {
+    if (!this.isOpen()) return false;
+    this.ws.send(JSON.stringify(payload));
+    return true;
+  };
+
+  LiveSocket.prototype.state = function (name, text) {
+    if (this.handlers.onState) this.handlers.onState(name, text);
+  };
+
+  function showState(node, name, text) {
+    node.dataset.state = name;
+    node.textContent = text;
+  }
+
+  window.mlxhost = {
+    LiveSocket: LiveSocket,
+    el: el,
+    formatBytes: formatBytes,
+    formatNumber: formatNumber,
+    showState: showState,
+  };
+
+  // The live table and charts -------------------------------------------------------------------
+
+  function Dashboard(root) {
+    this.root = root;
+    this.body = document.getElementById("instances-body");
+    this.empty = document.getElementById("instances-empty");
+    this.summary = document.getElementById("engines-summary");
+    this.actions = document.getElementById("actions-list");
+    this.grid = document.getElementById("charts-grid");
+    this.engines = new Map(); // boot_id -> {status, seen}
+    this.series = new Map(); // row key -> {t, tps, queued, active, charts, card}
+  }
+
+  Dashboard.prototype.start = function () {
+    var self = this;
+    var initial = document.getElementById("initial-status");
+    var statuses = initial ? JSON.parse(initial.textContent) : [];
+    statuses.forEach(function (status) {
+      self.update(status, false);
+    });
+    this.render();
+    var stateNode = document.getElementById("ws-state");
+    this.socket = new LiveSocket(this.root.dataset.wsPath, {
+      onMessage: function (frame) {
+        if (frame.type === "status" && frame.status) self.update(frame.status, true);
+        self.render();
+      },
+      onState: function (name, text) {
+        showState(stateNode, name, text);
+      },
+    });
+    this.socket.connect();
+    setInterval(function () {
+      self.render();
+    }, 1000);
+    window.addEventListener("resize", function () {
+      self.resizeCharts();
+    });
+  };
+
+  Dashboard.prototype.update = function (status, live) {
+    var self = this;
+    // The server only renders engines that reported lately; count from now, whatever the clocks say.
+    this.engines.set(status.boot_id, { status: status, seen: Date.now() });
+    if (!live) return;
+    status.instances.forEach(function (view) {
+      var key = status.boot_id + ":" + view.instance_id;
+      var data = self.series.get(key);
+      if (!data) {
+        data = { t: [], tps: [], queued: [], active: [], charts: null, card: null };
+        self.series.set(key, data);
+      }
+      data.view = view;
+      // A reconnect replays the last report: keep x strictly increasing for uPlot.
+      if (data.t.length && data.t[data.t.length - 1] >= status.at) return;
+      data.t.push(status.at);
+      data.tps.push(view.tokens_per_s);
+      data.queued.push(view.queued);
+      data.active.push(view.active);
+      ["t", "tps", "queued", "active"].forEach(function (name) {
+        if (data[name].length > HISTORY_POINTS) data[name].shift();
+      });
+    });
+  };
+
+  Dashboard.prototype.render = function () {
+    var self = this;
+    var now = Date.now();
+    var live = new Set();
+    var rows = [];
+    var actions = {};
+    this.engines.forEach(function (entry, bootId) {
+      if (now - entry.seen > ENGINE_STALE_MS) {
+        self.engines.delete(bootId);
+        return;
+      }
+      var status = entry.status;
+      status.instances.forEach(function (view) {
+        var key = bootId + ":" + view.instance_id;
+        live.add(key);
+        rows.push({ key: key, status: status, view: view });
+      });
+      Object.keys(status.actions || {}).forEach(function (name) {
+        var action = status.actions[name];
+        if (!actions[name] || action.at > actions[name].at) actions[name] = action;
+      });
+    });
+    this.renderRows(rows, live);
+    this.renderCharts(live);
+    this.renderActions(actions);
+    this.renderAliases(rows);
+    this.renderSummary(now);
+  };
+
+  Dashboard.prototype.renderRows = function (rows, live) {
+    var self = this;
+    Array.prototype.slice.call(this.body.rows).forEach(function (tr) {
+      if (!live.has(tr.dataset.key)) tr.remove();
+    });
+    rows.forEach(function (row) {
+      var tr = self.body.querySelector('tr[data-key="' + CSS.escape(row.key) + '"]');
+      if (!tr) {
+        tr = el("tr", { "data-key": row.key, "data-instance-id": String(row.view.instance_id) });
+        self.body.append(tr);
+      }
+      self.fillRow(tr, row.status, row.view);
+    });
+    this.empty.hidden = rows.length > 0;
+  };
+
+  Dashboard.prototype.fillRow = function (tr, status, view) {
+    var label = stateLabel(view);
+    tr.className = "state-" + view.state;
+    var state = el("td", { className: "state" }, [el("span", { className: "badge badge-" + slug(label), text: label })]);
+    if (view.state === "loading") state.append(loadProgress(view.load_progress || { done: 0, total: 0 }));
+    if (view.error) state.append(el("div", { className: "error-text", text: view.error }));
+    var lane = view.active + " / " + view.queued + " / " + view.capacity;
+    tr.replaceChildren(
+      el("td", { className: "num mono" }, [
+        "#" + view.instance_id,
+        el("div", { className: "quiet", text: status.host + " \u00b7 pid " + status.pid }),
+      ]),
+      el("td", { className: "aliases", text: view.aliases.length ? view.aliases.join(", ") : DASH }),
+      state,
+      el("td", { className: "num lane", text: lane + (view.draining ? " (draining)" : "") }),
+      el("td", { className: "num tps", text: formatNumber(view.tokens_per_s) }),
+      el("td", { className: "num ttft", text: view.ttft_ms ? formatNumber(view.ttft_ms) : DASH }),
+      el("td", { className: "num warm", text: String(view.warm_sessions) }),
+      el("td", { className: "num warm-bytes", text: formatBytes(view.warm_bytes) }),
+      el("td", { className: "num memory", text: formatBytes(view.memory_bytes) })
+    );
+  };
+
+  Dashboard.prototype.renderAliases = function (rows) {
+    var byAlias = {};
+    rows.forEach(function (row) {
+      row.view.aliases.forEach(function (name) {
+        byAlias[name] = row.view;
+      });
+    });
+    document.querySelectorAll("#aliases-table tr[data-alias]").forEach(function (tr) {
+      var view = byAlias[tr.dataset.alias];
+      var cell = tr.querySelector(".alias-state");
+      var label = view ? stateLabel(view) : "not loaded";
+      cell.replaceChildren(el("span", { className: "badge badge-" + slug(label), text: label }));
+    });
+  };
+
+  Dashboard.prototype.renderActions = function (actions) {
+    var names = Object.keys(actions).sort(function (a, b) {
+      return actions[b].at - actions[a].at;
+    });
+    if (!names.length) return; // keep the server's first paint until an engine reports one
+    this.actions.replaceChildren.apply(
+      this.actions,
+      names.map(function (name) {
+        var action = actions[name];
+        var when = new Date(action.at * 1000).toLocaleTimeString();
+        return el("li", { "data-alias": name, className: "action-" + action.state }, [
+          el("strong", { text: action.action }),
+          " " + name + ": " + action.state + " at " + when,
+          action.error ? el("span", { className: "error-text", text: " " + action.error }) : null,
+        ]);
+      })
+    );
+  };
+
+  Dashboard.prototype.renderSummary = function (now) {
+    var parts = [];
+    this.engines.forEach(function (entry) {
+      var age = Math.max(0, Math.round((now - entry.seen) / 1000));
+      parts.push(entry.status.host + " pid " + entry.status.pid + " (updated " + age + " s ago)");
+    });
+    this.summary.textContent = parts.length
+      ? parts.length + (parts.length === 1 ? " engine: " : " engines: ") + parts.join("; ")
+      : "no engine has reported in the last 15 s";
+  };
+
+  // Charts: per instance, tokens/s and queue depth (uPlot) ---------------------------------------
+
+  function chartColors() {
+    var css = getComputedStyle(document.documentElement);
+    return {
+      fg: css.getPropertyValue("--body-quiet-color").trim() || "#666",
+      grid: css.getPropertyValue("--hairline-color").trim() || "#e8e8e8",
+    };
+  }
+
+  function makeChart(target, title, series) {
+    var colors = chartColors();
+    var axis = { stroke: colors.fg, grid: { stroke: colors.grid, width: 1 }, ticks: { stroke: colors.grid } };
+    var opts = {
+      title: title,
+      width: Math.max(200, target.clientWidth),
+      height: 140,
+      scales: { x: { time: true }, y: { range: function (_u, _min, max) { return [0, Math.max(1, max)]; } } },
+      axes: [axis, Object.assign({ size: 44 }, axis)],
+      cursor: { drag: { x: false, y: false } },
+      legend: { live: false },
+      series: [{}].concat(series),
+    };
+    return new window.uPlot(opts, [[]].concat(series.map(function () { return []; })), target);
+  }
+
+  Dashboard.prototype.renderCharts = function (live) {
+    var self = this;
+    if (!window.uPlot) return;
+    this.series.forEach(function (data, key) {
+      if (!live.has(key)) {
+        if (data.charts) data.charts.forEach(function (chart) { chart.destroy(); });
+        if (data.card) data.card.remove();
+        self.series.delete(key);
+        return;
+      }
+      if (!data.view) return; // first paint only: wait for live points
+      if (!data.card) {
+        var tpsBox = el("div", { className: "chart" });
+        var queueBox = el("div", { className: "chart" });
+        data.title = el("h3", {});
+        data.card = el("div", { className: "chart-card", "data-key": key }, [data.title, tpsBox, queueBox]);
+        self.grid.append(data.card);
+        data.charts = [
+          makeChart(tpsBox, "tokens/s", [{ label: "tokens/s", stroke: "#417690", fill: "rgba(65,118,144,0.15)", width: 2 }]),
+          makeChart(queueBox, "queue", [
+            { label: "queued", stroke: "#ba2121", width: 2 },
+            { label: "active", stroke: "#79aec8", width: 2 },
+          ]),
+        ];
+      }
+      var aliases = data.view.aliases.length ? data.view.aliases.join(", ") : "unbound";
+      data.title.textContent = "#" + data.view.instance_id + " " + aliases;
+      data.charts[0].setData([data.t, data.tps]);
+      data.charts[1].setData([data.t, data.queued, data.active]);
+    });
+  };
+
+  Dashboard.prototype.resizeCharts = function () {
+    this.series.forEach(function (data) {
+      (data.charts || []).forEach(function (chart) {
+        var width = chart.root.parentNode.clientWidth;
+        if (width > 0) chart.setSize({ width: width, height: chart.height });
+      });
+    });
+  };
+
+  document.addEventListener("DOMContentLoaded", function () {
+    var root = document.getElementById("dashboard");
+    if (root) new Dashboard(root).start();
+  });
+})();

@@ -1,0 +1,164 @@
+"""The staff dashboard page: who may see it, what it renders, and its browser hardening (ADM-2, API-5)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from django.core.cache import cache
+
+from models_app import control, services
+
+pytestmark = [pytest.mark.django_db]
+
+URL = "/dashboard/"
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_status():
+    cache.clear()
+    yield
+    cache.clear()
+
+
+@pytest.fixture
+def staff_client(client, django_user_model):
+    staff = django_user_model.objects.create_user(username="ops", password="pw-ops-123", is_staff=True)
+    client.force_login(staff)
+    return client
+
+
+@pytest.fixture
+def tiny_enabled(tiny_model_dir):
+    return services.alias_register(name="tiny-dash", source_kind="local", local_path="tiny-llama")
+
+
+def engine_status(**instance) -> dict:
+    view = {
+        "instance_id": 7,
+        "aliases": ["tiny-dash"],
+        "state": "ready",
+        "status": "ok",
+        "error": "",
+        "active": 1,
+        "queued": 2,
+        "capacity": 4,
+        "draining": False,
+        "tokens_per_s": 42.5,
+        "decode_tps": 50.0,
+        "ttft_ms": 12.3,
+        "batch_size": 1,
+        "warm_sessions": 3,
+        "warm_bytes": 2048,
+        "memory_bytes": 5 * 1024 * 1024,
+        "load_progress": {"done": 0, "total": 0},
+        "requests_finished": 9,
+        "stalled_s": 0.0,
+        **instance,
+    }
+    return {
+        "boot_id": "boot-1",
+        "host": "box",
+        "pid": 4242,
+        "started_at": time.time(),
+        "at": time.time(),
+        "instances": [view],
+        "actions": {},
+    }
+
+
+def test_anonymous_visitors_are_sent_to_the_admin_login(client):
+    """API-5: browser pages use Django sessions; no session, no dashboard."""
+    response = client.get(URL)
+    assert response.status_code == 302
+    assert response["Location"].startswith("/admin/login/")
+    assert f"next={URL}" in response["Location"]
+
+
+def test_signed_in_non_staff_users_are_refused(client, user):
+    """ADM-2: the dashboard is for staff only."""
+    client.force_login(user)
+    response = client.get(URL)
+    assert response.status_code == 403
+    assert b"instances-table" not in response.content
+
+
+def test_staff_sees_the_instance_table_skeleton_and_the_enabled_aliases(staff_client, tiny_enabled):
+    """ADM-2: the live table's columns and the playground's alias list render on first paint."""
+    services.alias_register(name="tiny-off", source_kind="local", local_path="tiny-llama", enabled=False)
+    response = staff_client.get(URL)
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert 'id="instances-table"' in page
+    assert 'id="instances-body"' in page
+    for column in ("Instance", "Aliases", "State", "Active / queued / capacity", "Tokens/s", "TTFT (ms)"):
+        assert column in page
+    assert "Warm sessions" in page and "Warm bytes" in page and "Memory" in page
+    assert 'id="charts-grid"' in page
+    assert '<option value="tiny-dash"' in page
+    assert 'value="tiny-off"' not in page
+    assert 'data-ws-path="/ws/dashboard"' in page
+    assert 'data-ws-path="/ws/v1/responses"' in page
+
+
+def test_the_first_paint_shows_the_engines_last_status(staff_client, tiny_enabled):
+    """ADM-2, OPS-4: rows come from the cached status before the socket delivers the next one."""
+    control.status_publish(
+        engine_status(state="loading", status="loading", load_progress={"done": 512, "total": 2048})
+    )
+    page = staff_client.get(URL).content.decode()
+    assert 'data-key="boot-1:7"' in page
+    assert "tiny-dash" in page
+    assert "1 / 2 / 4" in page
+    assert '<progress max="2048" value="512"' in page
+    assert "25%" in page
+    assert 'id="initial-status"' in page
+
+
+def test_a_failed_load_shows_its_reason(staff_client, tiny_enabled):
+    """OPS-4: a failed load is visible with its reason."""
+    control.status_publish(engine_status(state="error", status="error", error="config.json is missing"))
+    page = staff_client.get(URL).content.decode()
+    assert "config.json is missing" in page
+    assert "badge-error" in page
+
+
+def test_every_script_is_served_from_this_site(staff_client, tiny_enabled):
+    """API-5: JavaScript from this site only: no CDN, no inline code, a CSP that says so."""
+    response = staff_client.get(URL)
+    page = response.content.decode()
+    sources = re.findall(r"<script\b[^>]*\bsrc=\"([^\"]+)\"", page)
+    assert any(src.endswith("mlxhost/dashboard.js") for src in sources)
+    assert any(src.endswith("mlxhost/playground.js") for src in sources)
+    assert any("vendor/uplot/" in src for src in sources)
+    assert all(src.startswith("/static/") for src in sources), sources
+    # The only script without src is the JSON data island, which is never executed.
+    for tag in re.findall(r"<script\b[^>]*>", page):
+        assert "src=" in tag or 'type="application/json"' in tag, tag
+    assert not re.search(r"\son[a-z]+=", page), "inline event handler"
+    csp = response["Content-Security-Policy"]
+    assert "script-src 'self'" in csp
+    assert "frame-ancestors 'none'" in csp
+
+
+def test_the_page_cannot_be_framed(staff_client):
+    """API-5: X-Frame-Options DENY."""
+    assert staff_client.get(URL)["X-Frame-Options"] == "DENY"
+
+
+def test_every_form_carries_a_csrf_token(staff_client, tiny_enabled):
+    """API-5: browser pages use Django sessions + CSRF, on every form (the playground's and logout)."""
+    page = staff_client.get(URL).content.decode()
+    forms = re.findall(r"<form\b.*?</form>", page, flags=re.S)
+    assert any('id="playground-form"' in form for form in forms)
+    for form in forms:
+        assert 'name="csrfmiddlewaretoken"' in form, form[:200]
+
+
+def test_vendored_chart_library_is_served(staff_client):
+    """ADM-2: the charting library comes from static/, with its license."""
+    from django.contrib.staticfiles import finders
+
+    assert finders.find("vendor/uplot/uPlot.iife.min.js")
+    assert finders.find("vendor/uplot/LICENSE")
