@@ -26,6 +26,7 @@ State = Literal["unloaded", "loading", "ready", "error"]
 class LoadProgress:
     done: int = 0
     total: int = 0
+    unit: str = "bytes"  # or "files" (a hub download)
 
 
 class Instance:
@@ -158,7 +159,11 @@ class Instance:
             "batch_size": stats.batch_size,  # sequences sharing decode steps now (batched scheduler)
             "stalled_s": round(self.stalled_for(), 1),
             "memory_bytes": model.memory_bytes() if model is not None else 0,
-            "load_progress": {"done": self.progress.done, "total": self.progress.total},
+            "load_progress": {
+                "done": self.progress.done,
+                "total": self.progress.total,
+                "unit": self.progress.unit,
+            },
             "sessions": {"entries": sessions.entries, "bytes": sessions.bytes, "hits": sessions.hits},
             "worker_alive": self._worker.alive,
         }
@@ -212,8 +217,8 @@ class Instance:
         if model is not None:
             model.dispose_cache(kv)
 
-    def _on_progress(self, done: int, total: int) -> None:
-        self.progress = LoadProgress(done, total)
+    def _on_progress(self, done: int, total: int, unit: str = "bytes") -> None:
+        self.progress = LoadProgress(done, total, unit)
 
     async def _on_worker(self, fn: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()

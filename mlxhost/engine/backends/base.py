@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from mlxhost.engine.types import Message, ModelSpec, SamplingParams
 
-ProgressCallback = Callable[[int, int], None]  # (done, total): bytes read, or files downloaded
+# (done, total[, unit]): bytes read ("bytes", the default), or files downloaded ("files").
+ProgressCallback = Callable[..., None]
 
 
 @dataclass(frozen=True, slots=True)

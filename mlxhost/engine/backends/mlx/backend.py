@@ -193,7 +193,7 @@ def _reporting_bar(progress: ProgressCallback) -> type:
     class ReportingBar(tqdm):  # type: ignore[misc, valid-type]
         def update(self, n: float | None = 1) -> bool | None:
             shown = super().update(n)
-            progress(int(self.n), int(self.total or 0))
+            progress(int(self.n), int(self.total or 0), "files")
             return shown
 
     return ReportingBar
