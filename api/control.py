@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 1.0
 # Channels' Redis layer forgets a group member after a day; re-join well before that.
 REJOIN_INTERVAL_S = 600.0
+LISTENER_RETRY_S = 2.0
 STARTED_AT = time.time()
 
 
@@ -179,13 +180,19 @@ async def run_control_listener(engine: Engine, actions: Actions) -> None:
     layer = get_channel_layer()
     if layer is None:
         return
-    channel = await layer.new_channel("mlxhost.engine.")
+    # The default prefix, not one of ours: channels_redis reads every process-local channel of a
+    # layer through one shared Redis list, which a channel with another prefix would take over.
+    channel = await layer.new_channel()
     try:
         while True:
-            await layer.group_add(control.ENGINE_GROUP, channel)
             try:
+                await layer.group_add(control.ENGINE_GROUP, channel)
                 message = await asyncio.wait_for(layer.receive(channel), REJOIN_INTERVAL_S)
             except TimeoutError:
+                continue
+            except Exception:  # Redis away for a moment: keep listening, the next edit reconciles all
+                logger.warning("the control listener lost the channel layer; retrying", exc_info=True)
+                await asyncio.sleep(LISTENER_RETRY_S)
                 continue
             await handle_message(engine, actions, message)
     finally:

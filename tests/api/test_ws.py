@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+from channels.layers import get_channel_layer
 from channels.testing import WebsocketCommunicator
 from django.test import AsyncClient
 
@@ -231,3 +232,57 @@ async def test_a_socket_runs_at_most_its_limit_of_turns_at_once(tiny_alias, api_
     await socket.send_to(text_data=json.dumps({"type": "response.cancel"}))
     assert (await frames_until(socket, *TERMINAL))[-1]["response"]["status"] == "cancelled"
     await socket.disconnect()
+
+
+async def test_the_dashboard_socket_pushes_each_published_status_to_staff(
+    tiny_alias, mlx_engine, django_user_model
+):
+    """ADM-2: staff sockets join the dashboard group and get every engine status as it is published;
+    anyone else is refused before accept."""
+    from api import control as engine_control
+
+    staff = await django_user_model.objects.acreate(username="root", is_staff=True, is_superuser=True)
+    client = AsyncClient()
+    await client.aforce_login(staff)
+    cookie = (b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode())
+    origin = (b"origin", b"http://testserver")
+    anonymous = WebsocketCommunicator(application, "/ws/dashboard", headers=[HOST, origin])
+    assert await anonymous.connect(timeout=10) == (False, 4401)
+
+    await mlx_engine.load(selectors_spec(tiny_alias), name="tiny")
+    actions = engine_control.Actions(mlx_engine)
+    # The control listener runs beside the sockets, as under daphne: with channels_redis it must
+    # not take over the process's receive loop from the consumers.
+    layer, prefixes = get_channel_layer(), []
+    new_channel = layer.new_channel
+    layer.new_channel = lambda *args, **kwargs: (
+        prefixes.append(args + tuple(kwargs.values())) or new_channel(*args, **kwargs)
+    )
+    try:
+        listener = asyncio.create_task(engine_control.run_control_listener(mlx_engine, actions))
+        await asyncio.sleep(0.2)  # it waits for messages before the socket joins
+    finally:
+        del layer.new_channel
+    # channels_redis reads all of a process's channels through the one list of the default prefix;
+    # a channel of another prefix would take that loop over and starve the consumers.
+    assert prefixes == [()]
+    socket = await connect([HOST, cookie, origin], path="/ws/dashboard")
+    publisher = asyncio.create_task(engine_control.run_status_publisher(mlx_engine, actions))
+    try:
+        for _ in range(50):  # frames from earlier engines' cached statuses may come first
+            frame = json.loads(await socket.receive_from(timeout=10))
+            if frame["status"]["instances"]:
+                break
+        assert frame["type"] == "status"
+        assert frame["status"]["instances"][0]["aliases"] == ["tiny"]
+        assert frame["status"]["instances"][0]["state"] == "ready"
+    finally:
+        publisher.cancel()
+        listener.cancel()
+        await socket.disconnect()
+
+
+def selectors_spec(alias):
+    from models_app import selectors
+
+    return selectors.model_spec_for(alias=alias)

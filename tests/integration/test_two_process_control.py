@@ -39,7 +39,10 @@ def shared_prefix(redis_url: str, settings) -> Iterator[str]:
     settings.CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [redis_url], "prefix": f"{prefix}:asgi"},
+            "CONFIG": {
+                "hosts": [{"address": redis_url, "socket_timeout": settings.CHANNEL_LAYER_SOCKET_TIMEOUT_S}],
+                "prefix": f"{prefix}:asgi",
+            },
         }
     }
     settings.CACHES = {
@@ -77,11 +80,15 @@ def test_the_admin_here_drives_the_engine_in_another_process(
     daphne process over the channel layer, and its live state comes back through the cache."""
     staff = django_user_model.objects.create_superuser("root", "root@example.com", "pw-root-123")
     _, key = services.apikey_create(owner=staff, name="probe")
-    alias = services.alias_register(name="tiny", source_kind="local", local_path="tiny-llama", temperature=0.0)
+    alias = services.alias_register(
+        name="tiny", source_kind="local", local_path="tiny-llama", temperature=0.0
+    )
     admin = Client()
     admin.force_login(staff)
 
-    with running_daphne(database_url(), tmp_path, REDIS_URL=redis_url, MLXHOST_SHARED_PREFIX=shared_prefix) as server:
+    with running_daphne(
+        database_url(), tmp_path, REDIS_URL=redis_url, MLXHOST_SHARED_PREFIX=shared_prefix
+    ) as server:
 
         def readyz() -> list[dict]:
             headers = {"Authorization": f"Bearer {key}"}
@@ -93,11 +100,16 @@ def test_the_admin_here_drives_the_engine_in_another_process(
         statuses = wait_for("the engine's status in this process's cache", control.engine_statuses)
         assert [s["pid"] for s in statuses] == [server.process.pid]
         assert readyz() == []  # nothing loaded: the engine only knows what it was told
+        # Longer than Redis clients' default socket timeout (5 s): the idle listener must survive it.
+        time.sleep(6)
 
         response = admin.post(CHANGELIST, {"action": "load", "_selected_action": [alias.pk]})
         assert response.status_code == 302
         wait_for("the load", lambda: [i for i in readyz() if i["state"] == "ready"])
-        view = wait_for("the resident state in the admin's view", lambda: (v := engine_view()) and v["state"] == "ready" and v)
+        view = wait_for(
+            "the resident state in the admin's view",
+            lambda: (v := engine_view()) and v["state"] == "ready" and v,
+        )
         assert view["aliases"] == ["tiny"]
         assert admin.get(CHANGELIST).status_code == 200
 
