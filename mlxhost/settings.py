@@ -83,14 +83,16 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 REDIS_URL = env.str("REDIS_URL", default="")
 # Processes that share these prefixes (and Redis) see each other's control messages and status.
 MLXHOST_SHARED_PREFIX = env.str("MLXHOST_SHARED_PREFIX", default="mlxhost")
-CHANNEL_LAYER_SOCKET_TIMEOUT_S = 60
+# redis-py 8 gives up on a socket read after 5 s, exactly as long as channels_redis blocks in
+# BZPOPMIN waiting for a message, so an idle receiver crashed; and with any finite timeout a
+# cancelled receive (a consumer closing) hung on redis-py's cleanup. Redis's own BZPOPMIN timeout
+# bounds every read instead.
+CHANNEL_LAYER_SOCKET_TIMEOUT_S = None
 if REDIS_URL:
     # The channel layer carries admin edits to the engines and engine status to the dashboards (ADM-3).
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            # redis-py 8 gives up on a socket read after 5 s, exactly the time channels_redis blocks
-            # in BZPOPMIN while it waits for a message: a listener idle for 5 s would crash.
             "CONFIG": {
                 "hosts": [{"address": REDIS_URL, "socket_timeout": CHANNEL_LAYER_SOCKET_TIMEOUT_S}],
                 "prefix": f"{MLXHOST_SHARED_PREFIX}:asgi",
