@@ -77,6 +77,12 @@ api-key: install
 worker: install
 	$(VENV)/bin/celery -A mlxhost.celery worker --beat --loglevel INFO
 
+# Throughput at 1-8 streams: raw mlx-lm vs mlx_lm.server vs mlxhost (benchmarks/README.md).
+# Appends to benchmarks/RESULTS.md and writes docs/bench-throughput.png; `make bench BENCH_ARGS=--quick` smoke-tests.
+bench: install-dev openblas
+	$(PIP) install -q -r benchmarks/requirements.txt
+	$(PY) benchmarks/bench_concurrency.py $(BENCH_ARGS)
+
 lint: install-dev
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 

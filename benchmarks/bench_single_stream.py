@@ -4,34 +4,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import secrets
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from importlib.metadata import version
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import httpx
 
-# Preload OpenBLAS before anything imports mlx (the package __init__ does it), then mlx-lm.
-from mlxhost.engine.backends.mlx import BLAS_STATUS  # noqa: E402, I001
+# _common preloads OpenBLAS, so it comes before mlx-lm.
+from _common import (
+    ALIAS,
+    DEFAULT_MODELS_ROOT,
+    MODELS,
+    SseStream,
+    chat_body,
+    ensure_model,
+    loadavg,
+    machine,
+    median,
+    register_alias,
+    render,
+    start_daphne,
+    state_env,
+    stop_process,
+    wait_ready,
+)
+from mlx_lm import load, stream_generate
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-import httpx  # noqa: E402
-from mlx_lm import load, stream_generate  # noqa: E402
-from mlx_lm.sample_utils import make_logits_processors, make_sampler  # noqa: E402
-
-ALIAS = "bench"
-DEMO_DTYPE = "float16" if sys.platform == "darwin" else "float32"
-MODELS = {  # --model -> (folder under MODELS_ROOT, manage.py command that builds it)
-    "demo": (f"smollm2-135m-instruct-{DEMO_DTYPE}", ["mlxhost_prepare_demo"]),
-    "tiny": ("tiny-llama", ["mlxhost_build_tiny_model", "--folder", "tiny-llama"]),
-}
 SYSTEM = "You are a helpful assistant. Answer in one or two short sentences."
 SHORT = [
     {"role": "system", "content": SYSTEM},
@@ -63,62 +64,6 @@ CANNED = [  # fixed assistant replies of roughly 60 tokens each, for the "first 
 ]
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def manage(env: dict[str, str], *args: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    if done.returncode:
-        raise SystemExit(f"manage.py {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
-    return done.stdout
-
-
-def prepare_state(model: str, models_root: Path, state: Path) -> tuple[dict[str, str], Path, str]:
-    """Migrate a throwaway DB, build the model folder if missing, register the alias; return env, folder, key."""
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "mlxhost.settings",
-        "DATABASE_URL": f"sqlite:///{state / 'db.sqlite3'}",
-        "MODELS_ROOT": str(models_root),
-        "MLXHOST_VAR_DIR": str(state),
-        "PYTHONUNBUFFERED": "1",
-    }
-    folder_name, build = MODELS[model]
-    folder = models_root / folder_name
-    manage(env, "migrate", "--noinput", "-v", "0")
-    if not (folder / "config.json").is_file():
-        print(f"building {folder} ...", flush=True)
-        manage(env, *build)
-    # Our own alias: greedy, no repetition penalty (the demo alias has 1.1), pinned so daphne preloads it.
-    snippet = (
-        "from django.contrib.auth import get_user_model\n"
-        "from models_app import services\n"
-        "user = get_user_model().objects.create_user('bench')\n"
-        f"services.alias_register(name={ALIAS!r}, source_kind='local', local_path={folder_name!r},"
-        " pinned=True, temperature=0.0, repetition_penalty=None)\n"
-        "print('KEY=' + services.apikey_create(owner=user, name='bench')[1])\n"
-    )
-    out = manage(env, "shell", "-c", snippet)
-    key = next(line[4:] for line in out.splitlines() if line.startswith("KEY="))
-    return env, folder, key
-
-
-def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
-
-
 def raw_run(model, tokenizer, prompt: list[int], n: int, eos_bias: dict[int, float]) -> dict:
     """One greedy generation of exactly n tokens (EOS banned), timed per yielded token."""
     processors = make_logits_processors(logit_bias=eos_bias)
@@ -143,85 +88,26 @@ def http_chat(
     client: httpx.Client, messages: list[dict], max_tokens: int, eos_bias: dict | None, salt=None
 ) -> dict:
     """One streamed chat completion; times content chunks and reads usage and X-Session-Cache."""
-    body = {
-        "model": ALIAS,
-        "messages": messages,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "temperature": 0,
-        "max_tokens": max_tokens,
-    }
-    if eos_bias:
-        body["logit_bias"] = {str(k): v for k, v in eos_bias.items()}
-    if salt:
-        body["cache_salt"] = salt
-    started, times, parts, usage, finish = time.perf_counter(), [], [], {}, None
+    body = chat_body(messages, max_tokens, eos_bias, model=ALIAS, **({"cache_salt": salt} if salt else {}))
+    stream = SseStream(started=time.perf_counter())
     with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
             resp.read()
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.text}")
         header = resp.headers.get("x-session-cache", "-")
         for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices", []):
-                finish = choice.get("finish_reason") or finish
-                if choice["delta"].get("content"):
-                    times.append(time.perf_counter())
-                    parts.append(choice["delta"]["content"])
-    n = usage.get("completion_tokens", len(times))
-    span = times[-1] - times[0] if len(times) > 1 else 0.0
+            stream.feed(line, time.perf_counter())
     return {
-        "ttft_s": times[0] - started if times else float("nan"),
-        "chunks": len(times),
-        "tokens": n,
-        "decode_tps": (n - 1) / span if span > 0 else float("nan"),
-        "prompt_tokens": usage.get("prompt_tokens", 0),
-        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        "ttft_s": stream.ttft_s,
+        "chunks": len(stream.times),
+        "tokens": stream.tokens,
+        "decode_tps": stream.decode_tps,
+        "prompt_tokens": stream.usage.get("prompt_tokens", 0),
+        "cached_tokens": (stream.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
         "session_cache": header,
-        "text": "".join(parts),
-        "finish": finish,
+        "text": "".join(stream.parts),
+        "finish": stream.finish,
     }
-
-
-def start_daphne(env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "mlxhost.asgi:application"]
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env={**env, "MLXHOST_PRELOAD": "true"}, stdout=sink, stderr=subprocess.STDOUT
-        )
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_ready(proc: subprocess.Popen, url: str, key: str, log: Path, timeout: float = 180.0) -> None:
-    """Wait for /readyz 200 and our alias reported "ready" by /v1/models (the pinned preload finished)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"daphne exited early:\n{log.read_text(errors='replace')}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=2)
-                if any(m["id"] == ALIAS and m["state"] == "ready" for m in models.json()["data"]):
-                    return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit(f"daphne not ready after {timeout}s:\n{log.read_text(errors='replace')[-4000:]}")
-
-
-def stop_daphne(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def conversation(nonce: str, replies: list[str]) -> list[dict[str, str]]:
@@ -245,19 +131,6 @@ def http_turn5(client: httpx.Client, reply_tokens: int, eos_bias: dict) -> dict[
     out["warm"] = {**http_chat(client, final, 16, eos_bias), "turn_finishes": finishes}
     out["cold_salt"] = http_chat(client, final, 16, eos_bias, salt=secrets.token_hex(16))
     return out
-
-
-def machine() -> dict[str, str]:
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
-
-    return {
-        "nproc": str(os.cpu_count()),
-        "cpu": cpu or platform.processor(),
-        "mlx": version("mlx"),
-        "mlx_lm": version("mlx-lm"),
-        "blas": BLAS_STATUS,
-    }
 
 
 def report(args, raw: list[dict], http: list[dict], turns: list[dict[str, dict]], load: list[float]) -> None:
@@ -313,12 +186,14 @@ def main() -> None:
     parser.add_argument(
         "--reply-tokens", type=int, default=128, help="cap on each warm-chat reply (turns 1-4)"
     )
-    parser.add_argument("--models-root", default=os.environ.get("MODELS_ROOT", str(ROOT / "var" / "models")))
+    parser.add_argument("--models-root", default=DEFAULT_MODELS_ROOT)
     args = parser.parse_args()
-    load_start = round(os.getloadavg()[0], 2)
+    load_start = loadavg()
     with tempfile.TemporaryDirectory(prefix="mlxhost-bench-") as tmp:
         state = Path(tmp)
-        env, folder, key = prepare_state(args.model, Path(args.models_root).resolve(), state)
+        env = state_env(Path(args.models_root).resolve(), state)
+        folder = ensure_model(env, args.model)
+        key = register_alias(env, folder)
         model, tokenizer = load(str(folder))
         eos_bias = {int(i): -100.0 for i in tokenizer.eos_token_ids}
         prompt = render(tokenizer, SHORT)
@@ -340,8 +215,8 @@ def main() -> None:
             print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
             raise
         finally:
-            stop_daphne(proc)
-    report(args, raw, http, turns, [load_start, round(os.getloadavg()[0], 2)])
+            stop_process(proc)
+    report(args, raw, http, turns, [load_start, loadavg()])
 
 
 if __name__ == "__main__":

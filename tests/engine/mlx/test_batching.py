@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from mlx_lm import load
 from tokenizers import Tokenizer
 
 from mlxhost.engine import (
@@ -21,7 +22,7 @@ from mlxhost.engine import (
     ModelSpec,
     SamplingParams,
 )
-from mlxhost.engine.backends.mlx.batch import MlxBatch
+from mlxhost.engine.backends.mlx.batch import PREFILL_STEP, MlxBatch
 from mlxhost.engine.worker import CallJob
 from tests.engine.conftest import collect
 
@@ -245,3 +246,48 @@ async def test_eight_conversations_never_leak_into_each_other(engines, batch_siz
     for i, (text, *_) in enumerate([*together, *(outcome(e) for e in warm_events)]):
         own = MARKERS[i % len(MARKERS)]
         assert not [m for m in MARKERS if m != own and m in text]
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(tiny_model_dir, tiny_eos_id):
+    """LANE-1: a long prompt joining a busy batch is prefilled in PREFILL_STEP-token chunks, one per
+    decode step, so every running stream still gets a token on every step; all outputs equal the
+    ones with the whole prompt prefilled in one chunk (mlx-lm's default, which froze the streams)."""
+    model, tokenizer = load(str(tiny_model_dir))
+    no_eos = ((tiny_eos_id, -100.0),)
+    running = SamplingParams(temperature=0.0, max_tokens=10_000, logit_bias=no_eos, frequency_penalty=1.0)
+    story = tokenizer.encode(" ".join(MARKERS) + " and the river ran to the sea. " * 80)
+    long_ids = story[: 5 * PREFILL_STEP]
+    joining = SamplingParams(temperature=0.0, max_tokens=6, logit_bias=no_eos, frequency_penalty=1.0)
+
+    def arrival(batch: MlxBatch) -> tuple[list[list[int]], list[set[int]], list[int]]:
+        """Two streams run, the long prompt joins; each one's first tokens, and who got one per step."""
+        handles = [batch.insert(tokenizer.encode(t), running, None, 0) for t in ("the baker", "a map")]
+        tokens: dict[int, list[int]] = {h: [] for h in handles}
+
+        def step() -> set[int]:
+            steps = batch.step()
+            for s in steps:
+                tokens[s.handle].append(s.token_id)
+            return {s.handle for s in steps}
+
+        while min(len(t) for t in tokens.values()) < 3:
+            step()
+        newcomer = batch.insert(long_ids, joining, None, 0)
+        tokens[newcomer] = []
+        served = []  # which handles got a token, per step, until the newcomer's first token
+        while not tokens[newcomer]:
+            served.append(step())
+        while len(tokens[newcomer]) < joining.max_tokens or min(len(tokens[h]) for h in handles) < 30:
+            step()
+        batch.close()
+        return [tokens[h][:30] for h in (*handles, newcomer)], served, handles
+
+    chunked, served, handles = arrival(MlxBatch(model, tokenizer, 3))
+    whole, whole_served, _ = arrival(
+        MlxBatch(model, tokenizer, 3, prefill_step=2048, prefill_step_alone=2048)
+    )
+
+    assert chunked == whole
+    assert len(served) > len(long_ids) // PREFILL_STEP  # one chunk per step, then its first token
+    assert all(set(handles) <= got for got in served)  # no step left a running stream out
+    assert len(whole_served) < len(served)  # one chunk: the streams waited the whole prefill out

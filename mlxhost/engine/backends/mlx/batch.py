@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
@@ -15,6 +16,15 @@ if TYPE_CHECKING:
 
 # Sequences prefilled together; more would make a long prompt's arrival stall every stream longer.
 PREFILL_BATCH = 8
+# Prompt tokens per sequence per step while other sequences decode: a long prompt is prefilled in
+# chunks between decode steps instead of freezing every stream for its whole prefill. Measured
+# on 2 CPU cores with SmolLM2-135M (benchmarks/README.md): a 1500-token arrival stalled the
+# running streams for 25.7 s in one 2048-token chunk, for at most 2.1 s in 128-token chunks.
+PREFILL_STEP = 128
+# With no stream decoding there is nobody to be fair to. GPUs keep mlx-lm's default chunk; on
+# CPU, attention over one long chunk is slower than over several short ones (same prompt:
+# 33 s in one chunk, 17 s in 128-token chunks), so the CPU chunks the same way alone.
+PREFILL_STEP_ALONE = 2048 if mx.default_device().type == mx.DeviceType.gpu else PREFILL_STEP
 _SAMPLER_MEMO = 64
 
 
@@ -37,17 +47,30 @@ class MlxBatch:
     `all_tokens` (seeded with the cached prefix) lists exactly those tokens.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, capacity: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        capacity: int,
+        *,
+        prefill_step: int = PREFILL_STEP,
+        prefill_step_alone: int = PREFILL_STEP_ALONE,
+    ) -> None:
         self.capacity = capacity
         self._tokenizer = tokenizer
+        self._prefill_step = prefill_step
+        self._prefill_step_alone = max(prefill_step, prefill_step_alone)
         eos = sorted(tokenizer.eos_token_ids)
         self._generator = BatchGenerator(
             model,
             stop_tokens=[[token] for token in eos] or None,
             completion_batch_size=capacity,
             prefill_batch_size=min(capacity, PREFILL_BATCH),
+            # The largest chunk; step() narrows it per step through `prefill_step_size`.
+            prefill_step_size=self._prefill_step_alone,
         )
         self._detokenizers: dict[int, Any] = {}
+        self._decoding: set[int] = set()  # handles past their prompt, producing tokens
         self._samplers: dict[tuple[float, float, float, int], Any] = {}
 
     def accepts(self, sampling: SamplingParams) -> bool:
@@ -71,7 +94,10 @@ class MlxBatch:
 
     def step(self) -> list[BatchStep]:
         # next(), not next_generated(): one decode step plus one prefill chunk, so arrivals and
-        # cancels are handled between chunks of a long prompt.
+        # cancels are handled between chunks of a long prompt. The generator reads
+        # `prefill_step_size` on every call to cut the next chunk of each pending prompt.
+        decoding = self._decoding
+        self._generator.prefill_step_size = self._prefill_step if decoding else self._prefill_step_alone
         _, responses = self._generator.next()
         steps = []
         for response in responses:
@@ -83,9 +109,11 @@ class MlxBatch:
             else:
                 detokenizer.add_token(response.token)
             cache = None
+            decoding.add(response.uid)
             if finish is not None:
                 detokenizer.finalize()
                 del self._detokenizers[response.uid]
+                decoding.discard(response.uid)
                 cache = SequenceCache(response.prompt_cache, tuple(response.all_tokens))
             steps.append(BatchStep(response.uid, detokenizer.last_segment, token, finish, cache))
         return steps
@@ -93,11 +121,13 @@ class MlxBatch:
     def remove(self, handle: int) -> SequenceCache:
         caches = self._generator.remove([handle], return_prompt_caches=True)
         self._detokenizers.pop(handle, None)
+        self._decoding.discard(handle)
         kv, tokens = caches[handle]
         return SequenceCache(kv, tuple(tokens))
 
     def close(self) -> None:
         self._detokenizers.clear()
+        self._decoding.clear()
         self._generator.close()
 
     def _sampler(self, sampling: SamplingParams) -> Any:

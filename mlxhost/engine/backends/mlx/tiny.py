@@ -1,4 +1,4 @@
-"""Deterministic tiny random-weights llama model folders, plus the atomic folder publishing they share."""
+"""Deterministic random-weights llama model folders (tiny, or any size), plus the atomic folder publishing they share."""
 
 from __future__ import annotations
 
@@ -51,6 +51,16 @@ TINY_CONFIG: dict[str, Any] = {
     "eos_token_id": SPECIAL_TOKENS.index(IM_END),
 }
 
+# The shape of the mid-size random model the concurrency benchmark serves: about 52M parameters,
+# all in the decoder layers (the tiny tokenizer's vocabulary is only 512).
+MID_SHAPE: dict[str, int] = {
+    "hidden_size": 512,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 2304,
+}
+
 # Training text for the tokenizer: fixed, so the merges (and the file) never change.
 TINY_CORPUS = """\
 The little town sat beside a slow green river, and every morning the baker opened
@@ -97,10 +107,47 @@ def build_tiny_model(dest: Path, *, seed: int = 0) -> Path:
     )
 
 
+def build_random_llama(
+    dest: Path,
+    *,
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    intermediate_size: int,
+    seed: int = 0,
+) -> Path:
+    """Build (once) a random-weights llama of the given shape with the tiny model's tokenizer.
+
+    Gibberish output, real compute: for benchmarks that need a model of a given size offline.
+    The tokenizer, chat template and EOS are the tiny model's (vocab 512). Same shape and
+    `seed` give byte-identical files; reuse and publishing work as in `build_tiny_model`.
+
+    Raises:
+        FileExistsError: `dest` is a non-empty folder that mlxhost did not build.
+    """
+    shape = {
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "intermediate_size": intermediate_size,
+    }
+    config = {**TINY_CONFIG, **shape}
+    marker = {"kind": "random-llama", "seed": seed, "version": TINY_VERSION, "shape": shape}
+    return publish_folder(
+        Path(dest), marker=marker, required=TINY_FILES, write=lambda tmp: _write_llama(tmp, config, seed)
+    )
+
+
 def _write_tiny(folder: Path, seed: int) -> None:
-    write_json(folder / "config.json", TINY_CONFIG)
+    _write_llama(folder, TINY_CONFIG, seed)
+
+
+def _write_llama(folder: Path, config: Mapping[str, Any], seed: int) -> None:
+    write_json(folder / "config.json", config)
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(TINY_CONFIG))
+    model = llama.Model(llama.ModelArgs.from_dict(dict(config)))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     (folder / "tokenizer.json").write_text(_train_tokenizer().to_str(), encoding="utf-8")

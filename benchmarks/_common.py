@@ -1,0 +1,245 @@
+"""What the benchmark scripts share: model folders, a throwaway mlxhost state, servers, SSE timing, machine facts.
+
+Import this module before anything imports mlx: it preloads OpenBLAS (see MLX-NOTES.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# The package __init__ preloads OpenBLAS; it must run before the first `import mlx.core`.
+from mlxhost.engine.backends.mlx import BLAS_STATUS  # noqa: E402, I001
+
+import httpx  # noqa: E402
+
+ALIAS = "bench"
+DEMO_DTYPE = "float16" if sys.platform == "darwin" else "float32"
+DEFAULT_MODELS_ROOT = os.environ.get("MODELS_ROOT", str(ROOT / "var" / "models"))
+# --model -> (folder under MODELS_ROOT, how it is built: a manage.py command, or "mid" built here)
+MODELS: dict[str, tuple[str, list[str]]] = {
+    "demo": (f"smollm2-135m-instruct-{DEMO_DTYPE}", ["mlxhost_prepare_demo"]),
+    "tiny": ("tiny-llama", ["mlxhost_build_tiny_model", "--folder", "tiny-llama"]),
+    "mid": ("random-llama-52m", []),
+}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of `values`; nan when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n * q / 100), at least 1
+    return ordered[int(rank) - 1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def manage(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "manage.py", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if done.returncode:
+        raise SystemExit(f"manage.py {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
+    return done.stdout
+
+
+def state_env(models_root: Path, state: Path) -> dict[str, str]:
+    """Environment for manage.py and daphne: a throwaway SQLite DB and secret key under `state`."""
+    return {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "mlxhost.settings",
+        "DATABASE_URL": f"sqlite:///{state / 'db.sqlite3'}",
+        "MODELS_ROOT": str(models_root),
+        "MLXHOST_VAR_DIR": str(state),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def ensure_model(env: dict[str, str], model: str) -> Path:
+    """The folder of `model` under MODELS_ROOT, built there when it has no config.json yet."""
+    folder_name, build = MODELS[model]
+    folder = Path(env["MODELS_ROOT"]) / folder_name
+    if model == "mid":  # idempotent: returns at once when the same build is there
+        from mlxhost.engine.backends.mlx.tiny import MID_SHAPE, build_random_llama
+
+        return build_random_llama(folder, **MID_SHAPE)
+    if not (folder / "config.json").is_file():
+        print(f"building {folder} ...", flush=True)
+        manage(env, *build)
+    return folder
+
+
+def register_alias(env: dict[str, str], folder: Path, **settings: object) -> str:
+    """Migrate the throwaway DB, register the pinned alias `bench` on `folder`; return an API key.
+
+    Greedy and no repetition penalty (the demo alias has 1.1, which other systems would not
+    have); `settings` adds alias fields such as `concurrency` and `queue_depth`.
+    """
+    manage(env, "migrate", "--noinput", "-v", "0")
+    fields = {"temperature": 0.0, "repetition_penalty": None, **settings}
+    snippet = (
+        "from django.contrib.auth import get_user_model\n"
+        "from models_app import services\n"
+        "user = get_user_model().objects.create_user('bench')\n"
+        f"services.alias_register(name={ALIAS!r}, source_kind='local', local_path={folder.name!r},"
+        f" pinned=True, **{fields!r})\n"
+        "print('KEY=' + services.apikey_create(owner=user, name='bench')[1])\n"
+    )
+    out = manage(env, "shell", "-c", snippet)
+    return next(line[4:] for line in out.splitlines() if line.startswith("KEY="))
+
+
+def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 may return a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def start_process(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with log.open("wb") as sink:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+
+
+def start_daphne(env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str]:
+    """daphne serving mlxhost on a free port, with the pinned alias preloaded at start."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "mlxhost.asgi:application"]
+    return start_process(cmd, {**env, "MLXHOST_PRELOAD": "true"}, log), f"http://127.0.0.1:{port}"
+
+
+def wait_http(proc: subprocess.Popen, url: str, ready, log: Path, timeout: float = 180.0) -> None:
+    """Poll until `ready(url)` is true; exit with the log's tail when the process dies or it times out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{proc.args[:3]} exited early:\n{log.read_text(errors='replace')[-4000:]}")
+        try:
+            if ready(url):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise SystemExit(f"not ready after {timeout}s:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def wait_ready(proc: subprocess.Popen, url: str, key: str, log: Path, timeout: float = 180.0) -> None:
+    """Wait for /readyz 200 and our alias reported "ready" by /v1/models (the pinned preload finished)."""
+
+    def ready(base: str) -> bool:
+        if httpx.get(f"{base}/readyz", timeout=2).status_code != 200:
+            return False
+        models = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=2)
+        return any(m["id"] == ALIAS and m["state"] == "ready" for m in models.json()["data"])
+
+    wait_http(proc, url, ready, log, timeout)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """Terminate, then kill after 15 s; always reaps the process."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@dataclass
+class SseStream:
+    """One streamed chat completion read line by line: content chunk times, text, usage, finish."""
+
+    started: float
+    times: list[float] = field(default_factory=list)
+    parts: list[str] = field(default_factory=list)
+    usage: dict = field(default_factory=dict)
+    finish: str | None = None
+    ended: float = 0.0
+
+    def feed(self, line: str, now: float) -> None:
+        """Take one SSE line (comments, blank lines and `[DONE]` are skipped)."""
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            return
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"stream error: {chunk['error']}")
+        self.usage = chunk.get("usage") or self.usage
+        for choice in chunk.get("choices", []):
+            self.finish = choice.get("finish_reason") or self.finish
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                self.times.append(now)
+                self.parts.append(content)
+
+    @property
+    def tokens(self) -> int:
+        """Completion tokens as the server counted them (content chunks when it sent no usage)."""
+        return int(self.usage.get("completion_tokens", len(self.times)))
+
+    @property
+    def ttft_s(self) -> float:
+        return self.times[0] - self.started if self.times else float("nan")
+
+    @property
+    def decode_tps(self) -> float:
+        span = self.times[-1] - self.times[0] if len(self.times) > 1 else 0.0
+        return (self.tokens - 1) / span if span > 0 else float("nan")
+
+
+def chat_body(messages: list[dict], max_tokens: int, eos_bias: dict[int, float] | None, **extra) -> dict:
+    """A streamed, greedy OpenAI chat request with usage in the last chunk."""
+    body = {
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        **extra,
+    }
+    if eos_bias:
+        body["logit_bias"] = {str(k): v for k, v in eos_bias.items()}
+    return body
+
+
+def cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    return cpu or platform.processor()
+
+
+def machine() -> dict[str, str]:
+    return {
+        "nproc": str(os.cpu_count()),
+        "cpu": cpu_model(),
+        "python": platform.python_version(),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+        "blas": BLAS_STATUS,
+    }
+
+
+def loadavg() -> float:
+    return round(os.getloadavg()[0], 2)
