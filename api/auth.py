@@ -71,6 +71,8 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
         raise ApiError(400, "The request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    # Named in a 404 for an unknown model, even when the body fails validation later.
+    request.requested_model = body.get("model") if isinstance(body.get("model"), str) else None  # type: ignore[attr-defined]
     return body
 
 

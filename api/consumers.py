@@ -115,12 +115,13 @@ class ResponsesConsumer(AsyncWebsocketConsumer):
 
     async def disconnect(self, code: int) -> None:
         self.closed = True
+        if not self.turns:
+            return
         engine = get_engine()
         for response_id, task in list(self.turns.items()):
             engine.cancel(response_id)  # out of the queue at once, or stopped within one step
             task.cancel()
-        if self.turns:
-            await asyncio.wait(self.turns.values(), timeout=5)
+        await asyncio.wait(self.turns.values(), timeout=5)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         size = len(text_data.encode()) if text_data is not None else len(bytes_data or b"")

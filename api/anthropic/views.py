@@ -45,7 +45,6 @@ def _messages_request(
 
 async def _resolve(request: HttpRequest, serializer: type) -> tuple[ModelAlias, dict[str, Any]]:
     body = json_body(request)
-    request.requested_model = body.get("model") if isinstance(body.get("model"), str) else None  # type: ignore[attr-defined]
     data = validated(serializer, body)
     alias = await sync_to_async(selectors.alias_resolve)(name=data["model"])
     return alias, data

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse
 from rest_framework import serializers
 
 from api.auth import api_endpoint, json_body
@@ -16,7 +16,7 @@ from api.engine_client import get_engine
 from api.errors import ApiError, error_body
 from api.openai.chat import FINISH_REASONS, ChatTurn, usage_body
 from api.openai.serializers import ChatCompletionInput, StreamOptionsInput, StrictBooleanField
-from api.openai.views import SSE_HEADERS, validated
+from api.openai.views import chat_shaped_response, validated
 from api.sse import SSE_DONE, sse_event
 from mlxhost.engine import Delta, Done, Engine, Failed, Generation, GenerationRequest
 from models_app import selectors
@@ -141,7 +141,6 @@ async def completion_collect(turn: ChatTurn, generation: Generation) -> dict[str
 async def completions(request: HttpRequest) -> HttpResponse:
     """POST /v1/completions (OpenAI legacy text completion; SSE when `stream` is true)."""
     body = json_body(request)
-    request.requested_model = body.get("model") if isinstance(body.get("model"), str) else None  # type: ignore[attr-defined]
     data = validated(CompletionInput, body)
     alias = await sync_to_async(selectors.alias_resolve)(name=data["model"])
     request_id = f"cmpl-{secrets.token_hex(12)}"
@@ -149,15 +148,6 @@ async def completions(request: HttpRequest) -> HttpResponse:
     tenant = str(request.tenant_id)  # type: ignore[attr-defined]
     generation = await engine.submit(_completion_request(alias, data, request_id, tenant, engine))
     await generation.admitted()  # a queue timeout or drain is a status code, before any header
-    include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
-    turn = ChatTurn(
-        id=request_id, model=alias.name, instance_id=generation.instance_id, include_usage=include_usage
+    return await chat_shaped_response(
+        data, alias, request_id, generation, stream=completion_sse, collect=completion_collect
     )
-    headers = {"X-Session-Cache": generation.session_outcome, "X-Request-Id": request_id}
-    if data["stream"]:
-        return StreamingHttpResponse(
-            completion_sse(turn, generation),
-            content_type="text/event-stream",
-            headers={**SSE_HEADERS, **headers},
-        )
-    return JsonResponse(await completion_collect(turn, generation), headers=headers)

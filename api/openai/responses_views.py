@@ -21,7 +21,6 @@ from models_app.persistence import persistence
 async def responses_create(request: HttpRequest) -> HttpResponse:
     """POST /v1/responses (OpenAI-compatible; continues a stored chain by `previous_response_id`)."""
     body = json_body(request)
-    request.requested_model = body.get("model") if isinstance(body.get("model"), str) else None  # type: ignore[attr-defined]
     data = validated(ResponsesInput, body)
     started = await response_start(data, request.tenant_id)  # type: ignore[attr-defined]
     if data["stream"]:

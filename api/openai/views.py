@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -13,7 +14,7 @@ from api.engine_client import engine_if_started, get_engine
 from api.errors import ApiError
 from api.openai.chat import ChatTurn, chat_complete, chat_sse
 from api.openai.serializers import ChatCompletionInput, first_error
-from mlxhost.engine import Engine, GenerationRequest, Message
+from mlxhost.engine import Engine, Generation, GenerationRequest, Message
 from models_app import selectors
 from models_app.models import ModelAlias
 
@@ -58,7 +59,6 @@ def _chat_request(
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     """POST /v1/chat/completions (OpenAI-compatible; SSE when `stream` is true)."""
     body = json_body(request)
-    request.requested_model = body.get("model") if isinstance(body.get("model"), str) else None  # type: ignore[attr-defined]
     data = validated(ChatCompletionInput, body)
     alias = await sync_to_async(selectors.alias_resolve)(name=data["model"])
     request_id = f"chatcmpl-{secrets.token_hex(12)}"
@@ -67,6 +67,21 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     generation = await engine.submit(_chat_request(alias, data, request_id, tenant, engine))
     # Wait for a slot before any header goes out, so a queue timeout or drain is a 503 (LANE-7/8).
     await generation.admitted()
+    return await chat_shaped_response(
+        data, alias, request_id, generation, stream=chat_sse, collect=chat_complete
+    )
+
+
+async def chat_shaped_response(
+    data: dict[str, Any],
+    alias: ModelAlias,
+    request_id: str,
+    generation: Generation,
+    *,
+    stream: Callable[[ChatTurn, Generation], AsyncIterator[bytes]],
+    collect: Callable[[ChatTurn, Generation], Awaitable[dict[str, Any]]],
+) -> HttpResponse:
+    """The answer of an admitted chat or text completion: SSE chunks, or one JSON body."""
     include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
     turn = ChatTurn(
         id=request_id, model=alias.name, instance_id=generation.instance_id, include_usage=include_usage
@@ -74,9 +89,9 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     headers = {"X-Session-Cache": generation.session_outcome, "X-Request-Id": request_id}
     if data["stream"]:
         return StreamingHttpResponse(
-            chat_sse(turn, generation), content_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+            stream(turn, generation), content_type="text/event-stream", headers={**SSE_HEADERS, **headers}
         )
-    return JsonResponse(await chat_complete(turn, generation), headers=headers)
+    return JsonResponse(await collect(turn, generation), headers=headers)
 
 
 def _model_list() -> list[dict[str, Any]]:
