@@ -183,32 +183,24 @@ def alias_live_state(
 ) -> AliasLiveState:
     """The live state of `alias` from `live_views()` output (views None: no engine reporting)."""
     action, action_state = _action_text(actions.get(alias.name))
-    if views is None:
+
+    def idle(state: str, label: str) -> AliasLiveState:
         return AliasLiveState(
-            state="unreported",
-            label="no engine process reporting",
+            state=state,
+            label=label,
             instance_id=alias.instance_id,
             last_action=action,
             last_action_state=action_state,
         )
+
+    if views is None:
+        return idle("unreported", "no engine process reporting")
     view = _view_for(alias, views)
     if not alias.enabled and (view is None or alias.name not in view.get("aliases", ())):
         # Its weights may be resident for another alias, but nothing is served under this name.
-        return AliasLiveState(
-            state="disabled",
-            label="disabled (not served)",
-            instance_id=alias.instance_id,
-            last_action=action,
-            last_action_state=action_state,
-        )
+        return idle("disabled", "disabled (not served)")
     if view is None:
-        return AliasLiveState(
-            state="unloaded",
-            label="not loaded",
-            instance_id=alias.instance_id,
-            last_action=action,
-            last_action_state=action_state,
-        )
+        return idle("unloaded", "not loaded")
     state = _live_state(view)
     progress = view.get("load_progress") or {}
     return AliasLiveState(

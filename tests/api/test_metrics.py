@@ -11,6 +11,8 @@ from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.api.test_admission_http import set_lane
+
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 HELLO = [{"role": "user", "content": "hello there"}]
@@ -25,17 +27,6 @@ async def post_chat(api_key: str, **fields):
     return await AsyncClient().post(
         "/v1/chat/completions", data=body, content_type="application/json", headers=auth(api_key)
     )
-
-
-async def set_lane(alias, **fields) -> None:
-    from models_app import services
-
-    def save() -> None:
-        for name, value in fields.items():
-            setattr(alias, name, value)
-        services.alias_save(alias=alias)
-
-    await sync_to_async(save)()
 
 
 class Samples:
