@@ -261,6 +261,10 @@ class Persistence:
         entry = self._lookup(public_id)
         row = await self._get(public_id, owner_id)
         if row is not None:
+            if entry is not None:
+                # Seen landed: settle now rather than at the monitor's next tick, so a delete
+                # that follows this read leaves a missing row, not a write still "pending".
+                self._landed(public_id)
             return row
         entry = entry or self._lookup(public_id)
         if entry is None or entry.record.owner_id != owner_id:

@@ -236,6 +236,12 @@ def response_persist(*, payload: dict[str, Any]) -> StoredResponse | None:
     return row
 
 
+def response_delete(*, public_id: str, owner_id: int) -> bool:
+    """Delete the caller's stored response (PER-6: scoped to its owner). Returns whether one went."""
+    deleted, _ = StoredResponse.objects.filter(public_id=public_id, owner_id=owner_id).delete()
+    return deleted > 0
+
+
 def tombstone_record(
     *, instance_id: int, weights_key: tuple[str, str, str] | list[str], public_id: str
 ) -> InstanceTombstone:

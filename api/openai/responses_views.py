@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
 from api.auth import api_endpoint, json_body
@@ -13,6 +14,7 @@ from api.openai.responses_input import ResponsesInput
 from api.openai.responses_run import live_owner, not_found, response_start
 from api.openai.views import SSE_HEADERS, validated
 from mlxhost.engine import Usage
+from models_app import services
 from models_app.models import StoredResponse
 from models_app.persistence import persistence
 
@@ -74,7 +76,7 @@ async def response_detail(request: HttpRequest, public_id: str) -> HttpResponse:
     """GET /v1/responses/{id} and DELETE /v1/responses/{id}, scoped to the caller (PER-6)."""
     row = await _owned(request, public_id)
     if request.method == "DELETE":
-        await StoredResponse.objects.filter(pk=row.pk).adelete()
+        await sync_to_async(services.response_delete)(public_id=row.public_id, owner_id=row.owner_id)
         return JsonResponse({"id": public_id, "object": "response.deleted", "deleted": True})
     return JsonResponse(_stored_body(row))
 

@@ -259,6 +259,23 @@ async def test_fetch_of_a_pending_write_past_the_wait_is_a_storage_timeout(user,
 
 
 @pytest.mark.django_db(transaction=True)
+async def test_a_row_read_then_deleted_before_the_monitor_saw_it_is_missing_not_pending(user, make_store):
+    """PER-2: a read that finds the row settles the pending write, so a delete right after it
+    leaves a 404, not a 503 storage_timeout for a row that did land (the monitor never saw it)."""
+    store = make_store(eager=False, publish=drop, poll_s=60)  # the monitor does not tick here
+    record = make_record(user.pk)
+    store.record(record)
+    await off_loop(services.response_persist)(payload=record.as_payload())  # the worker's write
+    row = await store.fetch(public_id=record.public_id, owner_id=user.pk, wait_s=2)
+    assert store.pending_count() == 0
+    await off_loop(services.response_delete)(public_id=row.public_id, owner_id=user.pk)
+    started = time.monotonic()
+    with pytest.raises(StoredResponse.DoesNotExist):
+        await store.fetch(public_id=record.public_id, owner_id=user.pk, wait_s=2)
+    assert time.monotonic() - started < 1.5
+
+
+@pytest.mark.django_db(transaction=True)
 async def test_another_tenants_id_is_exactly_a_missing_one(user, make_store, django_user_model):
     """PER-6: another tenant's id, landed or still pending, reads as missing, without waiting."""
     other = await off_loop(django_user_model.objects.create_user)(username="bob")
