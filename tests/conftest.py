@@ -35,6 +35,20 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_b_dir() -> Path:
+    """A second tiny llama (other weights, same tokenizer), for hot-swap tests.
+
+    Built here, on the main thread, never through `sync_to_async`: a pool thread that ran MLX
+    ops exits during interpreter shutdown, and MLX's thread-local cleanup then takes the GIL
+    while Python finalizes, which aborts the process ("terminate called without an active
+    exception") after every test has passed.
+    """
+    from mlxhost.engine.backends.mlx.tiny import build_tiny_model
+
+    return build_tiny_model(Path(settings.MODELS_ROOT) / "tiny-llama-b", seed=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_eos_id(tiny_model_dir: Path) -> int:
     eos = json.loads((tiny_model_dir / "config.json").read_text())["eos_token_id"]
     return eos[0] if isinstance(eos, list) else eos

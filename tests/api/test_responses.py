@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.conf import settings
 from django.test import AsyncClient
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
@@ -135,13 +133,11 @@ async def test_turn_three_is_warm_and_a_cold_replay_matches_it(tiny_alias, alice
 
 
 async def test_a_hot_swapped_alias_refuses_the_chain_and_an_alias_of_the_same_weights_continues(
-    tiny_alias, alice, mlx_engine
+    tiny_alias, tiny_model_b_dir, alice, mlx_engine
 ):
     """REG-4: continuing on other weights is a 400; another alias of the same weights may continue."""
-    from mlxhost.engine.backends.mlx.tiny import build_tiny_model
     from models_app import services
 
-    await sync_to_async(build_tiny_model)(Path(settings.MODELS_ROOT) / "tiny-llama-b", seed=1)
     first = await alice.ok(input="hello", max_output_tokens=3)
     await sync_to_async(services.alias_register)(name="twin", source_kind="local", local_path="tiny-llama")
     twin = await alice.create(
