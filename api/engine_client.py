@@ -47,6 +47,7 @@ def engine_config() -> EngineConfig:
         shutdown_timeout_s=options.get("SHUTDOWN_TIMEOUT_S", 10.0),
         housekeeping_interval_s=options.get("HOUSEKEEPING_INTERVAL_S", 30.0),
         memory_budget_bytes=options.get("MEMORY_BUDGET_BYTES") or None,
+        burst_wait_s=options.get("BURST_WAIT_MS", 250) / 1000,
     )
 
 

@@ -86,6 +86,7 @@ def ensure_model(env: dict[str, str], model: str) -> Path:
         return build_random_llama(folder, **MID_SHAPE)
     if not (folder / "config.json").is_file():
         print(f"building {folder} ...", flush=True)
+        manage(env, "migrate", "--noinput", "-v", "0")  # the build command registers an alias too
         manage(env, *build)
     return folder
 

@@ -180,6 +180,9 @@ MLXHOST_ENGINE = {
     "HOUSEKEEPING_INTERVAL_S": env.float("MLXHOST_HOUSEKEEPING_INTERVAL_S", default=30.0),
     # Most bytes resident models (weights + warm sessions) may hold; unset or 0: no budget (OPS-3).
     "MEMORY_BUDGET_BYTES": env.int("MLXHOST_MEMORY_BUDGET_BYTES", default=0) or None,
+    # A batch about to start waits up to this long for requests of the same burst still being
+    # templated, so they are prefilled together (LANE-1); 0 starts each request at once.
+    "BURST_WAIT_MS": env.int("MLXHOST_BURST_WAIT_MS", default=250),
 }
 # /metrics (OPS-1) needs an API key or a staff login unless this is true (scrapers without auth).
 MLXHOST_METRICS_PUBLIC = env.bool("MLXHOST_METRICS_PUBLIC", default=False)

@@ -23,3 +23,6 @@ class EngineConfig:
     # and the most bytes resident models may hold (None: no budget).
     housekeeping_interval_s: float = 30.0
     memory_budget_bytes: int | None = None
+    # A batch about to start waits at most this long for requests of the same burst that are
+    # still loading or templating, so they are prefilled together (0 turns it off).
+    burst_wait_s: float = 0.25

@@ -65,6 +65,8 @@ class Instance:
         self._worker.reload = self._reload_on_worker
         # The lane's capacity is the batch's sequence capacity (LANE-1); the worker reads it per job.
         self._worker.batch_capacity = spec.lane.capacity
+        self._worker.arrivals = lambda: self.lane.permits
+        self._worker.burst_wait_s = config.burst_wait_s
         self._loading: asyncio.Future[None] | None = None
 
     @property

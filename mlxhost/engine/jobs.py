@@ -57,6 +57,8 @@ class WorkerStats:
     last_ttft_ms: float = 0.0  # the last finished request's time to first token
     last_progress_at: float = 0.0  # the active request's last token (or start): a stall shows here
     batch_size: int = 0  # sequences in the batched scheduler now (0 when it runs exclusively)
+    burst_waits: int = 0  # times a new batch waited for requests still preparing
+    gathering: bool = False  # a new batch waits for them right now
 
 
 @dataclass(slots=True)

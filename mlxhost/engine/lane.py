@@ -112,6 +112,7 @@ class Lane:
         self._idle = asyncio.Event()
         self._idle.set()
         self._ewma = 1.0
+        self._permits = 0
         self.configure(
             capacity=capacity, queue_depth=queue_depth, unbounded=unbounded, queue_timeout_s=queue_timeout_s
         )
@@ -140,7 +141,11 @@ class Lane:
 
     @property
     def permits(self) -> int:
-        return len(self._live) - self.active - self.queued
+        """Requests holding a permit: reserved, still loading or templating, not yet entered.
+
+        A plain counter, so the instance's worker thread may read it (a burst about to arrive).
+        """
+        return self._permits
 
     @property
     def draining(self) -> bool:
@@ -166,6 +171,7 @@ class Lane:
             raise QueueFullError(QUEUE_FULL_MESSAGE, retry_after=self._retry_after())
         ticket = Ticket(request_id, asyncio.get_running_loop().create_future())
         self._live[request_id] = ticket
+        self._permits += 1
         return ticket
 
     def enter(self, ticket: Ticket) -> None:
@@ -290,7 +296,12 @@ class Lane:
         estimate = math.ceil(self._ewma * (self.queued + 1) / self.capacity)
         return min(max(estimate, 1), _RETRY_MAX_S)
 
+    def _leave_permit(self, ticket: Ticket) -> None:
+        if ticket.state == "permit":
+            self._permits -= 1
+
     def _enqueue(self, ticket: Ticket) -> None:
+        self._leave_permit(ticket)
         self._queue.append(ticket)
         ticket.state = "queued"
         ticket.position = self.queued
@@ -301,6 +312,7 @@ class Lane:
             ticket.on_position(ticket.position)
 
     def _activate(self, ticket: Ticket) -> None:
+        self._leave_permit(ticket)
         self._stop_timer(ticket)
         ticket.state = "active"
         ticket.position = 0
@@ -316,6 +328,7 @@ class Lane:
         self._retire(ticket)
 
     def _retire(self, ticket: Ticket) -> None:
+        self._leave_permit(ticket)
         self._stop_timer(ticket)
         ticket.state = "done"
         ticket.position = 0

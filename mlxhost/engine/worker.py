@@ -24,6 +24,9 @@ __all__ = ["CallJob", "GenerateJob", "InstanceWorker", "JobResult", "WorkerStats
 
 logger = logging.getLogger(__name__)
 
+# How often a worker gathering a burst re-reads the lane's permit count.
+BURST_POLL_S = 0.005
+
 
 class _Shutdown:
     pass
@@ -49,6 +52,9 @@ class InstanceWorker:
         self.model: LoadedModel | None = None
         self.reload: Callable[[], LoadedModel] | None = None  # set by the instance
         self.batch_capacity = 1  # the lane's capacity, set by the instance (LANE-1)
+        # Requests still preparing (lane permits) and how long a new batch may wait for them.
+        self.arrivals: Callable[[], int] = lambda: 0
+        self.burst_wait_s = 0.0
         self.stats = WorkerStats()
         self._clock = clock
         self._jobs: queue.Queue[GenerateJob | CallJob | _Shutdown] = queue.Queue()
@@ -89,6 +95,8 @@ class InstanceWorker:
                     self._pending.append(self._jobs.get_nowait())
                 except queue.Empty:
                     break
+            if self._opens_batch():
+                self._gather_burst()
             if self._start_pending():
                 return
             if self._batch_busy():
@@ -118,6 +126,44 @@ class InstanceWorker:
             else:
                 self._generate(job)
         return False
+
+    def _opens_batch(self) -> bool:
+        """Whether the pending head is a generation that would start an idle batch."""
+        return (
+            self.batch_capacity > 1
+            and self.burst_wait_s > 0
+            and not self._batch_busy()
+            and bool(self._pending)
+            and isinstance(self._pending[0], GenerateJob)
+        )
+
+    def _gather_burst(self) -> None:
+        """Wait briefly for requests still preparing, so a burst is prefilled in one call.
+
+        A burst reaches the worker spread out by each request's own key check, alias lookup and
+        chat template. Started at once, the first request would be prefilled alone and every
+        other one a step later, behind it. Nobody is decoding yet, so waiting costs no running
+        stream anything; it ends as soon as no permit is outstanding, the batch would be full,
+        or `burst_wait_s` has passed. A lone request (no other permits) never waits.
+        """
+        deadline = time.monotonic() + self.burst_wait_s
+        try:
+            while self.arrivals() > 0 and self._pending_generations() < self.batch_capacity:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if not self.stats.gathering:
+                    self.stats.gathering = True
+                    self.stats.burst_waits += 1
+                try:
+                    self._pending.append(self._jobs.get(timeout=min(left, BURST_POLL_S)))
+                except queue.Empty:
+                    continue
+        finally:
+            self.stats.gathering = False
+
+    def _pending_generations(self) -> int:
+        return sum(1 for job in self._pending if isinstance(job, GenerateJob))
 
     def _batch_busy(self) -> bool:
         return self._batch is not None and len(self._batch) > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -288,3 +289,60 @@ async def test_token_ids_add_up_to_completion_tokens_while_a_stop_string_holds_t
     assert token_ids(events) == [GENERATED_ID_BASE + i for i in range(5)]
     assert events[-1].usage.completion_tokens == 5
     assert len(backend.batch_steps) == (0 if capacity == 1 else 5)
+
+
+def hold_slow_renders(backend) -> threading.Event:
+    """Requests whose text contains "slow" stay in templating (holding a lane permit) until set."""
+    release = threading.Event()
+
+    def before_render(messages) -> None:
+        if any("slow" in message.content for message in messages):
+            release.wait(timeout=30)
+
+    backend.before_render = before_render
+    return release
+
+
+async def test_a_burst_still_templating_is_prefilled_together_with_its_first_request(make_engine, backend):
+    """LANE-1: a batch about to start waits for the burst's other requests still preparing.
+
+    r0 reaches the worker while r1 is still being templated (it holds a permit); the worker
+    gathers instead of starting r0 alone, so both are inserted before the first batch step.
+    """
+    engine = make_engine(burst_wait_s=30.0)  # bounded only by r1's arrival here
+    release = hold_slow_renders(backend)
+    x = batching(4)
+    fast = asyncio.create_task(engine.submit(request("r0", spec_=x, text="fast", max_tokens=3)))
+    slow = asyncio.create_task(engine.submit(request("r1", spec_=x, text="slow", max_tokens=3)))
+    await until(
+        lambda: any(i.stats.gathering for i in engine.registry.instances()),
+        what="the worker to gather the burst",
+    )
+    assert backend.batch_steps == []  # r0 waits; nothing was prefilled alone
+    release.set()
+    events = [await collect(await fast), await collect(await slow)]
+    assert backend.batch_steps[0] == 2  # both in the first step
+    assert [token_ids(e) for e in events] == [token_ids(events[0])] * 2
+    assert all(isinstance(e[-1], Done) and e[-1].usage.completion_tokens == 3 for e in events)
+    assert engine.get(1).stats.burst_waits == 1
+
+
+async def test_the_burst_wait_is_bounded_and_a_lone_request_never_waits(make_engine, backend):
+    """LANE-1: past `burst_wait_s` the first request starts alone; with no other permit, no wait."""
+    engine = make_engine(burst_wait_s=0.05)
+    release = hold_slow_renders(backend)
+    x = batching(4)
+    lone = await collect(await engine.submit(request("r-lone", spec_=x, text="fast", max_tokens=2)))
+    assert isinstance(lone[-1], Done)
+    assert engine.get(1).stats.burst_waits == 0  # nobody else was preparing
+
+    held = asyncio.create_task(engine.submit(request("r1", spec_=x, text="slow", max_tokens=2)))
+    await until(lambda: backend.render_calls == 2, what="r1 to hold its permit, templating")
+    assert lane_of(engine)["permits"] == 1
+    first = await collect(await engine.submit(request("r0", spec_=x, text="fast", max_tokens=2)))
+    assert isinstance(first[-1], Done) and first[-1].usage.completion_tokens == 2  # while r1 is held
+    assert engine.get(1).stats.burst_waits == 1
+    release.set()
+    second = await collect(await held)
+    assert isinstance(second[-1], Done) and second[-1].usage.completion_tokens == 2
+    assert backend.batch_steps.count(2) == 0  # r0 and r1 never shared a step

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.backends.base import BatchStep, ProgressCallback, SequenceCache, StepEnd, TokenStep
@@ -41,6 +41,8 @@ class FakeModel:
 
     def render_chat(self, messages: Sequence[Message]) -> list[int]:
         self._backend.render_calls += 1
+        if self._backend.before_render is not None:
+            self._backend.before_render(messages)  # runs off the loop, like real templating
         text = "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>"
         return self.encode(text)
 
@@ -186,7 +188,8 @@ class FakeBackend:
     `gate` (a threading.Event) paces every token (every batch step) when `gated` is true, and
     `parked` says the worker waits on it now; `load_failures` makes the next loads raise;
     `dispose_failures` makes the next cache disposals raise; `shared_cache` builds models with
-    one shared cache (SES-5); `render_calls` counts templating. Models batch (`FakeBatch`)
+    one shared cache (SES-5); `render_calls` counts templating and `before_render(messages)`
+    runs inside it (a test holds a request in preparation there). Models batch (`FakeBatch`)
     unless `batching` is false; `batch_steps` records the size of every batch step and
     `batches` every batch opened.
     """
@@ -204,6 +207,7 @@ class FakeBackend:
         self.dispose_failures = 0
         self.dispose_calls = 0
         self.render_calls = 0
+        self.before_render: Callable[[Sequence[Message]], None] | None = None
         self.shared_cache = False
         self.batching = True
         self.batch_steps: list[int] = []
