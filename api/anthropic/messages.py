@@ -37,7 +37,8 @@ class MessageTurn:
 
     @staticmethod
     def stop_fields(done: Done | None) -> dict[str, str | None]:
-        # Done carries no matched stop string, so a stop-sequence finish reads as end_turn.
+        if done is not None and done.stop_sequence is not None:
+            return {"stop_reason": "stop_sequence", "stop_sequence": done.stop_sequence}
         reason = None if done is None else STOP_REASONS.get(done.finish_reason, "end_turn")
         return {"stop_reason": reason, "stop_sequence": None}
 

@@ -147,7 +147,8 @@ class BatchScheduler:
         try:
             if tail or sequence.unsent:
                 job.generation.post_threadsafe(Delta(text=tail, token_ids=tuple(sequence.unsent)))
-            post_done(job, sequence.turn, self._stats, self._clock(), finish, sequence.count)
+            matched = sequence.matcher.matched if finish == "stop" else None
+            post_done(job, sequence.turn, self._stats, self._clock(), finish, sequence.count, matched)
             if cache is not None:
                 nbytes = self.model.cache_nbytes(cache.kv)
                 result = JobResult(finish, cache.kv, cache.tokens, nbytes, touched=True)

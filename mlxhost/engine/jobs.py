@@ -71,8 +71,16 @@ class Turn:
     first_at: float | None = None
 
 
-def post_done(job: GenerateJob, turn: Turn, stats: WorkerStats, now: float, finish: str, count: int) -> None:
-    """Post the terminal `Done` with usage and timings, and count the outcome."""
+def post_done(
+    job: GenerateJob,
+    turn: Turn,
+    stats: WorkerStats,
+    now: float,
+    finish: str,
+    count: int,
+    stop_sequence: str | None = None,
+) -> None:
+    """Post the terminal `Done` with usage and timings (and the matched stop string), and count it."""
     first_at = turn.first_at or now
     decode_s = max(now - first_at, 1e-9)
     prefill_s = max(first_at - turn.started, 1e-9)
@@ -92,7 +100,8 @@ def post_done(job: GenerateJob, turn: Turn, stats: WorkerStats, now: float, fini
         decode_tps=decode_tps,
     )
     usage = Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=count, cached_tokens=turn.cached)
-    job.generation.post_threadsafe(Done(finish_reason=finish, usage=usage, timings=timings))  # type: ignore[arg-type]
+    done = Done(finish_reason=finish, usage=usage, timings=timings, stop_sequence=stop_sequence)  # type: ignore[arg-type]
+    job.generation.post_threadsafe(done)
 
 
 def end_unstarted(job: GenerateJob, stats: WorkerStats, now: float) -> None:

@@ -8,20 +8,23 @@ class StopMatcher:
 
     `feed(text)` returns `(safe_text, stopped)`: text that can be sent now, and whether a
     stop sequence completed (the stop string itself is never emitted). `flush()` returns
-    the withheld tail when generation ends without a match.
+    the withheld tail when generation ends without a match. `matched` names the stop
+    sequence that completed (the earliest in the text), for APIs that report it.
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = tuple(s for s in stops if s)
         self._held = ""
+        self.matched: str | None = None
         self._longest = max((len(s) for s in self._stops), default=0)
 
     def feed(self, text: str) -> tuple[str, bool]:
         if not self._stops:
             return text, False
         buffer = self._held + text
-        cut = min((i for i in (buffer.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stops if (i := buffer.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda hit: hit[0])
             self._held = ""
             return buffer[:cut], True
         keep = self._partial_suffix(buffer)

@@ -125,6 +125,7 @@ class Done:
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
+    stop_sequence: str | None = None  # with finish_reason "stop": the stop string that ended it
 
 
 @dataclass(frozen=True, slots=True)

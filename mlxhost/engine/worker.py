@@ -270,15 +270,17 @@ class InstanceWorker:
             model.trim_cache(kv, model.cache_length(kv) - reuse)
         generation.post_threadsafe(Started(prompt_tokens=len(job.prompt_ids), cached_tokens=reuse))
         turn.cached = reuse
-        finish, generated, turn.first_at = self._decode(job, model, kv, reuse)
-        post_done(job, turn, self.stats, self._clock(), finish, len(generated))
+        finish, generated, turn.first_at, matched = self._decode(job, model, kv, reuse)
+        post_done(job, turn, self.stats, self._clock(), finish, len(generated), matched)
         length = model.cache_length(kv)
         tokens = (*job.prompt_ids, *generated)[:length]
         return JobResult(finish, kv, tokens, model.cache_nbytes(kv), touched=True)
 
     def _decode(
         self, job: GenerateJob, model: LoadedModel, kv: object, reuse: int
-    ) -> tuple[str, list[int], float | None]:
+    ) -> tuple[str, list[int], float | None, str | None]:
+        """Stream tokens until a finish; returns it, the token ids, the first token's time and
+        the stop string that ended the turn (None unless a stop string did)."""
         generation = job.generation
         matcher = StopMatcher(generation.request.sampling.stop)
         steps = model.generate(job.prompt_ids[reuse:], generation.request.sampling, kv)
@@ -312,4 +314,4 @@ class InstanceWorker:
             steps.close()  # type: ignore[attr-defined]
         if tail or sent < len(generated):
             generation.post_threadsafe(Delta(text=tail, token_ids=tuple(generated[sent:])))
-        return finish, generated, first_at
+        return finish, generated, first_at, matcher.matched if finish == "stop" else None

@@ -124,13 +124,19 @@ async def test_system_prompt_and_text_blocks_are_rendered(tiny_alias, api_key, m
 
 
 async def test_stop_sequence_cuts_the_text_and_ends_the_turn(tiny_alias, api_key, mlx_engine):
-    """API-2: a stop sequence ends the turn (reported as end_turn: the engine names no match)."""
+    """API-2: a stop sequence ends the turn; stop_reason and stop_sequence name the match."""
     full = (await post(message_body(max_tokens=20), api_key)).json()["content"][0]["text"]
     stop = full[2:4]
-    body = (await post(message_body(max_tokens=20, stop_sequences=[stop]), api_key)).json()
+    never = "\u2603never"
+    body = (await post(message_body(max_tokens=20, stop_sequences=[never, stop]), api_key)).json()
     assert body["content"][0]["text"] == full[: full.index(stop)]
-    assert body["stop_reason"] == "end_turn"
+    assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", stop)
     assert body["usage"]["output_tokens"] < 20
+
+    response = await post(message_body(max_tokens=20, stop_sequences=[stop], stream=True), api_key)
+    events = await sse_events(response)
+    delta = next(data for name, data in events if name == "message_delta")
+    assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": stop}
 
 
 async def test_max_tokens_is_clamped_by_the_alias(tiny_alias, api_key, mlx_engine):
@@ -147,7 +153,7 @@ async def test_a_follow_up_turn_reuses_the_warm_session_and_matches_a_cold_run(
 ):
     """SES-2 tier 3, SES-7: the next turn hits any warm slot (same system prompt); SES-3: never another tenant's."""
     first = await post(message_body(system="Be brief.", max_tokens=20, stop_sequences=["\n\n"]), api_key)
-    assert first.json()["stop_reason"] == "end_turn"  # a clean finish is adopted (SES-1)
+    assert first.json()["stop_reason"] in {"end_turn", "stop_sequence"}  # clean: adopted (SES-1)
     reply = first.json()["content"][0]["text"]
     turn2 = [*HELLO, {"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
     other_key = await make_key(django_user_model, "bob")

@@ -279,13 +279,14 @@ async def test_lowering_capacity_to_one_switches_to_the_exclusive_scheduler(engi
 async def test_token_ids_add_up_to_completion_tokens_while_a_stop_string_holds_text(
     engine, backend, capacity
 ):
-    """Both schedulers: every counted token reaches the reader, even while its text is withheld."""
+    """Both schedulers: every counted token reaches the reader, even while its text is withheld;
+    Done names the stop string that ended the turn."""
     backend.enqueue(["The ", "ans", "wer. ", "EN", "D here", " more"])
     events = await collect(
         await engine.submit(request(spec_=batching(capacity), max_tokens=50, stop=("END",)))
     )
     assert text_of(events) == "The answer. "
-    assert events[-1].finish_reason == "stop"
+    assert (events[-1].finish_reason, events[-1].stop_sequence) == ("stop", "END")
     assert token_ids(events) == [GENERATED_ID_BASE + i for i in range(5)]
     assert events[-1].usage.completion_tokens == 5
     assert len(backend.batch_steps) == (0 if capacity == 1 else 5)

@@ -28,3 +28,12 @@ def test_stop_matcher(pieces, stops, expected, stopped):
     if not hit:
         out += matcher.flush()
     assert (out, hit) == (expected, stopped)
+
+
+def test_the_matcher_names_the_earliest_stop_that_completed():
+    """API-2: the matched stop string is reported (Anthropic's stop_sequence); none before a match."""
+    matcher = StopMatcher(("STOP", "xx", "never"))
+    assert matcher.feed("ab x") == ("ab ", False)
+    assert matcher.matched is None
+    assert matcher.feed("x STOP") == ("", True)  # "xx" completed first, at the held "x"
+    assert matcher.matched == "xx"
