@@ -7,8 +7,10 @@ Consumers stay thin: a Responses turn runs through the very code of `POST /v1/re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
+import weakref
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -29,6 +31,7 @@ from models_app import control
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_FORBIDDEN = 4403
 CLOSE_TOO_BIG = 1009
+CLOSE_GOING_AWAY = 1001  # the server shuts down
 AUTH_FRAME_TIMEOUT_S = 10.0
 
 
@@ -74,7 +77,46 @@ def session_user(scope: dict[str, Any]) -> Any | None:
     return user
 
 
-class ResponsesConsumer(AsyncWebsocketConsumer):
+class _TrackedConsumer(AsyncWebsocketConsumer):
+    """A consumer whose accepted sockets the shutdown closes (see `close_open_sockets`)."""
+
+    async def accept(self, subprotocol: str | None = None, headers: Any = None) -> None:
+        await super().accept(subprotocol, headers)
+        self._app_task = asyncio.current_task()  # the ASGI instance that runs this consumer
+        _open_sockets.add(self)
+
+    async def websocket_disconnect(self, message: dict[str, Any]) -> None:
+        _open_sockets.discard(self)
+        await super().websocket_disconnect(message)
+
+
+_open_sockets: weakref.WeakSet[_TrackedConsumer] = weakref.WeakSet()
+
+
+async def close_open_sockets(timeout: float) -> int:
+    """Close every open socket with 1001, then end each consumer's ASGI task (OPS-5).
+
+    Runs at shutdown after the drain ended every turn. A consumer still waiting for frames
+    when the event loop stops would be finalized with the interpreter, which crashed the
+    process at exit (SIGSEGV in a half-torn-down asyncio.Queue). The client's close reply
+    may never come while the server stops, so each task is cancelled and awaited (at most
+    `timeout`). Returns how many sockets were open.
+    """
+    sockets = list(_open_sockets)
+    for socket in sockets:
+        with contextlib.suppress(Exception):  # a socket that is closing already
+            await socket.close(code=CLOSE_GOING_AWAY)
+    tasks = {t for s in sockets if (t := getattr(s, "_app_task", None)) is not None and not t.done()}
+    tasks.discard(asyncio.current_task())
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)
+    _open_sockets.clear()
+    return len(sockets)
+
+
+class ResponsesConsumer(_TrackedConsumer):
     """`/ws/v1/responses`: `response.create` / `response.cancel` frames in, Responses events out.
 
     Auth: an API key header, the Django session of a page of this site, or, when the URL says
@@ -222,7 +264,7 @@ def _frame(text: str | None) -> dict[str, Any]:
     return frame
 
 
-class DashboardConsumer(AsyncWebsocketConsumer):
+class DashboardConsumer(_TrackedConsumer):
     """`/ws/dashboard`: staff only; pushes every engine's status as it is published (ADM-2)."""
 
     async def connect(self) -> None:

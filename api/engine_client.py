@@ -145,8 +145,11 @@ async def engine_stop() -> None:
     to finish, then are aborted, and each still ends with its terminal event. Bounded: a wedged
     load or persist is logged and left behind, never waited for without end.
     """
-    for task in list(_start_tasks):  # control messages, status, housekeeping: nothing new starts
+    started = list(_start_tasks)
+    for task in started:  # control messages, status, housekeeping: nothing new starts
         task.cancel()
+    if started:
+        await asyncio.wait(started, timeout=STOP_GRACE_S)
     engine = engine_if_started()
     timeout = engine.config.shutdown_timeout_s if engine else engine_config().shutdown_timeout_s
     if engine is not None:
@@ -161,6 +164,10 @@ async def engine_stop() -> None:
         await _flush_persistence(timeout)
     except Exception:
         logger.exception("flushing stored responses failed")
+    from api.consumers import close_open_sockets
+
+    if closed := await close_open_sockets(STOP_GRACE_S):
+        logger.info("closed %d open WebSocket(s)", closed)
     logger.info("engine stopped")
 
 
@@ -179,7 +186,9 @@ async def _flush_persistence(timeout: float) -> None:
         now_recorded = store.stats()["recorded"]
         flushed = await store.flush(timeout_s=max(0.0, deadline - loop.time()))
         if flushed and now_recorded == recorded:
-            store.close()
+            await store.aclose()
             return
         recorded = now_recorded
     logger.error("stored responses were still being written at shutdown")
+    if (store := persistence_if_started()) is not None:
+        await store.aclose()

@@ -449,6 +449,15 @@ class Persistence:
             await asyncio.sleep(0.02)
         return True
 
+    async def aclose(self) -> None:
+        """`close()`, then wait until this loop's monitor and sweeper have ended (shutdown)."""
+        self.close()
+        loop = asyncio.get_running_loop()
+        tasks = [t for t in (self._monitor, self._sweeper) if t is not None and t.get_loop() is loop]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def close(self) -> None:
         """Stop the monitor and the threads (tests, shutdown); pending entries are dropped. Idempotent."""
         if self._closed:

@@ -128,3 +128,41 @@ def test_sigterm_drains_ends_every_stream_and_exits_zero(server, tiny_alias, api
 
     assert server.process.wait(timeout=EXIT_WITHIN_S) == 0, server.output()
     assert "engine stopped" in server.output()
+
+
+def test_sigterm_ends_a_running_websocket_turn_with_its_terminal_event(
+    server, tiny_alias, api_key, tiny_eos_id
+):
+    """OPS-5, API-3: a WebSocket turn still generating when SIGTERM arrives gets its terminal
+    event (after the drain's grace period), the socket then closes, and the process exits 0."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    url = server.url.replace("http://", "ws://") + "/ws/v1/responses"
+    with connect(url, additional_headers={"Authorization": f"Bearer {api_key}"}) as socket:
+        socket.send(
+            json.dumps(
+                {
+                    "type": "response.create",
+                    "model": "tiny",
+                    "input": "Tell me a long story",
+                    "max_output_tokens": 1_000_000,
+                    "logit_bias": {str(tiny_eos_id): -100},
+                }
+            )
+        )
+        frames = [json.loads(socket.recv(timeout=60)) for _ in range(6)]
+        assert sum(f["type"] == "response.output_text.delta" for f in frames) >= 1, frames
+
+        server.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STREAM_END_WITHIN_S
+        while frames[-1]["type"] not in ("response.completed", "response.incomplete", "response.failed"):
+            assert time.monotonic() < deadline, "the turn never ended"
+            frames.append(json.loads(socket.recv(timeout=STREAM_END_WITHIN_S)))
+        assert frames[-1]["response"]["status"] in {"incomplete", "cancelled", "failed", "completed"}
+        with pytest.raises(ConnectionClosed):
+            while True:  # nothing but the close may follow the terminal event
+                extra = json.loads(socket.recv(timeout=STREAM_END_WITHIN_S))
+                assert extra["type"] not in ("response.output_text.delta",), extra
+
+    assert server.process.wait(timeout=EXIT_WITHIN_S) == 0, server.output()
