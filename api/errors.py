@@ -15,11 +15,13 @@ from mlxhost.engine.errors import (
     EngineClosedError,
     EngineError,
     InvalidModelFolderError,
+    InvalidRequestError,
     ModelLoadError,
     PromptTooLongError,
     QueueFullError,
     QueueTimeoutError,
     RequestCancelledError,
+    RequestTooLargeError,
     UnknownModelError,
 )
 from models_app.models import ModelAlias
@@ -64,6 +66,9 @@ class ApiError(Exception):
 ERROR_TABLE: dict[type[Exception], tuple[int, str, str, int | None]] = {
     UnknownModelError: (404, "invalid_request_error", "model_not_found", None),
     PromptTooLongError: (400, "invalid_request_error", "context_length_exceeded", None),
+    # Checked against the loaded model before admission (limits.py): never reaches MLX.
+    InvalidRequestError: (400, "invalid_request_error", "invalid_value", None),
+    RequestTooLargeError: (400, "invalid_request_error", "request_too_large", None),
     InvalidModelFolderError: (503, "server_error", "model_load_failed", None),
     ModelLoadError: (503, "server_error", "model_load_failed", LOAD_RETRY_AFTER_S),
     EngineClosedError: (503, "server_error", "engine_closed", LOAD_RETRY_AFTER_S),
@@ -91,7 +96,8 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
     for kind, (status, type_, code, retry_after) in ERROR_TABLE.items():
         if isinstance(exc, kind):
             retry_after = getattr(exc, "retry_after", None) or retry_after
-            return ApiError(status, str(exc), type_, code, retry_after=retry_after)
+            param = getattr(exc, "param", None)
+            return ApiError(status, str(exc), type_, code, param=param, retry_after=retry_after)
     if isinstance(exc, EngineError):
         return ApiError(500, "The engine failed to handle the request.", "server_error", exc.code)
     logger.exception("unhandled API error")

@@ -26,9 +26,13 @@ def _aliases_by_instance() -> dict[int, list[str]]:
 
 
 def instance_status(snap: dict[str, Any]) -> str:
-    """OPS-2's ladder: ok | loading | degraded (saturated queue, stuck generation) | error | unloaded."""
+    """OPS-2's ladder: ok | loading | degraded (saturated queue, stuck generation, failures
+    since the last clean generation) | error | unloaded."""
     state = snap["state"]
-    if state == "ready" and (not snap["worker_alive"] or snap["stalled"] or snap["lane"]["saturated"]):
+    faulted = snap["faults"]["in_a_row"] > 0
+    if state == "ready" and (
+        not snap["worker_alive"] or snap["stalled"] or snap["lane"]["saturated"] or faulted
+    ):
         return "degraded"
     return {"ready": "ok", "loading": "loading", "error": "error"}.get(state, "unloaded")
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from rest_framework import serializers
 
-from api.openai.serializers import StrictBooleanField
+from api.openai.serializers import MAX_TOP_K, StrictBooleanField
 
 MAX_STOP_SEQUENCES = 16
 # Text blocks are joined with a blank line, and so are consecutive turns of one role,
@@ -110,7 +110,7 @@ class MessagesInput(PromptInput):
     )
     temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
     top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_K)
     metadata = MetadataInput(required=False, allow_null=True)
     stream = StrictBooleanField(required=False, default=False)
     service_tier = serializers.CharField(required=False, allow_null=True)  # accepted, ignored

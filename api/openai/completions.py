@@ -15,7 +15,7 @@ from api.collect import collect_text
 from api.engine_client import get_engine
 from api.errors import ApiError, error_body
 from api.openai.chat import FINISH_REASONS, ChatTurn, usage_body
-from api.openai.serializers import ChatCompletionInput, StreamOptionsInput, StrictBooleanField
+from api.openai.serializers import MAX_TOP_K, ChatCompletionInput, StreamOptionsInput, StrictBooleanField
 from api.openai.views import chat_shaped_response, validated
 from api.sse import SSE_DONE, sse_event
 from mlxhost.engine import Delta, Done, Engine, Failed, Generation, GenerationRequest
@@ -39,7 +39,7 @@ class CompletionInput(serializers.Serializer):
     max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
     temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=2.0)
     top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_K)
     min_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
     repetition_penalty = serializers.FloatField(
         required=False, allow_null=True, min_value=0.01, max_value=10.0

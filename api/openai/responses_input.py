@@ -6,7 +6,7 @@ from typing import Any
 
 from rest_framework import serializers
 
-from api.openai.serializers import MAX_STOP_SEQUENCES, StrictBooleanField
+from api.openai.serializers import MAX_STOP_SEQUENCES, MAX_TOP_K, StrictBooleanField, logit_bias_tokens
 
 INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PART_TYPES = {"input_text", "output_text", "text"}
@@ -96,7 +96,7 @@ class ResponsesInput(serializers.Serializer):
         allow_null=True,
         max_length=MAX_STOP_SEQUENCES,
     )
-    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_K)
     min_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
     repetition_penalty = serializers.FloatField(
         required=False, allow_null=True, min_value=0.01, max_value=10.0
@@ -114,10 +114,7 @@ class ResponsesInput(serializers.Serializer):
         return value
 
     def validate_logit_bias(self, value: dict[str, float] | None) -> dict[int, float]:
-        try:
-            return {int(token): bias for token, bias in (value or {}).items()}
-        except ValueError:
-            raise serializers.ValidationError("logit_bias keys must be token ids.") from None
+        return logit_bias_tokens(value)
 
     def validate_metadata(self, value: dict[str, str] | None) -> dict[str, str]:
         if value and len(value) > MAX_METADATA_KEYS:

@@ -7,6 +7,11 @@ from typing import Any
 from rest_framework import serializers
 
 MAX_STOP_SEQUENCES = 4
+# The engine checks ids against the loaded vocabulary (mlxhost/engine/limits.py); these bounds
+# refuse what no model could use before any work, as OpenAI does.
+MAX_LOGIT_BIAS = 300
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TOP_K = 2**31 - 1
 ROLE_ALIASES = {"developer": "system"}
 UNSUPPORTED_OPTIONS = {
     "tools": "Tool calling is not supported by this server.",
@@ -66,7 +71,7 @@ class ChatCompletionInput(serializers.Serializer):
     stream_options = StreamOptionsInput(required=False, allow_null=True)
     temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=2.0)
     top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_K)
     min_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
     repetition_penalty = serializers.FloatField(
         required=False, allow_null=True, min_value=0.01, max_value=10.0
@@ -98,10 +103,7 @@ class ChatCompletionInput(serializers.Serializer):
         return stops
 
     def validate_logit_bias(self, value: dict[str, float] | None) -> dict[int, float]:
-        try:
-            return {int(token): bias for token, bias in (value or {}).items()}
-        except ValueError:
-            raise serializers.ValidationError("logit_bias keys must be token ids.") from None
+        return logit_bias_tokens(value)
 
     def validate_logprobs(self, value: bool | None) -> bool | None:
         if value:
@@ -114,6 +116,20 @@ class ChatCompletionInput(serializers.Serializer):
                 raise serializers.ValidationError({name: message})
         attrs["max_tokens"] = attrs.get("max_completion_tokens") or attrs.get("max_tokens")
         return attrs
+
+
+def logit_bias_tokens(value: dict[str, float] | None) -> dict[int, float]:
+    """`logit_bias` with integer token ids: at most MAX_LOGIT_BIAS of them, none negative."""
+    value = value or {}
+    if len(value) > MAX_LOGIT_BIAS:
+        raise serializers.ValidationError(f"At most {MAX_LOGIT_BIAS} token ids.")
+    try:
+        tokens = {int(token): bias for token, bias in value.items()}
+    except ValueError:
+        raise serializers.ValidationError("logit_bias keys must be token ids.") from None
+    if any(not 0 <= token <= MAX_TOKEN_ID for token in tokens):
+        raise serializers.ValidationError("logit_bias keys must be token ids from 0 up.")
+    return tokens
 
 
 def first_error(errors: Any, path: str = "") -> tuple[str, str]:

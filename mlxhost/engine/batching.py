@@ -56,7 +56,7 @@ class BatchScheduler:
 
     def accepts(self, job: GenerateJob) -> bool:
         """Whether `job` may join the batch; otherwise it needs an exclusive turn."""
-        sampling = job.generation.request.sampling
+        sampling = job.sampling
         # Batches refuse empty prompts and max_tokens < 1; the exclusive path answers those as before.
         return bool(job.prompt_ids) and sampling.max_tokens >= 1 and self.runner.accepts(sampling)
 
@@ -68,7 +68,7 @@ class BatchScheduler:
             end_unstarted(job, self._stats, now)
             return
         kv, reuse = job.session_kv, job.reuse_tokens if job.session_kv is not None else 0
-        sampling = generation.request.sampling
+        sampling = job.sampling
         try:
             if kv is not None:  # keep only the prefix this prompt shares, as the exclusive path does
                 self.model.trim_cache(kv, self.model.cache_length(kv) - reuse)
@@ -118,6 +118,13 @@ class BatchScheduler:
         self._sync_stats()
 
     def _advance(self, step: BatchStep, now: float) -> None:
+        if step.failed:  # its own sampler or processors raised: it fails alone, the batch goes on
+            sequence = self._sequences.pop(step.handle)
+            if step.cache is not None:
+                self.model.dispose_cache(step.cache.kv)
+            self._fail(sequence.job)
+            return
+        self._stats.consecutive_faults = 0
         sequence = self._sequences[step.handle]
         if step.token_id is None:  # the model ended the sequence; like StepEnd on the exclusive path
             tail = sequence.matcher.feed(step.text)[0] + sequence.matcher.flush()

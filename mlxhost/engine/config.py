@@ -26,3 +26,8 @@ class EngineConfig:
     # A batch about to start waits at most this long for requests of the same burst that are
     # still loading or templating, so they are prefilled together (0 turns it off).
     burst_wait_s: float = 0.25
+    # The most KV cache bytes one request may need (prompt + max_tokens); None: what the memory
+    # budget, or the machine's RAM without one, leaves beside the model's weights.
+    max_request_kv_bytes: int | None = None
+    # Unattributed worker failures in a row after which the model is dropped and loaded afresh.
+    reload_after_faults: int = 3

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
+from mlxhost.engine import limits
 from mlxhost.engine.backends import make_backend
 from mlxhost.engine.config import EngineConfig
 from mlxhost.engine.errors import (
@@ -16,7 +17,6 @@ from mlxhost.engine.errors import (
     DuplicateRequestError,
     EngineClosedError,
     ModelLoadError,
-    PromptTooLongError,
     QueueFullError,
     RequestCancelledError,
 )
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from mlxhost.engine.lane import Ticket
     from mlxhost.engine.residency import MemoryPolicy
     from mlxhost.engine.stats import Key
-    from mlxhost.engine.types import Event, GenerationRequest, ModelSpec
+    from mlxhost.engine.types import Event, GenerationRequest, ModelSpec, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class Engine:
         self.residency = Residency(self.registry, self.config.memory_budget_bytes, self.stats)
         self._stopping = False  # shutdown began: arrivals are refused as draining (LANE-7)
         self._closed = False
+        self._ram_bytes = limits.physical_memory_bytes()
 
     # Registry -----------------------------------------------------------------------------
 
@@ -146,7 +147,9 @@ class Engine:
             DuplicateRequestError: a request with this id is live (LANE-5).
             RequestCancelledError: a cancel for this id arrived first (LANE-6).
             ModelLoadError: the model could not be loaded.
-            PromptTooLongError: the prompt exceeds the model's max_input_tokens.
+            InvalidRequestError: a sampling value this model cannot use (before templating).
+            PromptTooLongError: the prompt exceeds the model's context or max_input_tokens.
+            RequestTooLargeError: its KV cache could not fit the memory budget.
             EngineClosedError: the engine has shut down.
         """
         request_id = request.request_id
@@ -171,10 +174,10 @@ class Engine:
         try:
             if self._take_early_cancel(request_id):
                 raise RequestCancelledError("The request was cancelled before it started.")
-            prompt_ids = await self._prepare(instance, request)
+            prompt_ids, sampling = await self._prepare(instance, request)
             if generation.cancelled:
                 raise RequestCancelledError("The request was cancelled before it started.")
-            self._enter(instance, ticket, generation, prompt_ids)
+            self._enter(instance, ticket, generation, prompt_ids, sampling)
         except BaseException as exc:
             instance.lane.release(ticket)
             self._forget(instance, generation)
@@ -222,27 +225,54 @@ class Engine:
             self._early_cancels.popitem(last=False)
         return False
 
-    async def _prepare(self, instance: Instance, request: GenerationRequest) -> list[int]:
+    async def _prepare(
+        self, instance: Instance, request: GenerationRequest
+    ) -> tuple[list[int], SamplingParams]:
         # A keep-alive reload (or a budget eviction) waits here, under the permit (LANE-3).
         await self.residency.ensure_loaded(instance)
         model = instance.model
         if model is None:  # unloaded between the load wait and now; the client may retry
             raise ModelLoadError("The model was unloaded while the request waited; retry.")
+        # Checked before any work: nothing a request sets may reach MLX unchecked (limits.py).
+        sampling = limits.checked_sampling(request.sampling, vocab_size=model.vocab_size)
         # Templating and tokenizing run off the loop; they never touch the KV cache.
         if request.prompt is not None:
             prompt_ids = await asyncio.to_thread(model.encode, request.prompt)
         else:
             prompt_ids = await asyncio.to_thread(model.render_chat, request.messages)
-        limit = instance.spec.max_input_tokens
-        if limit and len(prompt_ids) > limit:
-            raise PromptTooLongError(len(prompt_ids), limit)
-        return prompt_ids
+        sampling = limits.fitted(
+            sampling,
+            len(prompt_ids),
+            alias_limit=instance.spec.max_input_tokens,
+            context_length=model.context_length,
+        )
+        limits.check_kv_cost(
+            len(prompt_ids) + sampling.max_tokens,
+            bytes_per_token=model.kv_bytes_per_token,
+            budget_bytes=self._kv_budget(model.memory_bytes()),
+        )
+        return prompt_ids, sampling
+
+    def _kv_budget(self, weights_bytes: int) -> int | None:
+        """The most KV cache one request may need: the configured cap, else what the memory
+        budget (or the machine's RAM) leaves beside the weights."""
+        if self.config.max_request_kv_bytes is not None:
+            return self.config.max_request_kv_bytes
+        total = self.config.memory_budget_bytes or self._ram_bytes
+        return max(total - weights_bytes, 0) if total else None
 
     def _enter(
-        self, instance: Instance, ticket: Ticket, generation: Generation, prompt_ids: list[int]
+        self,
+        instance: Instance,
+        ticket: Ticket,
+        generation: Generation,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
     ) -> None:
         entered_at = self._clock()
-        ticket.on_admit = lambda _t: self._dispatch(instance, ticket, generation, prompt_ids, entered_at)
+        ticket.on_admit = lambda _t: self._dispatch(
+            instance, ticket, generation, prompt_ids, sampling, entered_at
+        )
         ticket.on_position = generation.queued
         ticket.on_abort = generation.stop_flag.set
         generation.on_cancel(lambda: instance.lane.cancel(generation.request_id))
@@ -275,6 +305,7 @@ class Engine:
         ticket: Ticket,
         generation: Generation,
         prompt_ids: list[int],
+        sampling: SamplingParams,
         entered_at: float,
     ) -> None:
         query = generation.request.session
@@ -287,7 +318,7 @@ class Engine:
         def on_end(result: JobResult) -> None:
             loop.call_soon_threadsafe(self._finished, instance, ticket, generation, lease, result)
 
-        job = GenerateJob(generation, prompt_ids, entered_at, on_end)
+        job = GenerateJob(generation, prompt_ids, entered_at, on_end, sampling)
         if lease is not None:
             job.session_kv, job.session_tokens = lease.entry.kv, lease.entry.tokens
             job.reuse_tokens = lease.reuse_tokens

@@ -38,6 +38,31 @@ class PromptTooLongError(EngineError):
         self.limit = limit
 
 
+class InvalidRequestError(EngineError):
+    """A request setting the loaded model cannot use (a token id outside its vocabulary, ...)."""
+
+    code = "invalid_value"
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class RequestTooLargeError(EngineError):
+    """The request's KV cache (prompt plus requested output) cannot fit the memory budget."""
+
+    code = "request_too_large"
+
+    def __init__(self, needed_bytes: int, budget_bytes: int) -> None:
+        super().__init__(
+            f"This request needs about {needed_bytes / 2**20:.0f} MiB of KV cache for its prompt and "
+            f"max_tokens; this server can give one request at most {budget_bytes / 2**20:.0f} MiB. "
+            "Send a shorter prompt or a lower max_tokens."
+        )
+        self.needed_bytes = needed_bytes
+        self.budget_bytes = budget_bytes
+
+
 class GenerationFailedError(EngineError):
     """The worker thread raised while generating; the message is safe to show a client."""
 

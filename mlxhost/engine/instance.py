@@ -67,6 +67,7 @@ class Instance:
         self._worker.batch_capacity = spec.lane.capacity
         self._worker.arrivals = lambda: self.lane.permits
         self._worker.burst_wait_s = config.burst_wait_s
+        self._worker.reload_after_faults = config.reload_after_faults
         self._loading: asyncio.Future[None] | None = None
 
     @property
@@ -160,6 +161,14 @@ class Instance:
             "ttft_ms": round(stats.last_ttft_ms, 1),
             "batch_size": stats.batch_size,  # sequences sharing decode steps now (batched scheduler)
             "stalled_s": round(self.stalled_for(), 1),
+            # Unattributed failures (OPS-2): degraded until a generation finishes cleanly again.
+            "faults": {
+                "total": stats.faults,
+                "in_a_row": stats.consecutive_faults,
+                "last": stats.last_fault,
+                "recoveries": stats.recoveries,
+                "reloads": stats.reloads,
+            },
             "memory_bytes": model.memory_bytes() if model is not None else 0,
             "load_progress": {
                 "done": self.progress.done,

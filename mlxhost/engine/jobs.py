@@ -10,6 +10,7 @@ from mlxhost.engine.types import Done, Timings, Usage
 
 if TYPE_CHECKING:
     from mlxhost.engine.generation import Generation
+    from mlxhost.engine.types import SamplingParams
 
 
 @dataclass(slots=True)
@@ -33,6 +34,7 @@ class GenerateJob:
     prompt_ids: list[int]
     submitted_at: float  # when it entered the lane: queue time counts from here
     on_end: Callable[[JobResult], None]  # called once on the worker thread
+    sampling: SamplingParams  # the request's settings after the model's checks (limits.py)
     session_kv: object | None = None  # a leased warm session's cache...
     session_tokens: tuple[int, ...] = ()  # ...the tokens it holds...
     reuse_tokens: int = 0  # ...and how many of them prefix this prompt (SES-8)
@@ -59,6 +61,13 @@ class WorkerStats:
     batch_size: int = 0  # sequences in the batched scheduler now (0 when it runs exclusively)
     burst_waits: int = 0  # times a new batch waited for requests still preparing
     gathering: bool = False  # a new batch waits for them right now
+    # Failures no single request could be blamed for (OPS-2): the instance reports itself
+    # degraded while `consecutive_faults` > 0, until a generation finishes cleanly again.
+    faults: int = 0
+    consecutive_faults: int = 0
+    last_fault: str | None = None
+    recoveries: int = 0
+    reloads: int = 0  # the model was dropped to be loaded afresh after repeated faults
 
 
 @dataclass(slots=True)

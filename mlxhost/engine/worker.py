@@ -55,6 +55,7 @@ class InstanceWorker:
         # Requests still preparing (lane permits) and how long a new batch may wait for them.
         self.arrivals: Callable[[], int] = lambda: 0
         self.burst_wait_s = 0.0
+        self.reload_after_faults = 3  # unattributed failures in a row before the model is reloaded
         self.stats = WorkerStats()
         self._clock = clock
         self._jobs: queue.Queue[GenerateJob | CallJob | _Shutdown] = queue.Queue()
@@ -205,10 +206,13 @@ class InstanceWorker:
         assert self._batch is not None
         try:
             self._batch.step()
-        except Exception:
+        except Exception as exc:
+            # The backend raised outside any one sequence's sampler or processors: nobody can be
+            # blamed, so the batch ends and the model's shared state is rebuilt (OPS-2).
             logger.exception("a batch step failed")
             self._batch.fail_all()
             self._batch = None
+            self._fault(exc)
 
     def _end_cancelled_waiters(self) -> bool:
         # A waiter cancelled behind an exclusive turn frees its slot now, not after the batch drains.
@@ -235,16 +239,46 @@ class InstanceWorker:
         result = JobResult("error")
         try:
             result = self._generate_tokens(job)
-        except Exception:
+        except Exception as exc:
             logger.exception("generation %s failed", generation.request_id)
             self.stats.requests_failed += 1
             generation.post_threadsafe(
                 Failed(code="generation_failed", message="The model failed while generating.")
             )
             result = JobResult("error", kv=job.session_kv, touched=True)
+            self._fault(exc)
         finally:
             self.stats.active_request = None
             job.on_end(result)
+
+    def _fault(self, error: BaseException) -> None:
+        """A failure the worker cannot pin on one request: report it, rebuild the model's shared
+        state, and after `reload_after_faults` in a row drop the model so the next request loads
+        it afresh, instead of failing every later request (OPS-2)."""
+        stats = self.stats
+        stats.faults += 1
+        stats.consecutive_faults += 1
+        stats.last_fault = type(error).__name__
+        model = self.model
+        if model is None:
+            return
+        recover = getattr(model, "recover", None)  # optional in the backend protocol
+        if recover is not None:
+            try:
+                recover()
+                stats.recoveries += 1
+            except Exception:
+                logger.exception("recovering the model after a failure failed")
+        if stats.consecutive_faults % self.reload_after_faults == 0 and self.reload is not None:
+            logger.error("%d failures in a row: loading the model afresh", stats.consecutive_faults)
+            self._close_batch()
+            self.model = None
+            model.close()
+            stats.reloads += 1
+            try:
+                self.reload()  # marks the instance loading, then ready (or error, shown in /readyz)
+            except Exception:
+                logger.exception("reloading the model after repeated failures failed")
 
     def _generate_tokens(self, job: GenerateJob) -> JobResult:
         generation, model = job.generation, self.model
@@ -271,6 +305,7 @@ class InstanceWorker:
         generation.post_threadsafe(Started(prompt_tokens=len(job.prompt_ids), cached_tokens=reuse))
         turn.cached = reuse
         finish, generated, turn.first_at, matched = self._decode(job, model, kv, reuse)
+        self.stats.consecutive_faults = 0  # a clean run: whatever broke before is mended
         post_done(job, turn, self.stats, self._clock(), finish, len(generated), matched)
         length = model.cache_length(kv)
         tokens = (*job.prompt_ids, *generated)[:length]
@@ -282,8 +317,8 @@ class InstanceWorker:
         """Stream tokens until a finish; returns it, the token ids, the first token's time and
         the stop string that ended the turn (None unless a stop string did)."""
         generation = job.generation
-        matcher = StopMatcher(generation.request.sampling.stop)
-        steps = model.generate(job.prompt_ids[reuse:], generation.request.sampling, kv)
+        matcher = StopMatcher(job.sampling.stop)
+        steps = model.generate(job.prompt_ids[reuse:], job.sampling, kv)
         generated: list[int] = []
         sent = 0  # how many of `generated` the reader has been sent
         first_at, finish, tail = None, "length", ""

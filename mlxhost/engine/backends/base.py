@@ -52,6 +52,7 @@ class BatchStep:
     token_id: int | None
     finish_reason: str | None = None
     cache: SequenceCache | None = None
+    failed: bool = False  # this sequence's own sampler or logits processor raised; it alone ends
 
 
 class BatchRunner(Protocol):
@@ -97,9 +98,16 @@ class LoadedModel(Protocol):
     A KV cache (`kv`) is an opaque per-request object holding the tokens fed so far; the
     engine keeps finished ones as warm sessions and feeds only a new prompt's suffix.
     `shared_cache` is true for models whose cache is one shared mutable state (SES-5).
+    `vocab_size` bounds every token id a request may name (logit_bias); `context_length` (None:
+    unknown) bounds prompt plus output; `kv_bytes_per_token` (0: unknown) sizes a request's KV
+    cache before it is admitted. A model may also define `recover()`, which the worker calls
+    after a failure it cannot pin on one request, to rebuild shared state (MLX's random state).
     """
 
     shared_cache: bool
+    vocab_size: int
+    context_length: int | None
+    kv_bytes_per_token: int
 
     def render_chat(self, messages: Sequence[Message]) -> list[int]:
         """Apply the chat template with a generation prompt and return token ids."""

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 DEFAULT_WORD = "tok "
 GENERATED_ID_BASE = 100_000  # generated ids never collide with prompt characters
 BYTES_PER_TOKEN = 64
+# A script piece that makes that step fail like a sequence's own sampler raising.
+FAULT = "\x00fault"
 
 
 def _fake(kv: object) -> FakeCache:
@@ -38,6 +40,9 @@ class FakeModel:
         self.spec = spec
         self.closed = False
         self.shared_cache = backend.shared_cache
+        self.vocab_size = backend.vocab_size
+        self.context_length = backend.context_length
+        self.kv_bytes_per_token = backend.kv_bytes_per_token
 
     def render_chat(self, messages: Sequence[Message]) -> list[int]:
         self._backend.render_calls += 1
@@ -54,6 +59,9 @@ class FakeModel:
     ) -> Iterator[TokenStep | StepEnd]:
         backend, cache = self._backend, _fake(kv)
         backend.history.append((self.spec.instance_id, list(prompt_ids), sampling))
+        if backend.generate_failures:
+            backend.generate_failures -= 1
+            raise RuntimeError("fake generation failure")
         cache.tokens.extend(prompt_ids)
         pieces = backend.next_script()
         for index in range(sampling.max_tokens):
@@ -65,6 +73,8 @@ class FakeModel:
             if index:  # like a real model, each token is fed before the next one is sampled
                 cache.tokens.append(GENERATED_ID_BASE + index - 1)
             text = pieces[index] if pieces is not None else DEFAULT_WORD
+            if text == FAULT:
+                raise RuntimeError("fake sampler failure")
             yield TokenStep(text=text, token_id=GENERATED_ID_BASE + index)
         yield StepEnd(text="", finish_reason="length")
 
@@ -90,6 +100,9 @@ class FakeModel:
 
     def memory_bytes(self) -> int:
         return 1024
+
+    def recover(self) -> None:
+        self._backend.recoveries += 1
 
     def open_batch(self, capacity: int) -> FakeBatch | None:
         # One shared mutable cache cannot hold several sequences (SES-5).
@@ -153,6 +166,9 @@ class FakeBatch:
             return []
         if not all(sequence.at_end for sequence in self._sequences.values()):
             backend.wait_for_gate()
+        if backend.batch_step_failures:
+            backend.batch_step_failures -= 1
+            raise RuntimeError("fake batch step failure")
         backend.batch_steps.append(len(self._sequences))
         steps = []
         for handle, sequence in list(self._sequences.items()):
@@ -160,6 +176,9 @@ class FakeBatch:
                 steps.append(BatchStep(handle, "", None, "stop", self.remove(handle)))
                 continue
             index = sequence.produced
+            if sequence.pieces is not None and sequence.pieces[index] == FAULT:
+                steps.append(BatchStep(handle, "", None, "error", self.remove(handle), failed=True))
+                continue
             token = GENERATED_ID_BASE + index
             sequence.cache.tokens.append(token)
             sequence.produced += 1
@@ -191,7 +210,11 @@ class FakeBackend:
     one shared cache (SES-5); `render_calls` counts templating and `before_render(messages)`
     runs inside it (a test holds a request in preparation there). Models batch (`FakeBatch`)
     unless `batching` is false; `batch_steps` records the size of every batch step and
-    `batches` every batch opened.
+    `batches` every batch opened. `generate_failures` makes the next exclusive generations
+    raise, `batch_step_failures` the next batch steps (nobody to blame), and a script piece
+    `FAULT` fails that one sequence (as its own sampler raising); `recoveries` counts
+    `recover()` calls. `vocab_size` and `context_length` are what the
+    models report (prompt ids are characters, generated ids start at GENERATED_ID_BASE).
     """
 
     name = "fake"
@@ -210,6 +233,12 @@ class FakeBackend:
         self.before_render: Callable[[Sequence[Message]], None] | None = None
         self.shared_cache = False
         self.batching = True
+        self.generate_failures = 0
+        self.batch_step_failures = 0
+        self.recoveries = 0
+        self.vocab_size = GENERATED_ID_BASE + 100_000
+        self.context_length: int | None = None
+        self.kv_bytes_per_token = 0  # unknown: no KV cost check, unless a test sets BYTES_PER_TOKEN
         self.batch_steps: list[int] = []
         self.batches: list[FakeBatch] = []
         self._scripts: deque[list[str]] = deque()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from pathlib import Path
 
 import pytest
 from mlx_lm import load
@@ -14,10 +13,8 @@ from mlxhost.engine import (
     Delta,
     Done,
     Engine,
-    EngineConfig,
     Generation,
     GenerationRequest,
-    LaneSettings,
     Message,
     ModelSpec,
     SamplingParams,
@@ -30,28 +27,6 @@ pytestmark = pytest.mark.timeout(120)
 
 # Words absent from the tiny tokenizer's corpus: the model itself never spells them out.
 MARKERS = ("zebra", "quokka", "violin", "saffron", "tundra", "cobalt", "pixel", "lagoon")
-
-
-@pytest.fixture
-async def engines(tiny_model_dir: Path):
-    """`make(capacity)`: a loaded mlx engine serving the tiny model; every engine shuts down after."""
-    made: list[Engine] = []
-
-    async def make(capacity: int) -> tuple[Engine, ModelSpec]:
-        engine = Engine(EngineConfig(backend="mlx"))
-        made.append(engine)
-        spec = ModelSpec(
-            instance_id=1,
-            source=str(tiny_model_dir),
-            fingerprint="f" * 64,
-            lane=LaneSettings(capacity=capacity),
-        )
-        await engine.load(spec)
-        return engine, spec
-
-    yield make
-    for engine in made:
-        await engine.shutdown()
 
 
 @pytest.fixture
@@ -97,7 +72,7 @@ def chat(spec: ModelSpec, request_id: str, messages, session=None, **sampling) -
     return GenerationRequest(
         request_id=request_id,
         model=spec,
-        sampling=SamplingParams(temperature=0.0, **sampling),
+        sampling=SamplingParams(**{"temperature": 0.0, **sampling}),
         messages=tuple(Message(role, content) for role, content in messages),
         session=session,
     )

@@ -8,13 +8,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import make_sampler
 
 from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
-from mlxhost.engine.backends.mlx.batch import MlxBatch, make_processors
+from mlxhost.engine.backends.mlx.batch import (
+    MlxBatch,
+    make_processors,
+    make_request_sampler,
+    reseed_global_random,
+)
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.weights import validate_model_folder
 
@@ -37,6 +42,10 @@ class MlxModel:
         self._tokenizer = tokenizer
         self.path = path
         self._bytes = sum(p.stat().st_size for p in path.glob("model*.safetensors"))
+        args = getattr(model, "args", None)
+        self.vocab_size = int(getattr(args, "vocab_size", 0) or len(tokenizer.vocab))
+        self.context_length: int | None = getattr(args, "max_position_embeddings", None)
+        self.kv_bytes_per_token = _kv_bytes_per_token(model)
 
     def render_chat(self, messages: Sequence[Message]) -> list[int]:
         chat = [{"role": m.role, "content": m.content} for m in messages]
@@ -70,11 +79,7 @@ class MlxModel:
     def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, kv: object
     ) -> Iterator[TokenStep | StepEnd]:
-        if sampling.seed is not None:
-            mx.random.seed(sampling.seed)
-        sampler = make_sampler(
-            temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k
-        )
+        sampler = make_request_sampler(sampling)
         processors = make_processors(sampling)
         eos = set(self._tokenizer.eos_token_ids)
         responses = stream_generate(
@@ -112,9 +117,29 @@ class MlxModel:
     def memory_bytes(self) -> int:
         return self._bytes
 
+    def recover(self) -> None:
+        """After a failure: a fresh global random state and no cached buffers."""
+        reseed_global_random()
+        mx.clear_cache()
+
     def close(self) -> None:
         self._model = None
         mx.clear_cache()
+
+
+def _kv_bytes_per_token(model: Any) -> int:
+    """Keys and values of one token across the layers, in the activations' dtype; 0 if unknown."""
+    args = getattr(model, "args", None)
+    try:
+        heads = int(args.num_attention_heads)
+        kv_heads = int(getattr(args, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(args, "head_dim", None) or args.hidden_size // heads)
+        layers = len(model.layers)
+    except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+        return 0
+    floats = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    itemsize = floats[0].size if floats else 4
+    return 2 * layers * kv_heads * head_dim * itemsize
 
 
 class MlxBackend:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import os
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from mlxhost.engine.backends.base import BatchStep, SequenceCache
 
@@ -26,6 +28,80 @@ PREFILL_STEP = 128
 # 33 s in one chunk, 17 s in 128-token chunks), so the CPU chunks the same way alone.
 PREFILL_STEP_ALONE = 2048 if mx.default_device().type == mx.DeviceType.gpu else PREFILL_STEP
 _SAMPLER_MEMO = 64
+
+logger = logging.getLogger(__name__)
+
+
+def make_request_sampler(sampling: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """mlx-lm's sampler for `sampling`; with a seed, one that draws from its own random key.
+
+    mlx-lm samples from MLX's one global random state, and `mx.random.seed` would reseed it
+    for every request of every model in the process. A seeded request splits its own key per
+    token instead, so the same seed gives the same text and nobody else's draws change.
+    """
+    if sampling.seed is None or sampling.temperature == 0:
+        return make_sampler(
+            temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k
+        )
+    temperature, top_p, min_p, top_k = sampling.temperature, sampling.top_p, sampling.min_p, sampling.top_k
+    key = [mx.random.key(sampling.seed)]
+
+    def sample(logprobs: mx.array) -> mx.array:
+        # The same filters in the same order as mlx-lm's make_sampler.
+        if 0 < top_p < 1.0:
+            logprobs = apply_top_p(logprobs, top_p)
+        if min_p != 0.0:
+            logprobs = apply_min_p(logprobs, min_p, 1)
+        if top_k > 0:
+            logprobs = apply_top_k(logprobs, top_k)
+        key[0], draw = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * (1.0 / temperature), key=draw)
+
+    return sample
+
+
+def reseed_global_random() -> None:
+    """Give MLX a fresh global random state: a sampler that raised inside a compiled function
+    leaves the old one unusable ("eval an array without a primitive") for every later draw."""
+    mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+
+
+class _Guard:
+    """Runs one sequence's logits processors, or one shared sampler, inside a batch step.
+
+    An exception there belongs to the requests using it, not to the batch: the guard records
+    it and stands in (greedy pick, logits unchanged) so the step completes for everyone, and
+    the batch then ends only the faulted sequences.
+    """
+
+    __slots__ = ("faulted",)
+
+    def __init__(self) -> None:
+        self.faulted = False
+
+    def sampler(self, sample: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
+        def guarded(logprobs: mx.array) -> mx.array:
+            if not self.faulted:
+                try:
+                    return sample(logprobs)
+                except Exception:
+                    logger.exception("a sequence's sampler failed")
+                    self.faulted = True
+            return mx.argmax(logprobs, axis=-1)
+
+        return guarded
+
+    def processor(self, process: Callable[[mx.array, mx.array], mx.array]) -> Callable[..., mx.array]:
+        def guarded(tokens: mx.array, logits: mx.array) -> mx.array:
+            if not self.faulted:
+                try:
+                    return process(tokens, logits)
+                except Exception:
+                    logger.exception("a sequence's logits processor failed")
+                    self.faulted = True
+            return logits
+
+        return guarded
 
 
 def make_processors(sampling: SamplingParams) -> list[Any]:
@@ -71,7 +147,8 @@ class MlxBatch:
         )
         self._detokenizers: dict[int, Any] = {}
         self._decoding: set[int] = set()  # handles past their prompt, producing tokens
-        self._samplers: dict[tuple[float, float, float, int], Any] = {}
+        self._samplers: dict[tuple[float, float, float, int], tuple[_Guard, Any]] = {}
+        self._guards: dict[int, tuple[_Guard, _Guard]] = {}  # handle -> (its sampler's, its own)
 
     def accepts(self, sampling: SamplingParams) -> bool:
         # The batch samples from MLX's one global RNG, so a per-request seed cannot be honoured
@@ -81,15 +158,18 @@ class MlxBatch:
     def insert(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
     ) -> int:
+        sampler_guard, sampler = self._sampler(sampling)
+        guard = _Guard()
         (uid,) = self._generator.insert(
             [list(prompt_ids[cached:])],
             max_tokens=[sampling.max_tokens],
             caches=[kv],  # None: the generator makes a fresh cache
             all_tokens=[list(prompt_ids[:cached])],
-            samplers=[self._sampler(sampling)],
-            logits_processors=[make_processors(sampling)],
+            samplers=[sampler],
+            logits_processors=[[guard.processor(p) for p in make_processors(sampling)]],
         )
         self._detokenizers[uid] = self._tokenizer.detokenizer
+        self._guards[uid] = (sampler_guard, guard)
         return int(uid)
 
     def step(self) -> list[BatchStep]:
@@ -99,8 +179,12 @@ class MlxBatch:
         decoding = self._decoding
         self._generator.prefill_step_size = self._prefill_step if decoding else self._prefill_step_alone
         _, responses = self._generator.next()
+        faulted = {uid for uid, guards in self._guards.items() if any(g.faulted for g in guards)}
         steps = []
         for response in responses:
+            if response.uid in faulted and response.finish_reason is None:
+                continue  # ended below, alone
+            faulted.discard(response.uid)
             detokenizer = self._detokenizers[response.uid]
             finish = response.finish_reason
             token: int | None = int(response.token)
@@ -113,32 +197,43 @@ class MlxBatch:
             if finish is not None:
                 detokenizer.finalize()
                 del self._detokenizers[response.uid]
+                del self._guards[response.uid]
                 decoding.discard(response.uid)
                 cache = SequenceCache(response.prompt_cache, tuple(response.all_tokens))
             steps.append(BatchStep(response.uid, detokenizer.last_segment, token, finish, cache))
+        if faulted:
+            steps.extend(self._end_faulted(faulted))
         return steps
+
+    def _end_faulted(self, handles: set[int]) -> list[BatchStep]:
+        for key, (guard, _) in list(self._samplers.items()):
+            if guard.faulted:
+                del self._samplers[key]  # later requests get a fresh sampler
+        reseed_global_random()
+        return [BatchStep(h, "", None, "error", self.remove(h), failed=True) for h in sorted(handles)]
 
     def remove(self, handle: int) -> SequenceCache:
         caches = self._generator.remove([handle], return_prompt_caches=True)
         self._detokenizers.pop(handle, None)
+        self._guards.pop(handle, None)
         self._decoding.discard(handle)
         kv, tokens = caches[handle]
         return SequenceCache(kv, tuple(tokens))
 
     def close(self) -> None:
         self._detokenizers.clear()
+        self._guards.clear()
         self._decoding.clear()
         self._generator.close()
 
-    def _sampler(self, sampling: SamplingParams) -> Any:
+    def _sampler(self, sampling: SamplingParams) -> tuple[_Guard, Any]:
         # Sequences holding the same sampler object are sampled in one batched call.
         key = (sampling.temperature, sampling.top_p, sampling.min_p, sampling.top_k)
-        sampler = self._samplers.get(key)
-        if sampler is None:
+        memo = self._samplers.get(key)
+        if memo is None:
             if len(self._samplers) >= _SAMPLER_MEMO:
                 self._samplers.clear()
-            sampler = make_sampler(
-                temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k
-            )
-            self._samplers[key] = sampler
-        return sampler
+            guard = _Guard()
+            memo = (guard, guard.sampler(make_request_sampler(sampling)))
+            self._samplers[key] = memo
+        return memo

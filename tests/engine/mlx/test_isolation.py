@@ -1,0 +1,92 @@
+"""Fault isolation with the real tiny MLX model (OPS-2): a request's sampler cannot break others."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlxhost.engine import Done, Failed, ModelSpec, SamplingParams
+from mlxhost.engine import limits as engine_limits
+from mlxhost.engine.backends.base import StepEnd, TokenStep
+from mlxhost.engine.backends.mlx.backend import MlxBackend
+from tests.engine.conftest import collect
+from tests.engine.mlx.test_batching import chat, outcome, run_together
+
+pytestmark = pytest.mark.timeout(120)
+
+TINY_VOCAB = 512
+
+
+@pytest.fixture
+def unchecked(monkeypatch) -> None:
+    """Let sampling values reach MLX unchecked, as before the engine's limits: the guards alone
+    must then keep one request's failure its own."""
+    monkeypatch.setattr(engine_limits, "checked_sampling", lambda sampling, vocab_size: sampling)
+
+
+async def test_a_sampler_that_raises_fails_its_sequence_alone_in_a_real_batch(engines, unchecked):
+    """OPS-2: mlx-lm's top_k range check raising for one batched sequence ends that one; the two others produce exactly their single-stream output, and later sampled requests still work."""
+    prompts = ["the first story", "a top_k bomb", "third"]
+
+    def requests(spec: ModelSpec, bad: bool) -> list:
+        bomb = {"temperature": 1.0, "top_k": TINY_VOCAB} if bad else {}
+        return [
+            chat(spec, f"r{i}", [("user", text)], max_tokens=12, **(bomb if i == 1 else {}))
+            for i, text in enumerate(prompts)
+        ]
+
+    single, single_spec = await engines(1)
+    alone = [
+        outcome(await collect(await single.submit(r))) for i, r in enumerate(requests(single_spec, False))
+    ]
+    batched, batched_spec = await engines(3)
+    together = await run_together(batched, requests(batched_spec, True))
+    assert isinstance(together[1][-1], Failed)
+    assert [outcome(together[0]), outcome(together[2])] == [alone[0], alone[2]]
+    await assert_sampled_requests_still_work(batched, batched_spec)
+
+
+async def test_a_sampler_that_raises_on_the_exclusive_path_does_not_break_later_requests(engines, unchecked):
+    """OPS-2: the same bomb on a capacity-1 lane fails that request; the worker rebuilds MLX's random state, so the next ten sampled requests succeed (before, every one failed until a restart)."""
+    engine, spec = await engines(1)
+    bomb = chat(spec, "bomb", [("user", "hi")], max_tokens=4, temperature=1.0, top_k=TINY_VOCAB)
+    assert isinstance((await collect(await engine.submit(bomb)))[-1], Failed)
+    await assert_sampled_requests_still_work(engine, spec)
+
+
+async def assert_sampled_requests_still_work(engine, spec: ModelSpec) -> None:
+    for i in range(10):
+        request = chat(spec, f"after{i}", [("user", f"turn {i}")], max_tokens=4, temperature=1.0, top_p=0.9)
+        events = await collect(await engine.submit(request))
+        assert isinstance(events[-1], Done), events[-1]
+
+
+async def test_checked_values_never_fail(engines):
+    """OPS-2: with the engine's checks, the same extreme values are served: top_k past the vocabulary samples from every token."""
+    engine, spec = await engines(1)
+    for top_k in (TINY_VOCAB - 1, TINY_VOCAB, 2**31 - 1):
+        request = chat(spec, f"k{top_k}", [("user", "hi")], max_tokens=4, temperature=1.0, top_k=top_k)
+        assert isinstance((await collect(await engine.submit(request)))[-1], Done)
+
+
+def _tokens(model, sampling: SamplingParams) -> list[int]:
+    steps = model.generate(model.encode("the river"), sampling, model.new_cache())
+    return [s.token_id for s in steps if isinstance(s, TokenStep)] + [
+        0 for s in steps if isinstance(s, StepEnd)
+    ]
+
+
+def test_a_seed_draws_from_its_own_key_and_leaves_the_global_random_state_alone(tiny_model_dir: Path):
+    """OPS-2: a seeded request gives the same tokens every time and never reseeds MLX's global random state, which other requests draw from."""
+    model = MlxBackend().load(ModelSpec(1, str(tiny_model_dir), "f" * 64), lambda *_: None)
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=7)
+    mx.random.seed(5)
+    expected = mx.random.uniform().item()
+    mx.random.seed(5)
+    first = _tokens(model, seeded)
+    assert mx.random.uniform().item() == expected  # the seeded run did not touch the global state
+    assert _tokens(model, seeded) == first
+    assert _tokens(model, SamplingParams(temperature=1.0, max_tokens=16, seed=8)) != first
+    model.close()
