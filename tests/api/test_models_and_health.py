@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from django.test import AsyncClient
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
+
+URL_CHAT = "/v1/chat/completions"
 
 
 async def test_models_lists_enabled_aliases_in_openai_shape(tiny_alias, api_key):
@@ -87,3 +91,34 @@ async def services_call(fn, **kwargs):
     from asgiref.sync import sync_to_async
 
     return await sync_to_async(fn)(**kwargs)
+
+
+async def test_readyz_says_degraded_after_an_unattributed_failure_until_a_clean_turn(
+    tiny_alias, api_key, mlx_engine, monkeypatch
+):
+    """OPS-2: a worker failure nobody can be blamed for shows as `degraded` in /readyz (still 200: the host serves), and the next clean generation clears it."""
+    from mlxhost.engine.backends.mlx.backend import MlxModel
+
+    headers = {"Authorization": f"Bearer {api_key}"}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert (
+        await AsyncClient().post(URL_CHAT, json.dumps(body), "application/json", headers=headers)
+    ).status_code == 200
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("a kernel failed")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(MlxModel, "generate", broken)
+    failed = await AsyncClient().post(URL_CHAT, json.dumps(body), "application/json", headers=headers)
+    assert failed.status_code == 500 and b"kernel" not in failed.content
+    ready = await AsyncClient().get("/readyz", headers=headers)
+    assert ready.status_code == 200
+    assert ready.json()["status"] == "degraded"
+    (instance,) = ready.json()["instances"]
+    assert instance["status"] == "degraded" and instance["faults"]["in_a_row"] == 1
+    monkeypatch.undo()
+    assert (
+        await AsyncClient().post(URL_CHAT, json.dumps(body), "application/json", headers=headers)
+    ).status_code == 200
+    assert (await AsyncClient().get("/readyz", headers=headers)).json()["status"] == "ok"

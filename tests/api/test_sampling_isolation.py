@@ -1,0 +1,133 @@
+"""Sampling values at their extremes through every surface, with the tiny real MLX model (OPS-2, API-4).
+
+Each extreme is sent by one tenant; the next ten requests from another tenant must then be
+served, on an exclusive (capacity 1) and a batched (capacity 4) alias. Before the engine's
+checks an out-of-vocabulary logit bias crashed the process, and a top_k at the vocabulary size
+broke every later sampled request until a restart.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.test import AsyncClient
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
+
+TINY_VOCAB = 512
+BAD, OK = 400, 200
+# (id, fields, expected status). Anthropic's surface takes only temperature, top_p and top_k.
+EXTREMES = [
+    pytest.param({"logit_bias": {"10000000": 5}}, BAD, id="bias-id-1e7"),
+    pytest.param({"logit_bias": {str(2**32): 5}}, BAD, id="bias-id-2^32"),
+    pytest.param({"logit_bias": {"-1": 5}}, BAD, id="bias-id-negative"),
+    pytest.param({"logit_bias": {str(TINY_VOCAB): 5}}, BAD, id="bias-id-just-past-the-vocabulary"),
+    pytest.param({"logit_bias": {str(i): 1 for i in range(100_000)}}, BAD, id="bias-1e5-entries"),
+    pytest.param({"logit_bias": {"3": 1e9}}, BAD, id="bias-value-1e9"),
+    pytest.param({"logit_bias": {str(TINY_VOCAB - 1): 100, "0": -100}}, OK, id="bias-at-the-edges"),
+    pytest.param({"top_k": TINY_VOCAB - 1}, OK, id="top-k-vocab-minus-one"),
+    pytest.param({"top_k": TINY_VOCAB}, OK, id="top-k-vocab"),
+    pytest.param({"top_k": 10**6}, OK, id="top-k-1e6"),
+    pytest.param({"top_k": 2**40}, BAD, id="top-k-2^40"),
+    pytest.param({"top_k": -1}, BAD, id="top-k-negative"),
+    pytest.param({"temperature": 2.0, "top_p": 1e-9}, OK, id="temperature-2-top-p-tiny"),
+    pytest.param({"temperature": -1}, BAD, id="temperature-negative"),
+    pytest.param({"min_p": 1.0}, OK, id="min-p-1"),
+    pytest.param({"min_p": 1.5}, BAD, id="min-p-over-1"),
+    pytest.param({"repetition_penalty": 10.0}, OK, id="repetition-penalty-10"),
+    pytest.param({"repetition_penalty": 0.01}, OK, id="repetition-penalty-0.01"),
+    pytest.param({"repetition_penalty": 0}, BAD, id="repetition-penalty-0"),
+    pytest.param({"presence_penalty": 2.0, "frequency_penalty": -2.0}, OK, id="penalties-at-the-edges"),
+    pytest.param({"seed": 0}, OK, id="seed-0"),
+    pytest.param({"seed": 2**63 - 1}, OK, id="seed-max"),
+    pytest.param({"seed": -1}, BAD, id="seed-negative"),
+    pytest.param({"max_tokens": 10**30}, OK, id="max-tokens-1e30"),
+    pytest.param({"max_tokens": 0}, BAD, id="max-tokens-0"),
+]
+SURFACES = {
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    "completions": ("/v1/completions", {"prompt": "hi"}),
+    "responses": ("/v1/responses", {"input": "hi", "store": False}),
+}
+
+
+@pytest.fixture(params=[1, 4], ids=["exclusive", "batched"])
+def alias(request, tiny_model_dir):
+    from models_app import services
+
+    return services.alias_register(
+        name="tiny",
+        source_kind="local",
+        local_path=tiny_model_dir.name,
+        temperature=1.0,
+        max_tokens=4,
+        max_output_tokens=8,
+        concurrency=request.param,
+    )
+
+
+@pytest.fixture
+def keys(django_user_model) -> tuple[str, str]:
+    from models_app import services
+
+    raws = []
+    for name in ("mallory", "victim"):
+        user = django_user_model.objects.create_user(username=name, password=f"pw-{name}-123")
+        raws.append(services.apikey_create(owner=user, name=name)[1])
+    return raws[0], raws[1]
+
+
+async def post(url: str, body: dict, key: str):
+    return await AsyncClient().post(
+        url,
+        data=json.dumps(body),
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {key}"},
+    )
+
+
+async def others_are_served(key: str) -> None:
+    for i in range(10):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": f"turn {i}"}], "max_tokens": 4}
+        response = await post("/v1/chat/completions", body, key)
+        assert response.status_code == 200, response.content
+
+
+@pytest.mark.parametrize(("fields", "status"), EXTREMES)
+@pytest.mark.parametrize("surface", list(SURFACES))
+async def test_an_extreme_value_is_served_or_refused_and_never_hurts_another_tenant(
+    surface, fields, status, alias, keys, mlx_engine
+):
+    """OPS-2, API-4: each extreme gets a 200 or a 400 naming the field, never a 5xx; another tenant's next ten requests are all served, exclusive and batched."""
+    url, base = SURFACES[surface]
+    body = {"model": "tiny", **base, "max_tokens": 4, **fields}
+    if surface == "responses":
+        body["max_output_tokens"] = body.pop("max_tokens")
+    response = await post(url, body, keys[0])
+    assert response.status_code == status, response.content
+    if status == BAD:
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"].split(".")[0] in {*fields, "max_output_tokens"}, error
+    await others_are_served(keys[1])
+
+
+@pytest.mark.parametrize(
+    ("fields", "status"),
+    [
+        pytest.param({"top_k": TINY_VOCAB, "temperature": 1.0}, OK, id="top-k-vocab"),
+        pytest.param({"top_k": 2**40}, BAD, id="top-k-2^40"),
+        pytest.param({"temperature": 1.5}, BAD, id="temperature-over-anthropics-1"),
+    ],
+)
+async def test_anthropic_extremes_never_hurt_another_tenant(fields, status, alias, keys, mlx_engine):
+    """OPS-2, API-4: the same on /v1/messages, in Anthropic's error envelope."""
+    body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **fields}
+    response = await AsyncClient().post(
+        "/v1/messages", data=json.dumps(body), content_type="application/json", headers={"x-api-key": keys[0]}
+    )
+    assert response.status_code == status, response.content
+    if status == BAD:
+        assert response.json()["error"]["type"] == "invalid_request_error"
+    await others_are_served(keys[1])
