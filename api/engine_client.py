@@ -48,6 +48,7 @@ def engine_config() -> EngineConfig:
         housekeeping_interval_s=options.get("HOUSEKEEPING_INTERVAL_S", 30.0),
         memory_budget_bytes=options.get("MEMORY_BUDGET_BYTES") or None,
         burst_wait_s=options.get("BURST_WAIT_MS", 250) / 1000,
+        max_request_kv_bytes=options.get("MAX_REQUEST_KV_BYTES"),
     )
 
 

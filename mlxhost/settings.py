@@ -183,6 +183,9 @@ MLXHOST_ENGINE = {
     # A batch about to start waits up to this long for requests of the same burst still being
     # templated, so they are prefilled together (LANE-1); 0 starts each request at once.
     "BURST_WAIT_MS": env.int("MLXHOST_BURST_WAIT_MS", default=250),
+    # The most KV-cache bytes one request may need (prompt + max_tokens); unset: what the memory
+    # budget (or the machine's RAM) leaves beside the model's weights.
+    "MAX_REQUEST_KV_BYTES": env.int("MLXHOST_MAX_REQUEST_KV_BYTES", default=0) or None,
 }
 # /metrics (OPS-1) needs an API key or a staff login unless this is true (scrapers without auth).
 MLXHOST_METRICS_PUBLIC = env.bool("MLXHOST_METRICS_PUBLIC", default=False)
