@@ -25,6 +25,7 @@ from api.openai.responses import response_events
 from api.openai.responses_input import ResponsesInput
 from api.openai.responses_run import response_start
 from api.openai.views import validated
+from api.parsing import loads_object
 from models_app import control
 
 # Close codes: 4401/4403 mirror HTTP 401/403; 1009 is the protocol's "message too big".
@@ -255,13 +256,7 @@ class ResponsesConsumer(_TrackedConsumer):
 def _frame(text: str | None) -> dict[str, Any]:
     if text is None:
         raise ApiError(400, "Send JSON text frames, not binary ones.", code="invalid_frame")
-    try:
-        frame = json.loads(text)
-    except ValueError:
-        raise ApiError(400, "The frame is not valid JSON.", code="invalid_json") from None
-    if not isinstance(frame, dict):
-        raise ApiError(400, "A frame must be a JSON object with a 'type'.", code="invalid_frame")
-    return frame
+    return loads_object(text, what="frame")
 
 
 class DashboardConsumer(_TrackedConsumer):
