@@ -92,6 +92,17 @@ class _TrackedConsumer(AsyncWebsocketConsumer):
 
 
 _open_sockets: weakref.WeakSet[_TrackedConsumer] = weakref.WeakSet()
+_pinned_sockets: list[_TrackedConsumer] = []
+
+
+def pin_open_sockets() -> None:
+    """Hold every open socket until `close_open_sockets` runs (called as shutdown begins).
+
+    Daphne cancels each consumer's ASGI task as shutdown begins; a consumer that then has
+    no running turn is only weakly referenced and vanished before its 1001 went out, so the
+    client saw 1006.
+    """
+    _pinned_sockets[:] = list(_open_sockets)
 
 
 async def close_open_sockets(timeout: float) -> int:
@@ -103,7 +114,8 @@ async def close_open_sockets(timeout: float) -> int:
     may never come while the server stops, so each task is cancelled and awaited (at most
     `timeout`). Returns how many sockets were open.
     """
-    sockets = list(_open_sockets)
+    sockets = list({*_pinned_sockets, *_open_sockets})
+    _pinned_sockets.clear()
     for socket in sockets:
         with contextlib.suppress(Exception):  # a socket that is closing already
             await socket.close(code=CLOSE_GOING_AWAY)
