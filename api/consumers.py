@@ -34,6 +34,8 @@ CLOSE_FORBIDDEN = 4403
 CLOSE_TOO_BIG = 1009
 CLOSE_GOING_AWAY = 1001  # the server shuts down
 AUTH_FRAME_TIMEOUT_S = 10.0
+# Admission refusals a client should retry later: the frame's error type is `overloaded` (LANE-2).
+OVERLOADED_CODES = frozenset({"queue_full", "draining"})
 
 
 def _header(scope: dict[str, Any], name: bytes) -> str:
@@ -258,6 +260,8 @@ class ResponsesConsumer(_TrackedConsumer):
 
     async def send_error(self, error: ApiError, response_id: str | None = None) -> None:
         frame: dict[str, Any] = {"type": "error", "status": error.status, **error_body(error, "openai")}
+        if error.code in OVERLOADED_CODES:
+            frame["error"]["type"] = "overloaded"  # LANE-2: the socket's word for 429/529
         if response_id is not None:
             frame["response_id"] = response_id
         if error.retry_after is not None:

@@ -286,3 +286,42 @@ def selectors_spec(alias):
     from models_app import selectors
 
     return selectors.model_spec_for(alias=alias)
+
+
+async def test_a_full_lane_sends_an_overloaded_error_frame(tiny_alias, api_key, mlx_engine, tiny_eos_id):
+    """LANE-2: over budget on the socket is an `overloaded` error frame with retry_after (not the
+    429-style `rate_limit_error`); the socket stays open and the running turn goes on."""
+    from tests.api.test_admission_http import set_lane
+
+    await set_lane(tiny_alias, concurrency=1, queue_depth=0)
+    no_eos = {str(tiny_eos_id): -100}
+    holder = await connect(key_headers(api_key))
+    await create(holder, input="Count", max_output_tokens=100_000, logit_bias=no_eos, store=False)
+    await frames_until(holder, "response.output_text.delta")
+
+    refused = await connect(key_headers(api_key))
+    await create(refused, input="Hi", max_output_tokens=2, store=False)
+    frame = json.loads(await refused.receive_from(timeout=10))
+    assert frame["type"] == "error"
+    assert (frame["error"]["type"], frame["error"]["code"]) == ("overloaded", "queue_full")
+    assert frame["retry_after"] >= 1 and frame["response_id"].startswith("resp_")
+    assert (await lane(mlx_engine))["active"] == 1
+
+    await holder.send_to(text_data=json.dumps({"type": "response.cancel"}))
+    assert (await frames_until(holder, *TERMINAL))[-1]["response"]["status"] == "cancelled"
+    await create(refused, input="Hi", max_output_tokens=2, store=False)  # the same socket, later
+    assert (await frames_until(refused, *TERMINAL))[-1]["type"] == "response.incomplete"
+    await holder.disconnect()
+    await refused.disconnect()
+
+
+async def test_hostile_frames_get_error_frames(tiny_alias, api_key, mlx_engine):
+    """API-4: a 10,000-deep frame and a lone surrogate are error frames, not a crashed consumer."""
+    socket = await connect(key_headers(api_key))
+    await socket.send_to(text_data="[" * 10_000 + "]" * 10_000)
+    assert json.loads(await socket.receive_from(timeout=10))["error"]["code"] == "invalid_json"
+    await socket.send_to(text_data='{"type": "response.create", "model": "tiny", "input": "\\ud800"}')
+    assert json.loads(await socket.receive_from(timeout=10))["error"]["code"] == "invalid_json"
+    await create(socket, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(socket, *TERMINAL))[-1]["type"] == "response.incomplete"
+    await socket.disconnect()
