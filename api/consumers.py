@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import weakref
@@ -15,6 +16,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
@@ -26,7 +28,7 @@ from api.openai.responses_input import ResponsesInput
 from api.openai.responses_run import response_start
 from api.openai.views import validated
 from api.parsing import loads_object
-from models_app import control
+from models_app import control, selectors
 
 # Close codes: 4401/4403 mirror HTTP 401/403; 1009 is the protocol's "message too big".
 CLOSE_UNAUTHENTICATED = 4401
@@ -90,7 +92,46 @@ class _TrackedConsumer(AsyncWebsocketConsumer):
 
     async def websocket_disconnect(self, message: dict[str, Any]) -> None:
         _open_sockets.discard(self)
+        await self._unwatch_credentials()
         await super().websocket_disconnect(message)
+
+    async def watch_credentials(self, *, key_id: int | None = None, user_id: int | None = None) -> None:
+        """Close this socket with 4401 once its key is revoked or its login ends (API-5).
+
+        The revoke and the logout push a message to the credential's group; a periodic
+        re-check (MLXHOST_WS_AUTH_RECHECK_S) catches what sends none, such as an expired session.
+        """
+        session_key = getattr(self.scope.get("session"), "session_key", None)
+        if key_id is not None:
+            group, check = (
+                control.apikey_group(key_id),
+                functools.partial(selectors.apikey_is_live, key_id=key_id),
+            )
+        elif user_id is not None and session_key:
+            group = control.session_group(session_key)
+            check = functools.partial(selectors.session_is_live, session_key=session_key, user_id=user_id)
+        else:
+            return
+        self._credential_group = group
+        await self.channel_layer.group_add(group, self.channel_name)
+        self._recheck = asyncio.get_running_loop().create_task(self._recheck_credentials(check))
+
+    async def _recheck_credentials(self, check: Any) -> None:
+        while True:
+            await asyncio.sleep(settings.MLXHOST_WS_AUTH_RECHECK_S)
+            if not await database_sync_to_async(check)():
+                await self.credentials_revoked({})
+                return
+
+    async def credentials_revoked(self, message: dict[str, Any]) -> None:
+        """The `credentials.revoked` group message: the key was revoked or the login ended."""
+        await self.close(code=CLOSE_UNAUTHENTICATED)
+
+    async def _unwatch_credentials(self) -> None:
+        if (task := getattr(self, "_recheck", None)) is not None:
+            task.cancel()
+        if (group := getattr(self, "_credential_group", None)) is not None:
+            await self.channel_layer.group_discard(group, self.channel_name)
 
 
 _open_sockets: weakref.WeakSet[_TrackedConsumer] = weakref.WeakSet()
@@ -155,8 +196,10 @@ class ResponsesConsumer(_TrackedConsumer):
                 await self.close(code=CLOSE_UNAUTHENTICATED)
                 return
             self.tenant = key.owner_id
+            await self.watch_credentials(key_id=key.pk)
         elif (user := session_user(self.scope)) is not None:
             self.tenant = user.pk
+            await self.watch_credentials(user_id=user.pk)
         elif "first-frame" not in parse_qs(self.scope.get("query_string", b"").decode()).get("auth", []):
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
@@ -165,6 +208,10 @@ class ResponsesConsumer(_TrackedConsumer):
             self._auth_deadline = asyncio.get_running_loop().call_later(
                 AUTH_FRAME_TIMEOUT_S, self._auth_expired
             )
+
+    async def credentials_revoked(self, message: dict[str, Any]) -> None:
+        await super().credentials_revoked(message)
+        await self.disconnect(CLOSE_UNAUTHENTICATED)  # stop the turns now, not at the client's reply
 
     def _auth_expired(self) -> None:
         if self.tenant is None and not self.closed:
@@ -202,6 +249,7 @@ class ResponsesConsumer(_TrackedConsumer):
                 await self.close(code=CLOSE_UNAUTHENTICATED)
                 return
             self.tenant = key.owner_id
+            await self.watch_credentials(key_id=key.pk)
             await self.send_json({"type": "auth.ok"})
             return
         if kind == "response.create":
@@ -284,6 +332,7 @@ class DashboardConsumer(_TrackedConsumer):
             await self.close(code=CLOSE_FORBIDDEN if user is not None else CLOSE_UNAUTHENTICATED)
             return
         await self.channel_layer.group_add(control.DASHBOARD_GROUP, self.channel_name)
+        await self.watch_credentials(user_id=user.pk)
         await self.accept()
         for status in await sync_to_async(control.engine_statuses)():
             await self.send(text_data=json.dumps({"type": "status", "status": status}))

@@ -232,6 +232,9 @@ MLXHOST_MAX_REQUEST_BYTES = env.int("MLXHOST_MAX_REQUEST_BYTES", default=4 * 102
 MLXHOST_WS_MAX_FRAME_BYTES = env.int("MLXHOST_WS_MAX_FRAME_BYTES", default=1024 * 1024)
 MLXHOST_WS_MAX_TURNS = env.int("MLXHOST_WS_MAX_TURNS", default=1)
 MLXHOST_WS_ALLOWED_ORIGINS = env.list("MLXHOST_WS_ALLOWED_ORIGINS", default=[])
+# A revoked key or a logout closes its sockets at once (a channel-layer message); this re-check
+# of each socket's key or session is the backstop, e.g. for a session that simply expires.
+MLXHOST_WS_AUTH_RECHECK_S = env.float("MLXHOST_WS_AUTH_RECHECK_S", default=10.0)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MLXHOST_MAX_REQUEST_BYTES
 
 LOGGING = {
