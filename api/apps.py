@@ -6,3 +6,11 @@ from django.apps import AppConfig
 class ApiConfig(AppConfig):
     name = "api"
     verbose_name = "API"
+
+    def ready(self) -> None:
+        from django.contrib.auth.signals import user_logged_out
+
+        from models_app.control import session_sockets_close
+
+        # Django owns logout; its signal is the one place every logout passes through.
+        user_logged_out.connect(session_sockets_close, dispatch_uid="mlxhost.session_sockets_close")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,6 +10,7 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
 
 from api.errors import INVALID_KEY_MESSAGE, ApiError, Dialect, as_api_error, error_response
+from api.parsing import loads_object, read_body
 from models_app import selectors, services
 from models_app.models import ApiKey
 
@@ -60,17 +60,13 @@ async def may_see_internals(request: HttpRequest) -> bool:
 
 
 def json_body(request: HttpRequest) -> dict[str, Any]:
-    """The request body as a JSON object.
+    """The request body as a JSON object (API-4).
 
     Raises:
-        ApiError: 400 when the body is not a JSON object.
+        ApiError: 413 when the body is over MLXHOST_MAX_REQUEST_BYTES; 400 when it is not a
+            JSON object of valid Unicode text nested at most `parsing.MAX_JSON_DEPTH` deep.
     """
-    try:
-        body = json.loads(request.body or b"null")
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "The request body is not valid JSON.", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    body = loads_object(read_body(request))
     # Named in a 404 for an unknown model, even when the body fails validation later.
     request.requested_model = body.get("model") if isinstance(body.get("model"), str) else None  # type: ignore[attr-defined]
     return body

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import secrets
 import weakref
@@ -15,6 +16,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
@@ -25,7 +27,8 @@ from api.openai.responses import response_events
 from api.openai.responses_input import ResponsesInput
 from api.openai.responses_run import response_start
 from api.openai.views import validated
-from models_app import control
+from api.parsing import loads_object
+from models_app import control, selectors
 
 # Close codes: 4401/4403 mirror HTTP 401/403; 1009 is the protocol's "message too big".
 CLOSE_UNAUTHENTICATED = 4401
@@ -33,6 +36,8 @@ CLOSE_FORBIDDEN = 4403
 CLOSE_TOO_BIG = 1009
 CLOSE_GOING_AWAY = 1001  # the server shuts down
 AUTH_FRAME_TIMEOUT_S = 10.0
+# Admission refusals a client should retry later: the frame's error type is `overloaded` (LANE-2).
+OVERLOADED_CODES = frozenset({"queue_full", "draining"})
 
 
 def _header(scope: dict[str, Any], name: bytes) -> str:
@@ -87,10 +92,60 @@ class _TrackedConsumer(AsyncWebsocketConsumer):
 
     async def websocket_disconnect(self, message: dict[str, Any]) -> None:
         _open_sockets.discard(self)
+        await self._unwatch_credentials()
         await super().websocket_disconnect(message)
+
+    async def watch_credentials(self, *, key_id: int | None = None, user_id: int | None = None) -> None:
+        """Close this socket with 4401 once its key is revoked or its login ends (API-5).
+
+        The revoke and the logout push a message to the credential's group; a periodic
+        re-check (MLXHOST_WS_AUTH_RECHECK_S) catches what sends none, such as an expired session.
+        """
+        session_key = getattr(self.scope.get("session"), "session_key", None)
+        if key_id is not None:
+            group, check = (
+                control.apikey_group(key_id),
+                functools.partial(selectors.apikey_is_live, key_id=key_id),
+            )
+        elif user_id is not None and session_key:
+            group = control.session_group(session_key)
+            check = functools.partial(selectors.session_is_live, session_key=session_key, user_id=user_id)
+        else:
+            return
+        self._credential_group = group
+        await self.channel_layer.group_add(group, self.channel_name)
+        self._recheck = asyncio.get_running_loop().create_task(self._recheck_credentials(check))
+
+    async def _recheck_credentials(self, check: Any) -> None:
+        while True:
+            await asyncio.sleep(settings.MLXHOST_WS_AUTH_RECHECK_S)
+            if not await database_sync_to_async(check)():
+                await self.credentials_revoked({})
+                return
+
+    async def credentials_revoked(self, message: dict[str, Any]) -> None:
+        """The `credentials.revoked` group message: the key was revoked or the login ended."""
+        await self.close(code=CLOSE_UNAUTHENTICATED)
+
+    async def _unwatch_credentials(self) -> None:
+        if (task := getattr(self, "_recheck", None)) is not None:
+            task.cancel()
+        if (group := getattr(self, "_credential_group", None)) is not None:
+            await self.channel_layer.group_discard(group, self.channel_name)
 
 
 _open_sockets: weakref.WeakSet[_TrackedConsumer] = weakref.WeakSet()
+_pinned_sockets: list[_TrackedConsumer] = []
+
+
+def pin_open_sockets() -> None:
+    """Hold every open socket until `close_open_sockets` runs (called as shutdown begins).
+
+    Daphne cancels each consumer's ASGI task as shutdown begins; a consumer that then has
+    no running turn is only weakly referenced and vanished before its 1001 went out, so the
+    client saw 1006.
+    """
+    _pinned_sockets[:] = list(_open_sockets)
 
 
 async def close_open_sockets(timeout: float) -> int:
@@ -102,7 +157,8 @@ async def close_open_sockets(timeout: float) -> int:
     may never come while the server stops, so each task is cancelled and awaited (at most
     `timeout`). Returns how many sockets were open.
     """
-    sockets = list(_open_sockets)
+    sockets = list({*_pinned_sockets, *_open_sockets})
+    _pinned_sockets.clear()
     for socket in sockets:
         with contextlib.suppress(Exception):  # a socket that is closing already
             await socket.close(code=CLOSE_GOING_AWAY)
@@ -140,8 +196,10 @@ class ResponsesConsumer(_TrackedConsumer):
                 await self.close(code=CLOSE_UNAUTHENTICATED)
                 return
             self.tenant = key.owner_id
+            await self.watch_credentials(key_id=key.pk)
         elif (user := session_user(self.scope)) is not None:
             self.tenant = user.pk
+            await self.watch_credentials(user_id=user.pk)
         elif "first-frame" not in parse_qs(self.scope.get("query_string", b"").decode()).get("auth", []):
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
@@ -150,6 +208,10 @@ class ResponsesConsumer(_TrackedConsumer):
             self._auth_deadline = asyncio.get_running_loop().call_later(
                 AUTH_FRAME_TIMEOUT_S, self._auth_expired
             )
+
+    async def credentials_revoked(self, message: dict[str, Any]) -> None:
+        await super().credentials_revoked(message)
+        await self.disconnect(CLOSE_UNAUTHENTICATED)  # stop the turns now, not at the client's reply
 
     def _auth_expired(self) -> None:
         if self.tenant is None and not self.closed:
@@ -187,6 +249,7 @@ class ResponsesConsumer(_TrackedConsumer):
                 await self.close(code=CLOSE_UNAUTHENTICATED)
                 return
             self.tenant = key.owner_id
+            await self.watch_credentials(key_id=key.pk)
             await self.send_json({"type": "auth.ok"})
             return
         if kind == "response.create":
@@ -245,6 +308,8 @@ class ResponsesConsumer(_TrackedConsumer):
 
     async def send_error(self, error: ApiError, response_id: str | None = None) -> None:
         frame: dict[str, Any] = {"type": "error", "status": error.status, **error_body(error, "openai")}
+        if error.code in OVERLOADED_CODES:
+            frame["error"]["type"] = "overloaded"  # LANE-2: the socket's word for 429/529
         if response_id is not None:
             frame["response_id"] = response_id
         if error.retry_after is not None:
@@ -255,13 +320,7 @@ class ResponsesConsumer(_TrackedConsumer):
 def _frame(text: str | None) -> dict[str, Any]:
     if text is None:
         raise ApiError(400, "Send JSON text frames, not binary ones.", code="invalid_frame")
-    try:
-        frame = json.loads(text)
-    except ValueError:
-        raise ApiError(400, "The frame is not valid JSON.", code="invalid_json") from None
-    if not isinstance(frame, dict):
-        raise ApiError(400, "A frame must be a JSON object with a 'type'.", code="invalid_frame")
-    return frame
+    return loads_object(text, what="frame")
 
 
 class DashboardConsumer(_TrackedConsumer):
@@ -273,6 +332,7 @@ class DashboardConsumer(_TrackedConsumer):
             await self.close(code=CLOSE_FORBIDDEN if user is not None else CLOSE_UNAUTHENTICATED)
             return
         await self.channel_layer.group_add(control.DASHBOARD_GROUP, self.channel_name)
+        await self.watch_credentials(user_id=user.pk)
         await self.accept()
         for status in await sync_to_async(control.engine_statuses)():
             await self.send(text_data=json.dumps({"type": "status", "status": status}))

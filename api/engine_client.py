@@ -133,8 +133,11 @@ _stop_task: asyncio.Task[None] | None = None
 def _drain_before_shutdown() -> Any:
     from twisted.internet.defer import Deferred
 
+    from api.consumers import pin_open_sockets
+
     global _stop_task
     if _stop_task is None:
+        pin_open_sockets()  # before daphne's own trigger cancels the consumers' tasks
         _stop_task = asyncio.ensure_future(engine_stop())
     return Deferred.fromFuture(_stop_task)
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Literal
 
-from django.http import HttpResponse
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, HttpResponse
+from django.views import defaults
 
 from mlxhost.engine.errors import (
     DrainingError,
@@ -60,6 +63,7 @@ class ApiError(Exception):
     code: str | None = None
     param: str | None = None
     retry_after: int | None = None
+    request_id: str | None = None  # set on a 500, so a report can be matched to the server's log
 
 
 # Engine and lookup errors -> (status, type, code, retry_after). Messages come from the exception.
@@ -98,10 +102,16 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
             retry_after = getattr(exc, "retry_after", None) or retry_after
             param = getattr(exc, "param", None)
             return ApiError(status, str(exc), type_, code, param=param, retry_after=retry_after)
+    if isinstance(exc, RequestDataTooBig):  # a body read outside `parsing.read_body`
+        return ApiError(413, "The request body is too large.", code="request_too_large")
+    request_id = f"req_{secrets.token_hex(12)}"
+    # The traceback stays in the server's log; the client gets a fixed text and the id (API-4).
+    logger.error("unhandled API error, request id %s", request_id, exc_info=exc)
     if isinstance(exc, EngineError):
-        return ApiError(500, "The engine failed to handle the request.", "server_error", exc.code)
-    logger.exception("unhandled API error")
-    return ApiError(500, "Internal server error.", "server_error", "internal_error")
+        message, code = "The engine failed to handle the request", exc.code
+    else:
+        message, code = "Internal server error", "internal_error"
+    return ApiError(500, f"{message} (request id {request_id}).", "server_error", code, request_id=request_id)
 
 
 def error_body(error: ApiError, dialect: Dialect) -> dict[str, object]:
@@ -124,6 +134,17 @@ def error_response(error: ApiError, dialect: Dialect) -> HttpResponse:
     )
     if error.retry_after is not None:
         response["Retry-After"] = str(error.retry_after)
+    if error.request_id is not None:
+        response["x-request-id"] = error.request_id
     if error.status == 401 and dialect == "openai":
         response["WWW-Authenticate"] = 'Bearer realm="mlxhost"'
     return response
+
+
+def page_not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """Django's `handler404`: unknown paths under /v1/ answer in the API's envelope, not HTML (API-4)."""
+    if not request.path.startswith("/v1/"):
+        return defaults.page_not_found(request, exception)  # type: ignore[arg-type]
+    dialect: Dialect = "anthropic" if request.path.startswith("/v1/messages") else "openai"
+    error = ApiError(404, f"Unknown route: {request.method} {request.path}.", code="unknown_route")
+    return error_response(error, dialect)

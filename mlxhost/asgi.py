@@ -16,6 +16,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 
 from api.engine_client import schedule_engine_start  # noqa: E402
 from api.routing import websocket_urlpatterns  # noqa: E402
+from mlxhost.daphne_options import configure_daphne_websockets  # noqa: E402
 
 # Daphne serves no static files itself; the admin's CSS and the dashboard's JS come from here.
 http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.MLXHOST_SERVE_STATIC else django_asgi_app
@@ -23,6 +24,9 @@ http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.MLXHOST_SERVE_STA
 application = ProtocolTypeRouter(
     {"http": http_app, "websocket": AuthMiddlewareStack(URLRouter(websocket_urlpatterns))}
 )
+
+# Daphne imports this module before it builds its WebSocket factory.
+configure_daphne_websockets(max_frame_bytes=settings.MLXHOST_WS_MAX_FRAME_BYTES)
 
 # Daphne installs its asyncio reactor before importing this module, so the engine starts on
 # the server's own loop as soon as it runs (pinned aliases load; /readyz reports progress).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from datetime import timedelta
 from pathlib import Path
 
 import environ
@@ -38,6 +39,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "axes",
     "rest_framework",
     "channels",
     "models_app",
@@ -52,7 +54,45 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "mlxhost.security.ContentSecurityPolicyMiddleware",
+    # Last, as django-axes asks: it turns a lockout into its 429 page.
+    "axes.middleware.AxesMiddleware",
 ]
+
+# Admin login throttle (ADM-1): 5 failed logins for one username from one address lock that pair
+# out for 15 minutes, even with the right password; a successful login resets the count.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env.int("MLXHOST_LOGIN_FAILURE_LIMIT", default=5)
+AXES_COOLOFF_TIME = timedelta(minutes=env.int("MLXHOST_LOGIN_LOCKOUT_MINUTES", default=15))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+# The peer address, or behind MLXHOST_BEHIND_TLS_PROXY the one the proxy appended; never an
+# address a client wrote into X-Forwarded-For itself.
+AXES_CLIENT_IP_CALLABLE = "mlxhost.security.client_ip"
+
+# Behind a TLS-terminating proxy (`MLXHOST_BEHIND_TLS_PROXY=true`): HTTPS only, secure cookies,
+# HSTS, and the scheme and client address from the proxy's X-Forwarded-* headers. Unset, local
+# http://127.0.0.1 works as before. The proxy must set X-Forwarded-Proto and X-Forwarded-For.
+MLXHOST_BEHIND_TLS_PROXY = env.bool("MLXHOST_BEHIND_TLS_PROXY", default=False)
+if MLXHOST_BEHIND_TLS_PROXY:
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = True
+    # Health probes from the orchestrator speak plain HTTP to the container; they must not be
+    # redirected to https (the probe would fail or follow to the proxy).
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = env.int("MLXHOST_HSTS_SECONDS", default=365 * 24 * 3600)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("MLXHOST_HSTS_INCLUDE_SUBDOMAINS", default=True)
+    SECURE_HSTS_PRELOAD = env.bool("MLXHOST_HSTS_PRELOAD", default=True)
+    # Turning either off is a deliberate choice for this host's domain, not an oversight.
+    SILENCED_SYSTEM_CHECKS = [
+        *([] if SECURE_HSTS_INCLUDE_SUBDOMAINS else ["security.W005"]),
+        *([] if SECURE_HSTS_PRELOAD else ["security.W021"]),
+    ]
 
 ROOT_URLCONF = "mlxhost.urls"
 ASGI_APPLICATION = "mlxhost.asgi.application"
@@ -195,6 +235,9 @@ MLXHOST_MAX_REQUEST_BYTES = env.int("MLXHOST_MAX_REQUEST_BYTES", default=4 * 102
 MLXHOST_WS_MAX_FRAME_BYTES = env.int("MLXHOST_WS_MAX_FRAME_BYTES", default=1024 * 1024)
 MLXHOST_WS_MAX_TURNS = env.int("MLXHOST_WS_MAX_TURNS", default=1)
 MLXHOST_WS_ALLOWED_ORIGINS = env.list("MLXHOST_WS_ALLOWED_ORIGINS", default=[])
+# A revoked key or a logout closes its sockets at once (a channel-layer message); this re-check
+# of each socket's key or session is the backstop, e.g. for a session that simply expires.
+MLXHOST_WS_AUTH_RECHECK_S = env.float("MLXHOST_WS_AUTH_RECHECK_S", default=10.0)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MLXHOST_MAX_REQUEST_BYTES
 
 LOGGING = {

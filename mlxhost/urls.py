@@ -10,6 +10,9 @@ admin.site.site_header = "mlxhost"
 admin.site.site_title = "mlxhost admin"
 admin.site.index_title = "Models, keys and stored responses"
 
+# Unknown /v1/ routes answer JSON in the API's envelope; other paths get Django's page.
+handler404 = "api.errors.page_not_found"
+
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),

@@ -27,6 +27,8 @@ DASHBOARD_GROUP = "mlxhost.dashboard"
 MODELS_CHANGED = "models.changed"
 MODEL_ACTION = "models.action"
 DASHBOARD_STATUS = "dashboard.status"
+# Sockets join a group per credential; this message closes them with 4401 (API-5).
+CREDENTIALS_REVOKED = "credentials.revoked"
 
 Action = Literal["load", "unload", "reload"]
 ACTIONS: tuple[Action, ...] = ("load", "unload", "reload")
@@ -45,6 +47,39 @@ def _send(message: dict[str, Any]) -> None:
         async_to_sync(layer.group_send)(ENGINE_GROUP, message)
     except Exception:  # the layer is down: engines still reconcile on start and on the next message
         logger.warning("could not notify engines of %s", message["type"], exc_info=True)
+
+
+def apikey_group(key_id: int) -> str:
+    """The channel-layer group of the sockets an API key opened."""
+    return f"mlxhost.apikey.{key_id}"
+
+
+def session_group(session_key: str) -> str:
+    """The channel-layer group of the sockets a Django session opened (its key is alphanumeric)."""
+    return f"mlxhost.session.{session_key}"
+
+
+def sockets_close_rollback_unsafe(*, group: str) -> None:
+    """Close the open sockets of `group` (every process) with 4401, now, not on commit."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    try:
+        async_to_sync(layer.group_send)(group, {"type": CREDENTIALS_REVOKED})
+    except Exception:  # the layer is down: each socket's periodic re-check still closes it
+        logger.warning("could not close the sockets of a revoked credential", exc_info=True)
+
+
+def sockets_close_on_commit(*, group: str) -> None:
+    """Close the open sockets of `group` with 4401 once this transaction commits (API-5)."""
+    transaction.on_commit(lambda: sockets_close_rollback_unsafe(group=group))
+
+
+def session_sockets_close(sender: Any, request: Any, user: Any, **kwargs: Any) -> None:
+    """`user_logged_out` receiver: the sockets this session opened close with 4401 (API-5)."""
+    session_key = getattr(getattr(request, "session", None), "session_key", None)
+    if session_key:
+        sockets_close_on_commit(group=session_group(session_key))
 
 
 def notify_models_changed() -> None:

@@ -98,6 +98,25 @@ def apikey_authenticate(*, raw_key: str) -> ApiKey | None:
     return key
 
 
+def apikey_is_live(*, key_id: int) -> bool:
+    """True while the key is not revoked or deleted and its owner is active (socket re-check)."""
+    return ApiKey.objects.filter(pk=key_id, revoked_at__isnull=True, owner__is_active=True).exists()
+
+
+def session_is_live(*, session_key: str, user_id: int) -> bool:
+    """True while the session exists, has not expired and is still `user_id`'s login, and that
+    user is active and has not changed password since (socket re-check)."""
+    from importlib import import_module
+
+    from django.contrib.auth import HASH_SESSION_KEY, SESSION_KEY, get_user_model
+
+    data = import_module(settings.SESSION_ENGINE).SessionStore(session_key=session_key).load()
+    if data.get(SESSION_KEY) != str(user_id):
+        return False
+    user = get_user_model().objects.filter(pk=user_id, is_active=True).first()
+    return user is not None and data.get(HASH_SESSION_KEY) == user.get_session_auth_hash()
+
+
 def response_get(*, public_id: str, owner_id: int) -> StoredResponse:
     """The caller's unexpired stored response; another tenant's id is exactly a missing one (PER-6).
 

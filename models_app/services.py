@@ -161,8 +161,10 @@ def apikey_ensure(*, owner: AbstractBaseUser, raw_key: str, name: str) -> ApiKey
 
 
 def apikey_revoke(*, key: ApiKey) -> ApiKey:
+    """Revoke `key`; its open WebSockets close with 4401 once this commits (API-5)."""
     key.revoked_at = timezone.now()
     key.save(update_fields=["revoked_at", "updated_at"])
+    control.sockets_close_on_commit(group=control.apikey_group(key.pk))
     return key
 
 

@@ -286,3 +286,127 @@ def selectors_spec(alias):
     from models_app import selectors
 
     return selectors.model_spec_for(alias=alias)
+
+
+async def test_a_full_lane_sends_an_overloaded_error_frame(tiny_alias, api_key, mlx_engine, tiny_eos_id):
+    """LANE-2: over budget on the socket is an `overloaded` error frame with retry_after (not the
+    429-style `rate_limit_error`); the socket stays open and the running turn goes on."""
+    from tests.api.test_admission_http import set_lane
+
+    await set_lane(tiny_alias, concurrency=1, queue_depth=0)
+    no_eos = {str(tiny_eos_id): -100}
+    holder = await connect(key_headers(api_key))
+    await create(holder, input="Count", max_output_tokens=100_000, logit_bias=no_eos, store=False)
+    await frames_until(holder, "response.output_text.delta")
+
+    refused = await connect(key_headers(api_key))
+    await create(refused, input="Hi", max_output_tokens=2, store=False)
+    frame = json.loads(await refused.receive_from(timeout=10))
+    assert frame["type"] == "error"
+    assert (frame["error"]["type"], frame["error"]["code"]) == ("overloaded", "queue_full")
+    assert frame["retry_after"] >= 1 and frame["response_id"].startswith("resp_")
+    assert (await lane(mlx_engine))["active"] == 1
+
+    await holder.send_to(text_data=json.dumps({"type": "response.cancel"}))
+    assert (await frames_until(holder, *TERMINAL))[-1]["response"]["status"] == "cancelled"
+    await create(refused, input="Hi", max_output_tokens=2, store=False)  # the same socket, later
+    assert (await frames_until(refused, *TERMINAL))[-1]["type"] == "response.incomplete"
+    await holder.disconnect()
+    await refused.disconnect()
+
+
+async def test_hostile_frames_get_error_frames(tiny_alias, api_key, mlx_engine):
+    """API-4: a 10,000-deep frame and a lone surrogate are error frames, not a crashed consumer."""
+    socket = await connect(key_headers(api_key))
+    await socket.send_to(text_data="[" * 10_000 + "]" * 10_000)
+    assert json.loads(await socket.receive_from(timeout=10))["error"]["code"] == "invalid_json"
+    await socket.send_to(text_data='{"type": "response.create", "model": "tiny", "input": "\\ud800"}')
+    assert json.loads(await socket.receive_from(timeout=10))["error"]["code"] == "invalid_json"
+    await create(socket, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(socket, *TERMINAL))[-1]["type"] == "response.incomplete"
+    await socket.disconnect()
+
+
+async def test_revoking_a_key_closes_its_open_socket_with_4401_and_stops_its_turn(
+    tiny_alias, user, mlx_engine, tiny_eos_id
+):
+    """API-5: a revoked key's socket is closed (4401) at once, through the channel layer, and
+    its running turn stops; other keys' sockets stay open."""
+    from asgiref.sync import sync_to_async
+
+    from models_app import services
+
+    key, raw = await sync_to_async(services.apikey_create)(owner=user, name="doomed")
+    _, other_raw = await sync_to_async(services.apikey_create)(owner=user, name="kept")
+    socket = await connect(key_headers(raw))
+    kept = await connect(key_headers(other_raw))
+    await create(socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100})
+    await frames_until(socket, "response.output_text.delta")
+
+    await sync_to_async(services.apikey_revoke)(key=key)
+    while (output := await socket.receive_output(timeout=10))["type"] != "websocket.close":
+        pass  # deltas already on their way
+    assert output == {"type": "websocket.close", "code": 4401}
+    for _ in range(500):
+        if (await lane(mlx_engine))["active"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert (await lane(mlx_engine))["active"] == 0
+    assert await kept.receive_nothing(timeout=0.2)
+    await create(kept, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(kept, *TERMINAL))[-1]["type"] == "response.incomplete"
+    await kept.disconnect()
+
+
+async def test_a_key_given_in_the_first_frame_is_watched_too(tiny_alias, user, mlx_engine):
+    """API-5: revocation also closes a socket that authenticated with its first frame."""
+    from asgiref.sync import sync_to_async
+
+    from models_app import services
+
+    key, raw = await sync_to_async(services.apikey_create)(owner=user, name="first-frame")
+    socket = await connect([HOST], path=f"{PATH}?auth=first-frame")
+    await socket.send_to(text_data=json.dumps({"type": "auth", "api_key": raw}))
+    assert json.loads(await socket.receive_from(timeout=10)) == {"type": "auth.ok"}
+    await sync_to_async(services.apikey_revoke)(key=key)
+    assert await socket.receive_output(timeout=10) == {"type": "websocket.close", "code": 4401}
+
+
+async def test_logging_out_closes_the_sessions_sockets_with_4401(tiny_alias, mlx_engine, django_user_model):
+    """API-5: a logout (Django's user_logged_out) closes the sockets its session opened, the
+    playground's and the dashboard's; another session of the same user stays open."""
+    staff = await django_user_model.objects.acreate(username="ops", is_staff=True)
+    origin = (b"origin", b"http://testserver")
+    client, other = AsyncClient(), AsyncClient()
+    await client.aforce_login(staff)
+    await other.aforce_login(staff)
+    cookie = (b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode())
+    other_cookie = (b"cookie", f"sessionid={other.cookies['sessionid'].value}".encode())
+    playground = await connect([HOST, cookie, origin])
+    dashboard = await connect([HOST, cookie, origin], path="/ws/dashboard")
+    survivor = await connect([HOST, other_cookie, origin])
+
+    await client.alogout()
+    assert await playground.receive_output(timeout=10) == {"type": "websocket.close", "code": 4401}
+    while (output := await dashboard.receive_output(timeout=10))["type"] != "websocket.close":
+        pass  # status frames sent before the logout
+    assert output["code"] == 4401
+    assert await survivor.receive_nothing(timeout=0.2)
+    await survivor.disconnect()
+
+
+async def test_an_expired_session_is_caught_by_the_periodic_recheck(tiny_alias, mlx_engine, user, settings):
+    """API-5: a session that ends without a logout (expiry, deleted row) closes its socket with
+    4401 at the next re-check (MLXHOST_WS_AUTH_RECHECK_S)."""
+    from django.contrib.sessions.models import Session
+
+    settings.MLXHOST_WS_AUTH_RECHECK_S = 0.05
+    client = AsyncClient()
+    await client.aforce_login(user)
+    session_key = client.cookies["sessionid"].value
+    socket = await connect(
+        [HOST, (b"cookie", f"sessionid={session_key}".encode()), (b"origin", b"http://testserver")]
+    )
+    assert await socket.receive_nothing(timeout=0.3)  # several re-checks pass while it is live
+    await Session.objects.filter(session_key=session_key).adelete()
+    assert await socket.receive_output(timeout=10) == {"type": "websocket.close", "code": 4401}

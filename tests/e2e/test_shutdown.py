@@ -134,7 +134,7 @@ def test_sigterm_ends_a_running_websocket_turn_with_its_terminal_event(
     server, tiny_alias, api_key, tiny_eos_id
 ):
     """OPS-5, API-3: a WebSocket turn still generating when SIGTERM arrives gets its terminal
-    event (after the drain's grace period), the socket then closes, and the process exits 0."""
+    event (after the drain's grace period), the socket then closes with 1001, and the process exits 0."""
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
@@ -160,9 +160,10 @@ def test_sigterm_ends_a_running_websocket_turn_with_its_terminal_event(
             assert time.monotonic() < deadline, "the turn never ended"
             frames.append(json.loads(socket.recv(timeout=STREAM_END_WITHIN_S)))
         assert frames[-1]["response"]["status"] in {"incomplete", "cancelled", "failed", "completed"}
-        with pytest.raises(ConnectionClosed):
+        with pytest.raises(ConnectionClosed) as closed:
             while True:  # nothing but the close may follow the terminal event
                 extra = json.loads(socket.recv(timeout=STREAM_END_WITHIN_S))
                 assert extra["type"] not in ("response.output_text.delta",), extra
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001  # going away
 
     assert server.process.wait(timeout=EXIT_WITHIN_S) == 0, server.output()

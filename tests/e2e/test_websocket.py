@@ -99,3 +99,19 @@ def test_a_foreign_origin_and_missing_credentials_are_refused(daphne_server, api
     with open_socket(daphne_server, api_key, origin=daphne_server.url) as same_site:
         create(same_site, input="Hi", max_output_tokens=2, store=False)
         assert frames_until(same_site, *TERMINAL)[-1]["type"] == "response.incomplete"
+
+
+@pytest.mark.parametrize("extra", [pytest.param(1, id="just-over"), pytest.param(3 << 20, id="far-over")])
+def test_a_frame_over_the_limit_closes_with_1009_through_daphne(daphne_server, api_key, tiny_alias, extra):
+    """API-3: daphne's own message cap used to drop the TCP connection (the client saw 1006);
+    a frame over MLXHOST_WS_MAX_FRAME_BYTES (1 MiB) now closes with 1009."""
+    from django.conf import settings
+    from websockets.exceptions import ConnectionClosed
+
+    with open_socket(daphne_server, api_key) as socket:
+        head = '{"type": "response.create", "model": "tiny", "input": "'
+        filler = "x" * (settings.MLXHOST_WS_MAX_FRAME_BYTES - len(head) - 2 + extra)
+        socket.send(head + filler + '"}')
+        with pytest.raises(ConnectionClosed) as closed:
+            socket.recv(timeout=30)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
