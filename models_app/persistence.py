@@ -1,9 +1,11 @@
 """The web process's side of stored responses: publish the persist task, track pending writes, breaker.
 
-A finished turn is handed to `persistence().record(...)` on the event loop after the client has its
-answer (PER-1). The row is written off the loop: by the Celery worker when the task could be
-published within a bounded time, inline in a thread when the broker is down or absent (PER-3), or
-by the eager task in the embedded default. Until the row lands, the id sits in a pending-writes
+A finished turn is handed to `persistence().record(...)` on the event loop, and the caller awaits
+the returned handoff BEFORE it sends the terminal event, so a turn whose final event reached the
+client survives the process being killed right after (PER-1; issue 10 item 5). The handoff is
+durable once the persist task is published to the broker (bounded time), or once the row is
+written inline in a thread when the broker is down or absent (PER-3), or by the eager task in the
+embedded default. A client that hung up is not waited for: its record is handed off in the background. Until the row lands, the id sits in a pending-writes
 table, so a continuation can tell "still landing" (wait, then 503) from "gone" (404) (PER-2). A
 write still pending after the hard timeout trips the breaker: the instance retention is released
 and a tombstone is recorded, and the id is watched until its row lands late (PER-4, REG-7).
@@ -176,8 +178,14 @@ class Persistence:
         on_settled: Callback | None = None,
         on_force_release: Callback | None = None,
         on_late_landing: Callback | None = None,
-    ) -> None:
-        """Store `record` off the critical path; call on the event loop once the client is answered.
+    ) -> asyncio.Future[None]:
+        """Store `record` off the event loop; call on the loop when the turn has ended.
+
+        Returns the handoff: it completes once the record is durable (published to the broker, or
+        written inline or eagerly), or once that failed and was logged (the entry then stays
+        pending for the monitor and the breaker). It never raises. Await it (it is shielded, so a
+        cancelled waiter does not cancel the write) before telling the client the turn is over;
+        ignore it when the client is gone.
 
         Exactly one of `on_settled` (the row landed) and `on_force_release` (the breaker gave up
         after the hard timeout) is called, on the loop. After `on_force_release`, `on_late_landing`
@@ -201,8 +209,9 @@ class Persistence:
             on_late_landing=on_late_landing,
         )
         self._stats["recorded"] += 1
-        self._spawn(loop, self._persist(record))
+        task = self._spawn(loop, self._persist(record))
         self._ensure_monitor(loop)
+        return asyncio.shield(task)
 
     async def _persist(self, record: ResponseRecord) -> None:
         payload = record.as_payload()
@@ -476,10 +485,11 @@ class Persistence:
             self._db_pool, partial(_with_db, fn, *args, **kwargs)
         )
 
-    def _spawn(self, loop: asyncio.AbstractEventLoop, coro: Any) -> None:
+    def _spawn(self, loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[Any]:
         task = loop.create_task(coro)
         self._tasks.add(task)  # keep a reference until done, or the task may be collected
         task.add_done_callback(self._tasks.discard)
+        return task
 
 
 def _running_here(task: asyncio.Task[Any] | None) -> bool:

@@ -53,6 +53,9 @@ class MessageInput(serializers.Serializer):
     role = serializers.ChoiceField(choices=["user", "assistant"])
     content = serializers.JSONField()
 
+    class Meta:
+        ref_name = "AnthropicMessageInput"  # its OpenAPI component; OpenAI's MessageInput is another
+
     def validate_content(self, value: Any) -> str:
         return blocks_text(value)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -9,6 +10,10 @@ from typing import Any
 
 from api.sse import sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, Usage
+
+# What storing a turn returns: awaited before the terminal event, so the record is durable first.
+Handoff = asyncio.Future[None]
+OnEnd = Callable[["ResponseTurn"], Handoff | None]
 
 # Engine finish reasons -> (response status, incomplete reason).
 STATUS = {
@@ -110,24 +115,25 @@ class ResponseTurn:
         return payload
 
 
-async def response_sse(
-    turn: ResponseTurn, generation: Generation, on_end: Callable[[ResponseTurn], None]
-) -> AsyncIterator[bytes]:
+async def response_sse(turn: ResponseTurn, generation: Generation, on_end: OnEnd) -> AsyncIterator[bytes]:
     """The Responses events as server-sent events, each named by its type."""
     async for event in response_events(turn, generation, on_end):
         yield sse_event(event, event=event["type"])
 
 
 async def response_events(
-    turn: ResponseTurn, generation: Generation, on_end: Callable[[ResponseTurn], None]
+    turn: ResponseTurn, generation: Generation, on_end: OnEnd
 ) -> AsyncIterator[dict[str, Any]]:
     """Stream a generation as Responses event objects, ending with completed / incomplete / failed.
 
-    The SSE stream and the WebSocket send these same objects. `on_end` runs after the
-    terminal event went out (the client has its answer), and also when the client hung up,
-    so the turn is stored with its true status (PER-1).
+    The SSE stream and the WebSocket send these same objects. `on_end` runs once the turn is
+    over, and its handoff is awaited BEFORE the terminal event goes out: a client that saw the
+    final event has a turn that survives the process dying right after (PER-1). When the client
+    hung up, `on_end` still runs (from `finally`) so the turn is stored with its true status,
+    but nothing waits for it.
     """
     item = {"item_id": turn.message_id, "output_index": 0}
+    ended = False
     try:
         yield turn.event("response.created", response=turn.body())
         yield turn.event("response.in_progress", response=turn.body())
@@ -150,28 +156,42 @@ async def response_events(
         terminal = {"completed": "response.completed", "failed": "response.failed"}.get(
             turn.status, "response.incomplete"
         )
+        ended = True
+        await _handed_off(on_end(turn))
         yield turn.event(terminal, response=turn.body())
     finally:
-        if turn.status == "in_progress":  # the client hung up: the turn was cancelled
-            turn.status = "cancelled"
-        on_end(turn)
+        if not ended:
+            if turn.status == "in_progress":  # the client hung up: the turn was cancelled
+                turn.status = "cancelled"
+            on_end(turn)  # stored in the background; nobody is left to tell
 
 
-async def response_collect(
-    turn: ResponseTurn, generation: Generation, on_end: Callable[[ResponseTurn], None]
-) -> dict[str, Any]:
-    """Run a generation to its end and return the `response` object."""
+async def response_collect(turn: ResponseTurn, generation: Generation, on_end: OnEnd) -> dict[str, Any]:
+    """Run a generation to its end and return the `response` object, stored durably first (PER-1)."""
+    ended = False
     try:
         async for event in generation.stream():
             if isinstance(event, Delta):
                 turn.text += event.text
             elif isinstance(event, Done | Failed):
                 turn.finish(event)
-    finally:
-        if turn.status == "in_progress":
+        if turn.status == "in_progress":  # the stream ended without a Done: report it as cut short
             turn.status = "cancelled"
-        on_end(turn)
+        ended = True
+        await _handed_off(on_end(turn))
+    finally:
+        if not ended:
+            if turn.status == "in_progress":
+                turn.status = "cancelled"
+            on_end(turn)
     return turn.body()
+
+
+async def _handed_off(handoff: Handoff | None) -> None:
+    # The handoff never raises (failures are logged and left to the breaker); a cancelled waiter
+    # leaves the shielded write running.
+    if handoff is not None:
+        await handoff
 
 
 def _empty_part() -> dict[str, Any]:

@@ -12,7 +12,7 @@ from asgiref.sync import sync_to_async
 
 from api.engine_client import BOOT_ID, get_engine
 from api.errors import ApiError
-from api.openai.responses import ResponseTurn, usage_body
+from api.openai.responses import Handoff, OnEnd, ResponseTurn, usage_body
 from mlxhost.engine import Engine, Generation, GenerationRequest, Message
 from mlxhost.engine.instance import Instance
 from models_app import conversations, selectors
@@ -105,12 +105,16 @@ def _generation_request(turn: Turn, request_id: str, engine: Engine) -> Generati
     )
 
 
-def _on_end(turn: Turn, response: ResponseTurn, instance: Instance, engine: Engine) -> None:
-    """The turn ended (answered, failed or hung up): store it, and let the instance go."""
+def _on_end(turn: Turn, response: ResponseTurn, instance: Instance, engine: Engine) -> Handoff | None:
+    """The turn ended (answered, failed or hung up): store it, and let the instance go.
+
+    Returns the persist handoff for a stored turn (None when `store` is false), which the caller
+    awaits before it sends the terminal event (PER-1, issue 10 item 5).
+    """
     _live_owners.pop(response.id, None)
     if not response.store:
         engine.registry.unretain(instance)
-        return
+        return None
     data = turn.data
     record = ResponseRecord(
         public_id=response.id,
@@ -139,7 +143,7 @@ def _on_end(turn: Turn, response: ResponseTurn, instance: Instance, engine: Engi
         created_at=float(response.created_at),
     )
     weights_key = instance.spec.weights_key
-    persistence().record(
+    return persistence().record(
         record,
         on_settled=lambda: engine.registry.unretain(instance),
         on_force_release=lambda: engine.registry.retire_for_force_release(instance),
@@ -153,7 +157,7 @@ class StartedResponse:
 
     response: ResponseTurn
     generation: Generation
-    on_end: Callable[[ResponseTurn], None]
+    on_end: OnEnd
 
     @property
     def headers(self) -> dict[str, str]:

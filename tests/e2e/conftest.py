@@ -75,11 +75,26 @@ def running_daphne(database: str, log_dir: Path, **env_extra: str) -> Iterator[S
     With REDIS_URL (in the environment or `env_extra`) a Celery worker runs beside it, so stored
     responses go through a real broker, as in production.
     """
+    env = daphne_env(database, **env_extra)
+    log = log_dir / "daphne.log"
+    worker = celery_worker(env, log.with_name("celery.log")) if env.get("REDIS_URL") else None
+    server = spawn_daphne(env, log)
+    try:
+        wait_until_up(server)
+        yield server
+    finally:
+        for proc in (server.process, worker):
+            if proc is not None:
+                stop_process(proc)
+        if worker is not None:
+            queue_delete(env["REDIS_URL"], env["MLXHOST_CELERY_QUEUE"])
+
+
+def daphne_env(database: str, **env_extra: str) -> dict[str, str]:
+    """The environment of a test daphne (and its Celery worker): the test database and models."""
     from django.conf import settings
 
-    port = free_port()
-    log = log_dir / "daphne.log"
-    env = {
+    return {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "mlxhost.settings",
         "DATABASE_URL": database,
@@ -90,7 +105,11 @@ def running_daphne(database: str, log_dir: Path, **env_extra: str) -> Iterator[S
         "MLXHOST_CELERY_QUEUE": f"mlxhost-e2e-{uuid.uuid4().hex[:12]}",
         **env_extra,
     }
-    worker = celery_worker(env, log.with_name("celery.log")) if env.get("REDIS_URL") else None
+
+
+def spawn_daphne(env: dict[str, str], log: Path) -> Server:
+    """Start daphne on a free port with `env`; the caller waits for it (`wait_until_up`) and stops it."""
+    port = free_port()
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "mlxhost.asgi:application"],
@@ -99,22 +118,17 @@ def running_daphne(database: str, log_dir: Path, **env_extra: str) -> Iterator[S
             stdout=sink,
             stderr=subprocess.STDOUT,
         )
-    server = Server(url=f"http://127.0.0.1:{port}", process=process, log=log)
+    return Server(url=f"http://127.0.0.1:{port}", process=process, log=log)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 15 s; a process that already exited is left alone."""
+    proc.terminate()
     try:
-        wait_until_up(server)
-        yield server
-    finally:
-        for proc in (process, worker):
-            if proc is None:
-                continue
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if worker is not None:
-            queue_delete(env["REDIS_URL"], env["MLXHOST_CELERY_QUEUE"])
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def queue_delete(redis_url: str, queue: str) -> None:
