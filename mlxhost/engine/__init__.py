@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mlxhost.engine.config import EngineConfig
-from mlxhost.engine.engine import Engine
+from mlxhost.engine.engine import Engine, Permit
 from mlxhost.engine.errors import (
     DrainingError,
     DuplicateRequestError,
@@ -17,6 +17,7 @@ from mlxhost.engine.errors import (
     QueueTimeoutError,
     RequestCancelledError,
     UnknownModelError,
+    WeightsChangedError,
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.sessions import SessionQuery, SessionScoper
@@ -53,6 +54,7 @@ __all__ = [
     "InvalidModelFolderError",
     "LaneSettings",
     "Message",
+    "Permit",
     "ModelLoadError",
     "ModelSpec",
     "PromptTooLongError",
@@ -67,4 +69,5 @@ __all__ = [
     "Timings",
     "Usage",
     "UnknownModelError",
+    "WeightsChangedError",
 ]
