@@ -18,6 +18,8 @@ from channels.layers import get_channel_layer
 from django.core.cache import cache
 from django.db import transaction
 
+from models_app import hotcache
+
 logger = logging.getLogger(__name__)
 
 # Channel-layer groups: engine processes listen on the first, dashboard sockets on the second.
@@ -48,7 +50,9 @@ def _send(message: dict[str, Any]) -> None:
 
 
 def notify_models_changed() -> None:
-    """Tell every engine, once this transaction commits, that aliases changed (reconcile)."""
+    """Tell every engine, once this transaction commits, that aliases changed (reconcile); this
+    process's cached alias lookups are dropped at the same moment."""
+    transaction.on_commit(hotcache.aliases.clear)
     transaction.on_commit(lambda: _send({"type": MODELS_CHANGED}))
 
 
