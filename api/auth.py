@@ -11,6 +11,7 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
 
 from api.errors import INVALID_KEY_MESSAGE, ApiError, Dialect, as_api_error, error_response
+from api.lookups import single_flight
 from models_app import hotcache, selectors, services
 from models_app.apikeys import key_hash
 from models_app.selectors import KeyIdentity
@@ -50,7 +51,9 @@ async def authenticate_raw(raw_key: str) -> KeyIdentity | None:
     if cached is not hotcache.MISS:
         return cached
     generation = hotcache.api_keys.generation  # read before the query: a revoke meanwhile wins
-    return await sync_to_async(_authenticate_sync)(raw_key, digest, generation)
+    return await single_flight(
+        "api_key", digest, lambda: sync_to_async(_authenticate_sync)(raw_key, digest, generation)
+    )
 
 
 async def authenticate(request: HttpRequest) -> KeyIdentity:

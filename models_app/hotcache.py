@@ -19,7 +19,7 @@ from typing import Any
 # in this process, at once. Keep it <= 5 s.
 KEY_TTL_S = 2.0
 # An alias edited in another process without a channel layer is seen within this many seconds.
-ALIAS_TTL_S = 2.0
+ALIAS_TTL_S = 5.0
 MAX_ENTRIES = 4096
 
 MISS = object()
