@@ -10,9 +10,11 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
 
 from api.errors import INVALID_KEY_MESSAGE, ApiError, Dialect, as_api_error, error_response
+from api.lookups import single_flight
 from api.parsing import loads_object, read_body
-from models_app import selectors, services
-from models_app.models import ApiKey
+from models_app import hotcache, selectors, services
+from models_app.apikeys import key_hash
+from models_app.selectors import KeyIdentity
 
 AsyncView = Callable[..., Awaitable[HttpResponse]]
 
@@ -25,27 +27,42 @@ def presented_key(request: HttpRequest) -> str:
     return request.headers.get("x-api-key", "").strip()
 
 
-def _authenticate_sync(raw_key: str) -> ApiKey | None:
+def _authenticate_sync(raw_key: str, digest: str, generation: int) -> KeyIdentity | None:
     key = selectors.apikey_authenticate(raw_key=raw_key)
+    identity = None
     if key is not None:
-        services.apikey_touch(key=key)
-    return key
+        services.apikey_touch(key=key)  # only on a cache miss, and at most once a minute per key
+        identity = KeyIdentity(key_id=key.pk, owner_id=key.owner_id)
+    hotcache.api_keys.put(digest, identity, generation)
+    return identity
 
 
-async def authenticate_raw(raw_key: str) -> ApiKey | None:
-    """The live key with this value, or None (the WebSocket's header or first-frame key)."""
+async def authenticate_raw(raw_key: str) -> KeyIdentity | None:
+    """The live key with this value, or None (the WebSocket's header or first-frame key).
+
+    Cached by the key's hash for `hotcache.KEY_TTL_S` seconds, so a burst of requests, refused
+    or not, reaches the lane without waiting for the database; a revoke in this process clears
+    the cache at once.
+    """
     if not raw_key:
         return None
-    return await sync_to_async(_authenticate_sync)(raw_key)
+    digest = key_hash(raw_key)  # the raw key itself is never kept in memory
+    cached = hotcache.api_keys.get(digest)
+    if cached is not hotcache.MISS:
+        return cached
+    generation = hotcache.api_keys.generation  # read before the query: a revoke meanwhile wins
+    return await single_flight(
+        "api_key", digest, lambda: sync_to_async(_authenticate_sync)(raw_key, digest, generation)
+    )
 
 
-async def authenticate(request: HttpRequest) -> ApiKey:
+async def authenticate(request: HttpRequest) -> KeyIdentity:
     """Resolve the request's API key.
 
     Raises:
         ApiError: 401 when the key is missing, unknown or revoked.
     """
-    key = await sync_to_async(_authenticate_sync)(presented_key(request))
+    key = await authenticate_raw(presented_key(request))
     if key is None:
         raise ApiError(401, INVALID_KEY_MESSAGE, "authentication_error", "invalid_api_key")
     return key
@@ -54,7 +71,7 @@ async def authenticate(request: HttpRequest) -> ApiKey:
 async def may_see_internals(request: HttpRequest) -> bool:
     """True for a valid API key or a logged-in staff member (probe details, dashboard data)."""
     if presented_key(request):
-        return await sync_to_async(_authenticate_sync)(presented_key(request)) is not None
+        return await authenticate_raw(presented_key(request)) is not None
     user = await request.auser()
     return bool(user.is_active and user.is_staff)
 

@@ -196,7 +196,7 @@ class ResponsesConsumer(_TrackedConsumer):
                 await self.close(code=CLOSE_UNAUTHENTICATED)
                 return
             self.tenant = key.owner_id
-            await self.watch_credentials(key_id=key.pk)
+            await self.watch_credentials(key_id=key.key_id)
         elif (user := session_user(self.scope)) is not None:
             self.tenant = user.pk
             await self.watch_credentials(user_id=user.pk)
@@ -249,7 +249,7 @@ class ResponsesConsumer(_TrackedConsumer):
                 await self.close(code=CLOSE_UNAUTHENTICATED)
                 return
             self.tenant = key.owner_id
-            await self.watch_credentials(key_id=key.pk)
+            await self.watch_credentials(key_id=key.key_id)
             await self.send_json({"type": "auth.ok"})
             return
         if kind == "response.create":

@@ -24,7 +24,7 @@ from django.core.exceptions import ValidationError
 from api.engine_client import BOOT_ID
 from api.health import instance_status
 from mlxhost.engine import Engine, EngineError, ModelSpec
-from models_app import control, selectors, services
+from models_app import control, hotcache, selectors, services
 from models_app.models import ModelAlias
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class Actions:
             if alias_name not in engine.registry.names():
                 return None  # nothing of it is resident here
             instance = engine.registry.resolve(alias_name)
-            await instance.unload()  # a lane writer: waits for running requests (LANE-4)
+            await self._drain(instance.instance_id)
             return instance.instance_id
         alias = await sync_to_async(selectors.alias_resolve)(name=alias_name)
         if action == "load":
@@ -148,9 +148,9 @@ class Actions:
         serving until they are resident and is kept if they fail (OPS-4)."""
         engine = self.engine
         fresh = await sync_to_async(services.alias_fresh_instance)(alias=alias)
-        if fresh.pk == alias.instance_id:  # the same weights: reload them in place, as a writer
+        if fresh.pk == alias.instance_id:  # the same weights: reload them in place
             instance = engine.bind(alias.name, selectors.model_spec_for(alias=alias))
-            await instance.unload()
+            await self._drain(instance.instance_id)
             await instance.ensure_loaded()
             return instance.instance_id
         staging = f"reload:{alias.name}"
@@ -162,6 +162,20 @@ class Actions:
         finally:
             engine.unbind(staging)
         return fresh.pk
+
+    async def _drain(self, instance_id: int) -> None:
+        """Drain and free an instance (LANE-7): arrivals get 503/529 `draining` at once, queued
+        waiters are refused, running streams get `drain_timeout_s` to finish and are then
+        aborted (their streams end saying so); the next request loads it again."""
+        await self.engine.drain(instance_id, "wait", self.engine.config.drain_timeout_s)
+
+    def weights_changed(self, names: list[str]) -> None:
+        """A load found these aliases' folder changed since registration (REG-3): reload each,
+        which registers the new weights under a new instance id (on the loop, from the engine)."""
+        for name in names:
+            if _is_alias(name):
+                logger.warning("alias %s: weights changed on disk; registering them anew", name)
+                self.start(name, "reload")
 
 
 def _reason(exc: BaseException) -> str:
@@ -204,6 +218,7 @@ async def handle_message(engine: Engine, actions: Actions, message: dict[str, An
     kind = message.get("type")
     try:
         if kind == control.MODELS_CHANGED:
+            hotcache.aliases.clear()  # an edit in another process: resolve names afresh
             await reconcile(engine)
         elif kind == control.MODEL_ACTION:
             actions.start(str(message.get("alias", "")), str(message.get("action", "")))

@@ -49,6 +49,7 @@ def engine_config() -> EngineConfig:
         memory_budget_bytes=options.get("MEMORY_BUDGET_BYTES") or None,
         burst_wait_s=options.get("BURST_WAIT_MS", 250) / 1000,
         max_request_kv_bytes=options.get("MAX_REQUEST_KV_BYTES"),
+        drain_timeout_s=options.get("DRAIN_TIMEOUT_S", 30.0),
     )
 
 
@@ -76,6 +77,9 @@ async def engine_start() -> None:
     _keep(loop.create_task(engine.housekeeping()))
     _start_persistence(loop)
     actions = control.Actions(engine)
+    # A load that found an alias's folder changed registers the new weights (REG-3): the reload
+    # action computes the fingerprint again, gets a new instance id and swaps to it.
+    engine.on_weights_changed = actions.weights_changed
     _keep(loop.create_task(control.run_control_listener(engine, actions), name="engine-control"))
     _keep(loop.create_task(control.run_status_publisher(engine, actions), name="engine-status"))
     await control.reconcile(engine, load_pinned=settings.MLXHOST_ENGINE.get("PRELOAD", True))

@@ -12,6 +12,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.views import defaults
 
+from mlxhost.engine import Done, Failed
 from mlxhost.engine.errors import (
     DrainingError,
     DuplicateRequestError,
@@ -37,6 +38,12 @@ Dialect = Literal["openai", "anthropic"]
 INVALID_KEY_MESSAGE = "Missing or invalid API key. Send it as 'Authorization: Bearer <key>' or 'x-api-key'."
 UNKNOWN_MODEL_MESSAGE = "The model {name!r} does not exist or is not enabled."
 LOAD_RETRY_AFTER_S = 5
+# What a client hears when weights fail to load; the reason (with paths) goes to the log and to
+# staff (the admin's last action, /readyz for an API key holder), never into a response body.
+LOAD_FAILED_MESSAGE = "The model could not be loaded; retry later."
+CANCELLED_MESSAGE = "The request was cancelled before it finished."
+ABORTED_MESSAGE = "The model stopped serving (unload, reload or shutdown) before the answer finished; retry."
+GENERATION_FAILED_MESSAGE = "The model failed while generating."
 
 # Anthropic names its error types by status.
 _ANTHROPIC_TYPES = {
@@ -73,7 +80,7 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str, str, int | None]] = {
     # Checked against the loaded model before admission (limits.py): never reaches MLX.
     InvalidRequestError: (400, "invalid_request_error", "invalid_value", None),
     RequestTooLargeError: (400, "invalid_request_error", "request_too_large", None),
-    InvalidModelFolderError: (503, "server_error", "model_load_failed", None),
+    InvalidModelFolderError: (503, "server_error", "model_load_failed", LOAD_RETRY_AFTER_S),
     ModelLoadError: (503, "server_error", "model_load_failed", LOAD_RETRY_AFTER_S),
     EngineClosedError: (503, "server_error", "engine_closed", LOAD_RETRY_AFTER_S),
     # Admission (LANE-2/5/6/7/8); Retry-After comes from the lane's estimate when it has one.
@@ -84,6 +91,18 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str, str, int | None]] = {
     RequestCancelledError: (409, "invalid_request_error", "request_cancelled", None),
     # A parent whose row is still being written (PER-2): retry, never a false 404.
     StorageTimeoutError: (503, "server_error", "storage_timeout", 1),
+}
+_FIXED_MESSAGES: dict[type[Exception], str] = {
+    InvalidModelFolderError: LOAD_FAILED_MESSAGE,
+    ModelLoadError: LOAD_FAILED_MESSAGE,
+}
+# Failed events' codes -> (status, type, fixed message, retry_after); unknown codes are a 500.
+_FAILED_EVENTS: dict[str, tuple[int, str, str | None, int | None]] = {
+    "model_load_failed": (503, "server_error", LOAD_FAILED_MESSAGE, LOAD_RETRY_AFTER_S),
+    "model_not_loaded": (503, "server_error", LOAD_FAILED_MESSAGE, LOAD_RETRY_AFTER_S),
+    "draining": (503, "server_error", None, LOAD_RETRY_AFTER_S),
+    "queue_timeout": (503, "server_error", None, 1),
+    "generation_failed": (500, "server_error", GENERATION_FAILED_MESSAGE, None),
 }
 # Anthropic reports an overloaded server as 529 where OpenAI says 429 (LANE-2).
 _ANTHROPIC_STATUS = {"queue_full": 529, "draining": 529}
@@ -100,8 +119,11 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
     for kind, (status, type_, code, retry_after) in ERROR_TABLE.items():
         if isinstance(exc, kind):
             retry_after = getattr(exc, "retry_after", None) or retry_after
+            message = next((m for k, m in _FIXED_MESSAGES.items() if isinstance(exc, k)), None)
+            if message is not None:
+                logger.warning("model load failed: %s", exc)  # the detail, for staff only
             param = getattr(exc, "param", None)
-            return ApiError(status, str(exc), type_, code, param=param, retry_after=retry_after)
+            return ApiError(status, message or str(exc), type_, code, param=param, retry_after=retry_after)
     if isinstance(exc, RequestDataTooBig):  # a body read outside `parsing.read_body`
         return ApiError(413, "The request body is too large.", code="request_too_large")
     request_id = f"req_{secrets.token_hex(12)}"
@@ -112,6 +134,29 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
     else:
         message, code = "Internal server error", "internal_error"
     return ApiError(500, f"{message} (request id {request_id}).", "server_error", code, request_id=request_id)
+
+
+def failed_error(event: Failed) -> ApiError:
+    """The error a surface shows for a generation's `Failed` event: load failures are a 503 with
+    Retry-After and a fixed message, internal failures a 500 that names nothing."""
+    status, type_, message, retry_after = _FAILED_EVENTS.get(
+        event.code, (500, "server_error", GENERATION_FAILED_MESSAGE, None)
+    )
+    if message is not None and message != event.message:
+        logger.warning("generation failed (%s): %s", event.code, event.message)
+    return ApiError(
+        status, message or event.message, type_, event.code, retry_after=event.retry_after or retry_after
+    )
+
+
+def cut_short_error(done: Done) -> ApiError | None:
+    """The error that ends an answer the engine stopped early (LANE-6/7), or None for a complete
+    or length-limited one: a cut-short answer must never read like a complete one."""
+    if done.finish_reason == "cancelled":
+        return ApiError(409, CANCELLED_MESSAGE, "invalid_request_error", "request_cancelled")
+    if done.finish_reason == "aborted":
+        return ApiError(503, ABORTED_MESSAGE, "server_error", "draining", retry_after=LOAD_RETRY_AFTER_S)
+    return None
 
 
 def error_body(error: ApiError, dialect: Dialect) -> dict[str, object]:

@@ -46,14 +46,17 @@ INSTALLED_APPS = [
     "api",
 ]
 
+# Django's stock stack, whose hooks run on the event loop for /v1/ requests instead of one hop
+# each to asgiref's single sync thread (fast refusals in a burst; see mlxhost/middleware.py).
 MIDDLEWARE = [
-    "django.middleware.security.SecurityMiddleware",
-    "django.contrib.sessions.middleware.SessionMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.csrf.CsrfViewMiddleware",
-    "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "django.contrib.messages.middleware.MessageMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "mlxhost.middleware.InlineSecurityMiddleware",
+    "mlxhost.middleware.InlineSessionMiddleware",
+    "mlxhost.middleware.InlineCommonMiddleware",
+    "mlxhost.middleware.InlineCsrfViewMiddleware",
+    "mlxhost.middleware.InlineAuthenticationMiddleware",
+    "mlxhost.middleware.InlineMessageMiddleware",
+    "mlxhost.middleware.InlineXFrameOptionsMiddleware",
+    # Both async-capable: no thread hop.
     "mlxhost.security.ContentSecurityPolicyMiddleware",
     # Last, as django-axes asks: it turns a lockout into its 429 page.
     "axes.middleware.AxesMiddleware",

@@ -18,6 +18,8 @@ from channels.layers import get_channel_layer
 from django.core.cache import cache
 from django.db import transaction
 
+from models_app import hotcache
+
 logger = logging.getLogger(__name__)
 
 # Channel-layer groups: engine processes listen on the first, dashboard sockets on the second.
@@ -83,7 +85,9 @@ def session_sockets_close(sender: Any, request: Any, user: Any, **kwargs: Any) -
 
 
 def notify_models_changed() -> None:
-    """Tell every engine, once this transaction commits, that aliases changed (reconcile)."""
+    """Tell every engine, once this transaction commits, that aliases changed (reconcile); this
+    process's cached alias lookups are dropped at the same moment."""
+    transaction.on_commit(hotcache.aliases.clear)
     transaction.on_commit(lambda: _send({"type": MODELS_CHANGED}))
 
 

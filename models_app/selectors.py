@@ -22,6 +22,14 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 REQUEST_ONLY_FIELDS = ("presence_penalty", "frequency_penalty", "seed")
 
 
+@dataclass(frozen=True, slots=True)
+class KeyIdentity:
+    """Who an authenticated API key belongs to: what a request needs, cacheable for seconds."""
+
+    key_id: int
+    owner_id: int
+
+
 def alias_resolve(*, name: str) -> ModelAlias:
     """The enabled alias called `name`, with its instance. Never treats `name` as a path.
 
@@ -54,6 +62,8 @@ def model_spec_for(*, alias: ModelAlias, instance: ModelInstance | None = None) 
         source=source,
         revision=revision,
         fingerprint=instance.fingerprint,
+        # A local folder is re-hashed at every load, so edited files never keep the old id (REG-3).
+        verify_weights=instance.source_kind == ModelInstance.SourceKind.LOCAL,
         max_input_tokens=alias.max_input_tokens,
         lane=LaneSettings(
             capacity=alias.concurrency,

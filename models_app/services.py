@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from mlxhost.engine.errors import InvalidModelFolderError
 from mlxhost.engine.weights import folder_fingerprint, hub_fingerprint, resolve_under, validate_model_folder
-from models_app import control
+from models_app import control, hotcache
 from models_app.apikeys import key_generate, key_hash, key_prefix
 from models_app.models import ApiKey, InstanceTombstone, ModelAlias, ModelInstance, StoredResponse
 
@@ -142,6 +142,7 @@ def apikey_create(*, owner: AbstractBaseUser, name: str) -> tuple[ApiKey, str]:
     """Create a key; returns the row and the full key, which is never retrievable again."""
     raw = key_generate()
     key = ApiKey.objects.create(owner=owner, name=name, prefix=key_prefix(raw), secret_hash=key_hash(raw))
+    _forget_cached_keys()  # an attempt with this key a moment ago may have cached a refusal
     return key, raw
 
 
@@ -157,15 +158,24 @@ def apikey_ensure(*, owner: AbstractBaseUser, raw_key: str, name: str) -> ApiKey
         prefix=key_prefix(raw_key),
         defaults={"owner": owner, "name": name, "secret_hash": key_hash(raw_key), "revoked_at": None},
     )
+    _forget_cached_keys()
     return key
 
 
 def apikey_revoke(*, key: ApiKey) -> ApiKey:
-    """Revoke `key`; its open WebSockets close with 4401 once this commits (API-5)."""
+    """Revoke `key`: refused at once in this process, within `hotcache.KEY_TTL_S` in others, and
+    its open WebSockets close with 4401 once this commits (API-5)."""
     key.revoked_at = timezone.now()
     key.save(update_fields=["revoked_at", "updated_at"])
+    _forget_cached_keys()
     control.sockets_close_on_commit(group=control.apikey_group(key.pk))
     return key
+
+
+def _forget_cached_keys() -> None:
+    # Now, and again on commit: a lookup between the two would have read the old row.
+    hotcache.api_keys.clear()
+    transaction.on_commit(hotcache.api_keys.clear)
 
 
 def apikey_touch(*, key: ApiKey) -> None:

@@ -24,6 +24,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         raise pytest.UsageError(f"MLXHOST_REQUIRE_SERVICES=1 but {', '.join(missing)} unset")
 
 
+@pytest.fixture(autouse=True)
+def fresh_hot_caches():
+    """Cached key and alias lookups live for seconds in the process; each test starts without them
+    (rows of an earlier test's database must never answer for this one's)."""
+    from models_app import hotcache
+
+    hotcache.clear_all()
+    yield
+    hotcache.clear_all()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The deterministic tiny llama under the test MODELS_ROOT (built once, cached in .cache/)."""

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.collect import NO_RESULT, collect_text
-from api.errors import ApiError, error_body
+from api.errors import ApiError, cut_short_error, error_body, failed_error
 from api.sse import sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, Started, Usage
 
 # The engine says "stop" for EOS and for a stop sequence alike; see `MessageTurn.stop_fields`.
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "cancelled": "end_turn"}
+# A cancelled or aborted answer ends with an `error` event instead, never with "end_turn".
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
 
 
 @dataclass
@@ -57,10 +58,6 @@ def _final_usage(usage: Usage) -> dict[str, int]:
     return usage_body(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
 
 
-def _failure(event: Failed) -> ApiError:
-    return ApiError(500, event.message, "server_error", event.code)
-
-
 async def message_complete(turn: MessageTurn, generation: Generation) -> dict[str, Any]:
     """Collect a generation into one `message` object.
 
@@ -92,13 +89,17 @@ async def message_sse(turn: MessageTurn, generation: Generation) -> AsyncIterato
         if isinstance(event, Delta) and event.text:
             delta = {"type": "text_delta", "text": event.text}
             yield _event("content_block_delta", index=0, delta=delta)
+        elif isinstance(event, Done) and (cut := cut_short_error(event)) is not None:
+            # 503 draining -> overloaded_error (529); a cancel -> api_error.
+            yield sse_event(error_body(cut, "anthropic"), event="error")
+            return
         elif isinstance(event, Done):
             yield _event("content_block_stop", index=0)
             yield _event("message_delta", delta=turn.stop_fields(event), usage=_final_usage(event.usage))
             yield _event("message_stop")
             return
         elif isinstance(event, Failed):
-            yield sse_event(error_body(_failure(event), "anthropic"), event="error")
+            yield sse_event(error_body(failed_error(event), "anthropic"), event="error")
             return
     yield sse_event(error_body(ApiError(500, NO_RESULT), "anthropic"), event="error")
 

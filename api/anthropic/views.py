@@ -5,9 +5,9 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
+from api import lookups
 from api.anthropic.messages import MessageTurn, message_complete, message_sse
 from api.anthropic.serializers import CountTokensInput, MessagesInput
 from api.auth import api_endpoint, json_body
@@ -46,7 +46,7 @@ def _messages_request(
 async def _resolve(request: HttpRequest, serializer: type) -> tuple[ModelAlias, dict[str, Any]]:
     body = json_body(request)
     data = validated(serializer, body)
-    alias = await sync_to_async(selectors.alias_resolve)(name=data["model"])
+    alias = await lookups.alias_resolve(data["model"])
     return alias, data
 
 

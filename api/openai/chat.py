@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.collect import collect_text
-from api.errors import ApiError, error_body
+from api.errors import cut_short_error, error_body, failed_error
 from api.sse import SSE_DONE, sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, Usage
 
-# The engine's "cancelled" only reaches a client that is still reading (e.g. a server-side cancel).
-FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop"}
+# Complete or length-limited answers only: "cancelled" and "aborted" end the stream with an error
+# event instead (the openai SDK raises APIError on it), never with a finish_reason that reads
+# like a complete answer.
+FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
 @dataclass
@@ -63,6 +65,8 @@ async def chat_sse(turn: ChatTurn, generation: Generation) -> AsyncIterator[byte
     async for event in generation.stream():
         if isinstance(event, Delta) and event.text:
             yield sse_event(turn.chunk({"content": event.text}))
+        elif isinstance(event, Done) and (cut := cut_short_error(event)) is not None:
+            yield sse_event(error_body(cut, "openai"))
         elif isinstance(event, Done):
             yield sse_event(turn.chunk({}, FINISH_REASONS.get(event.finish_reason, "stop")))
             if turn.include_usage:
@@ -70,8 +74,7 @@ async def chat_sse(turn: ChatTurn, generation: Generation) -> AsyncIterator[byte
                 final.update(choices=[], usage=usage_body(event.usage))
                 yield sse_event(final)
         elif isinstance(event, Failed):
-            error = ApiError(500, event.message, "server_error", event.code)
-            yield sse_event(error_body(error, "openai"))
+            yield sse_event(error_body(failed_error(event), "openai"))
     yield SSE_DONE
 
 

@@ -6,14 +6,14 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
 from rest_framework import serializers
 
+from api import lookups
 from api.auth import api_endpoint, json_body
 from api.collect import collect_text
 from api.engine_client import get_engine
-from api.errors import ApiError, error_body
+from api.errors import cut_short_error, error_body, failed_error
 from api.openai.chat import FINISH_REASONS, ChatTurn, usage_body
 from api.openai.serializers import MAX_TOP_K, ChatCompletionInput, StreamOptionsInput, StrictBooleanField
 from api.openai.views import chat_shaped_response, validated
@@ -115,13 +115,15 @@ async def completion_sse(turn: ChatTurn, generation: Generation) -> AsyncIterato
     async for event in generation.stream():
         if isinstance(event, Delta) and event.text:
             yield sse_event({**_body(turn, event.text, None), **usage_field})
+        elif isinstance(event, Done) and (cut := cut_short_error(event)) is not None:
+            yield sse_event(error_body(cut, "openai"))  # cut short: never a finish_reason
         elif isinstance(event, Done):
             finish = FINISH_REASONS.get(event.finish_reason, "stop")
             yield sse_event({**_body(turn, "", finish), **usage_field})
             if turn.include_usage:
                 yield sse_event({**turn.envelope(OBJECT), "choices": [], "usage": usage_body(event.usage)})
         elif isinstance(event, Failed):
-            yield sse_event(error_body(ApiError(500, event.message, "server_error", event.code), "openai"))
+            yield sse_event(error_body(failed_error(event), "openai"))
     yield SSE_DONE
 
 
@@ -142,7 +144,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
     """POST /v1/completions (OpenAI legacy text completion; SSE when `stream` is true)."""
     body = json_body(request)
     data = validated(CompletionInput, body)
-    alias = await sync_to_async(selectors.alias_resolve)(name=data["model"])
+    alias = await lookups.alias_resolve(data["model"])
     request_id = f"cmpl-{secrets.token_hex(12)}"
     engine = get_engine()
     tenant = str(request.tenant_id)  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from api.errors import failed_error
 from api.sse import sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, Usage
 
@@ -20,6 +21,8 @@ STATUS = {
     "stop": ("completed", None),
     "length": ("incomplete", "max_output_tokens"),
     "cancelled": ("cancelled", None),
+    # Cut short by a drain timeout (unload, reload, shutdown): incomplete, and why.
+    "aborted": ("incomplete", "draining"),
 }
 
 
@@ -103,8 +106,9 @@ class ResponseTurn:
 
     def finish(self, event: Done | Failed) -> None:
         if isinstance(event, Failed):
+            error = failed_error(event)  # a fixed text for load failures: no paths to clients
             self.status = "failed"
-            self.error = {"code": event.code, "message": event.message}
+            self.error = {"code": event.code, "message": error.message}
             return
         self.status, self.incomplete_reason = STATUS.get(event.finish_reason, ("completed", None))
         self.usage = event.usage

@@ -8,8 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from asgiref.sync import sync_to_async
-
+from api import lookups
 from api.engine_client import BOOT_ID, get_engine
 from api.errors import ApiError
 from api.openai.responses import Handoff, OnEnd, ResponseTurn, usage_body
@@ -176,7 +175,12 @@ async def response_start(
     response_id: str | None = None,
     on_queued: Callable[[int], Awaitable[None]] | None = None,
 ) -> StartedResponse:
-    """Resolve the alias and the stored chain, check the weights, submit, and wait for admission.
+    """Resolve the alias, take a lane permit, load the stored chain, check the weights, submit,
+    and wait for admission.
+
+    The permit comes before the chain (LANE-3): loading it may wait up to 2 s for a pending
+    write (PER-2), and that wait must count against the lane's budget; a full lane answers 429
+    before any 404, 400 or 503 about the parent.
 
     `data` is a validated `ResponsesInput`. `on_queued` hears each queue position while the
     turn waits (the WebSocket shows them); without it the wait is silent.
@@ -186,20 +190,25 @@ async def response_start(
         EngineError: refused by the lane or the engine (429/503 via the error table).
         ModelAlias.DoesNotExist: no enabled alias has that name.
     """
-    alias = await sync_to_async(selectors.alias_resolve)(name=data["model"])
-    parent = await _parent(data, tenant)
-    instructions, history = conversations.conversation_of(parent=parent) if parent else (None, [])
-    if data.get("instructions") is not None:
-        instructions = data["instructions"]  # omitted: the chain's instructions carry over
-    turn = Turn(alias, data, tenant, instructions, history, parent)
+    alias = await lookups.alias_resolve(data["model"])
     engine = get_engine()
-    instance = engine.bind(alias.name, selectors.model_spec_for(alias=alias))
-    _check_weights(turn, instance)
     response_id = response_id or f"resp_{secrets.token_hex(16)}"
+    permit = engine.reserve(response_id, selectors.model_spec_for(alias=alias), alias.name)
+    try:
+        parent = await _parent(data, tenant)
+        instructions, history = conversations.conversation_of(parent=parent) if parent else (None, [])
+        if data.get("instructions") is not None:
+            instructions = data["instructions"]  # omitted: the chain's instructions carry over
+        turn = Turn(alias, data, tenant, instructions, history, parent)
+        instance = engine.get(permit.instance_id)
+        _check_weights(turn, instance)
+    except BaseException:
+        permit.release()  # idempotent; the place goes back to the lane (LANE-3)
+        raise
     # Retained from now until the row lands, so the instance outlives its pending persist (REG-6).
     engine.registry.retain(instance)
     try:
-        generation = await engine.submit(_generation_request(turn, response_id, engine))
+        generation = await engine.submit(_generation_request(turn, response_id, engine), permit)
         _live_owners[response_id] = tenant
         if on_queued is None:
             await generation.admitted()

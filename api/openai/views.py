@@ -9,6 +9,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
+from api import lookups
 from api.auth import api_endpoint, json_body
 from api.engine_client import engine_if_started, get_engine
 from api.errors import ApiError
@@ -60,7 +61,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     """POST /v1/chat/completions (OpenAI-compatible; SSE when `stream` is true)."""
     body = json_body(request)
     data = validated(ChatCompletionInput, body)
-    alias = await sync_to_async(selectors.alias_resolve)(name=data["model"])
+    alias = await lookups.alias_resolve(data["model"])
     request_id = f"chatcmpl-{secrets.token_hex(12)}"
     engine = get_engine()
     tenant = str(request.tenant_id)  # type: ignore[attr-defined]
@@ -94,9 +95,14 @@ async def chat_shaped_response(
     return JsonResponse(await collect(turn, generation), headers=headers)
 
 
-def _model_list() -> list[dict[str, Any]]:
+def _engine_states() -> dict[int, str]:
+    # On the event loop, never in a thread: the lanes and session maps it walks are loop-owned,
+    # and a thread could see them change mid-iteration (REG-8).
     engine = engine_if_started()
-    states = {snap["instance_id"]: snap["state"] for snap in engine.snapshot()} if engine else {}
+    return {snap["instance_id"]: snap["state"] for snap in engine.snapshot()} if engine else {}
+
+
+def _model_list(states: dict[int, str]) -> list[dict[str, Any]]:
     return [
         {
             "id": alias.name,
@@ -113,14 +119,14 @@ def _model_list() -> list[dict[str, Any]]:
 @api_endpoint(dialect="openai", methods=("GET",))
 async def models_list(request: HttpRequest) -> HttpResponse:
     """GET /v1/models: enabled aliases in OpenAI's list shape, with load state (REG-8)."""
-    return JsonResponse({"object": "list", "data": await sync_to_async(_model_list)()})
+    return JsonResponse({"object": "list", "data": await sync_to_async(_model_list)(_engine_states())})
 
 
 @api_endpoint(dialect="openai", methods=("GET",))
 async def model_retrieve(request: HttpRequest, name: str) -> HttpResponse:
     """GET /v1/models/{name}."""
     request.requested_model = name  # type: ignore[attr-defined]
-    for item in await sync_to_async(_model_list)():
+    for item in await sync_to_async(_model_list)(_engine_states()):
         if item["id"] == name:
             return JsonResponse(item)
     raise ModelAlias.DoesNotExist

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mlxhost.engine.config import EngineConfig
-from mlxhost.engine.engine import Engine
+from mlxhost.engine.engine import Engine, Permit
 from mlxhost.engine.errors import (
     DrainingError,
     DuplicateRequestError,
@@ -19,6 +19,7 @@ from mlxhost.engine.errors import (
     RequestCancelledError,
     RequestTooLargeError,
     UnknownModelError,
+    WeightsChangedError,
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.sessions import SessionQuery, SessionScoper
@@ -56,6 +57,7 @@ __all__ = [
     "InvalidRequestError",
     "LaneSettings",
     "Message",
+    "Permit",
     "ModelLoadError",
     "ModelSpec",
     "PromptTooLongError",
@@ -71,4 +73,5 @@ __all__ = [
     "Timings",
     "Usage",
     "UnknownModelError",
+    "WeightsChangedError",
 ]

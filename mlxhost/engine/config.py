@@ -17,8 +17,13 @@ class EngineConfig:
     session_ttl_s: float = 1800.0
     # A worker that holds a request this long without a token is reported as stuck (OPS-2).
     stall_after_s: float = 30.0
-    # A cancel for an id the engine has not seen yet is remembered this long (LANE-6).
+    # A cancel for an id the engine has not seen yet is remembered this long (LANE-6), unless
+    # the id finished within the last `finished_ids_ttl_s` (then the cancel came late, not early).
     early_cancel_ttl_s: float = 60.0
+    finished_ids_ttl_s: float = 60.0
+    # An admin unload or reload drains the instance (LANE-7): running streams get this long to
+    # finish, then they are aborted and end with finish_reason "aborted".
+    drain_timeout_s: float = 30.0
     # Keep-alive and the memory budget (OPS-3): how often housekeeping looks for idle instances,
     # and the most bytes resident models may hold (None: no budget).
     housekeeping_interval_s: float = 30.0

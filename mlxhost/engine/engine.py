@@ -7,6 +7,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Literal
 
 from mlxhost.engine import limits
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EARLY_CANCEL_LIMIT = 4096
+FINISHED_IDS_LIMIT = 4096
 SHUTDOWN_MESSAGE = "The server is shutting down; retry shortly."
 
 
@@ -50,12 +52,56 @@ class _CountedGeneration(Generation):
     ) -> None:
         super().__init__(request, loop)
         self._on_end: Callable[[Event], None] | None = on_end
+        self.aborted = False  # the server cut it short (drain timeout, shutdown), not the client
+
+    def abort(self) -> None:
+        """The lane aborts it (LANE-7): stop within one step, and say so in the `Done`."""
+        # The lane also aborts on a client's cancel (Generation.cancel marks that first).
+        self.aborted = not self.cancelled
+        self.stop_flag.set()
 
     def post(self, event: Event) -> None:
+        if isinstance(event, Done) and event.finish_reason == "cancelled" and self.aborted:
+            # The worker only sees its stop flag; a server abort must not read like a client's
+            # cancel, let alone a complete answer (the surfaces map "aborted" to an error).
+            event = replace(event, finish_reason="aborted")
         if self._on_end is not None and isinstance(event, Done | Failed):
             on_end, self._on_end = self._on_end, None
             on_end(event)
         super().post(event)
+
+
+class Permit:
+    """A lane permit taken before a request's async pre-work (LANE-3), such as loading its stored
+    chain: pass it to `Engine.submit`, which hands it into the lane without counting it twice,
+    or `release()` it on bail-out (idempotent)."""
+
+    def __init__(self, engine: Engine, instance: Instance, ticket: Ticket, key: Key) -> None:
+        self.request_id = ticket.request_id
+        self.instance_id = instance.instance_id
+        self._engine = engine
+        self._instance = instance
+        self._ticket = ticket
+        self._key = key
+        self._state: Literal["held", "submitted", "released"] = "held"
+
+    @property
+    def held(self) -> bool:
+        return self._state == "held"
+
+    def release(self) -> None:
+        """Give the permit back; a no-op once submitted or released."""
+        if self._state != "held":
+            return
+        self._state = "released"
+        self._instance.lane.release(self._ticket)
+        self._engine.registry.unlease(self._instance)
+
+    def _take(self) -> tuple[Instance, Ticket, Key]:
+        if self._state != "held":
+            raise RuntimeError(f"The permit for {self.request_id!r} was already {self._state}.")
+        self._state = "submitted"
+        return self._instance, self._ticket, self._key
 
 
 class Engine:
@@ -80,6 +126,10 @@ class Engine:
         self._clock = clock
         self._live: dict[str, Generation] = {}
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
+        self._finished_ids: OrderedDict[str, float] = OrderedDict()  # id -> remembered until
+        # Told the aliases of an instance whose folder no longer matches its fingerprint (REG-3),
+        # so the service layer registers the new weights under a new instance id.
+        self.on_weights_changed: Callable[[list[str]], None] | None = None
         self._teardowns: set[asyncio.Task[None]] = set()
         self.stats = EngineStats()
         self.residency = Residency(self.registry, self.config.memory_budget_bytes, self.stats)
@@ -138,8 +188,40 @@ class Engine:
 
     # Requests -----------------------------------------------------------------------------
 
-    async def submit(self, request: GenerationRequest) -> Generation:
-        """Admit `request`: reserve, load if needed, render and count the prompt, enter the lane.
+    def reserve(self, request_id: str, model: ModelSpec, binding: str = "") -> Permit:
+        """Take a lane permit for a request before its async pre-work (LANE-3).
+
+        A cancel that arrived first wins over a full lane: the caller hears "cancelled",
+        not 429 (LANE-6).
+
+        Raises:
+            RequestCancelledError: a cancel for this id arrived first (LANE-6).
+            DuplicateRequestError: a request with this id is live (LANE-5).
+            QueueFullError: the lane is over budget (LANE-2).
+            DrainingError: the lane is draining (LANE-7).
+            EngineClosedError: the engine has shut down.
+        """
+        if request_id in self._live:
+            raise DuplicateRequestError(f"A request with id {request_id!r} is already in flight.")
+        binding = binding or _default_name(model)
+        key: Key = (binding, model.instance_id)
+        if self._take_early_cancel(request_id):
+            self.stats.outcome(key, "cancelled")
+            raise RequestCancelledError("The request was cancelled before it started.")
+        try:
+            instance = self.bind(binding, model)
+            key = (binding, instance.instance_id)
+            ticket = instance.lane.reserve(request_id)
+        except (QueueFullError, DrainingError) as exc:
+            self.stats.reject(key, exc.code)
+            raise
+        self.registry.lease(instance)  # an unbind while the permit waits defers teardown (REG-6)
+        instance.touch()
+        return Permit(self, instance, ticket, key)
+
+    async def submit(self, request: GenerationRequest, permit: Permit | None = None) -> Generation:
+        """Admit `request`: reserve (or take `permit`), load if needed, render and count the
+        prompt, enter the lane. A given permit is consumed, also when this raises.
 
         Raises:
             QueueFullError: the lane is over budget (LANE-2); nothing was rendered.
@@ -153,24 +235,17 @@ class Engine:
             EngineClosedError: the engine has shut down.
         """
         request_id = request.request_id
-        if request_id in self._live:
-            raise DuplicateRequestError(f"A request with id {request_id!r} is already in flight.")
-        binding = request.binding or _default_name(request.model)
-        key: Key = (binding, request.model.instance_id)
-        try:
-            instance = self.bind(binding, request.model)
-            key = (binding, instance.instance_id)
-            ticket = instance.lane.reserve(request_id)
-        except (QueueFullError, DrainingError) as exc:
-            self.stats.reject(key, exc.code)
-            raise
+        if permit is None:
+            permit = self.reserve(request_id, request.model, request.binding)
+        elif permit.request_id != request_id:
+            permit.release()
+            raise ValueError(f"The permit is for {permit.request_id!r}, not {request_id!r}.")
+        instance, ticket, key = permit._take()
         generation = _CountedGeneration(
             request, asyncio.get_running_loop(), lambda event: self._count_end(key, event)
         )
         generation.instance_id = instance.instance_id
-        self._live[request_id] = generation
-        self.registry.lease(instance)
-        instance.touch()
+        self._live[request_id] = generation  # owns the permit's lease from here (see _forget)
         try:
             if self._take_early_cancel(request_id):
                 raise RequestCancelledError("The request was cancelled before it started.")
@@ -215,11 +290,18 @@ class Engine:
             self.registry.unlease(instance)
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a queued or running request; an unknown id is remembered for its arrival (LANE-6)."""
+        """Cancel a queued or running request; an unknown id is remembered for its arrival (LANE-6).
+
+        An id that finished recently is not remembered: that cancel came late, and a later
+        request reusing the id must not be cancelled by it.
+        """
         generation = self._live.get(request_id)
         if generation is not None:
             generation.cancel()
             return True
+        _expire(self._finished_ids, self._clock())
+        if request_id in self._finished_ids:
+            return False
         self._early_cancels[request_id] = self._clock() + self.config.early_cancel_ttl_s
         while len(self._early_cancels) > EARLY_CANCEL_LIMIT:
             self._early_cancels.popitem(last=False)
@@ -274,7 +356,7 @@ class Engine:
             instance, ticket, generation, prompt_ids, sampling, entered_at
         )
         ticket.on_position = generation.queued
-        ticket.on_abort = generation.stop_flag.set
+        ticket.on_abort = generation.abort  # type: ignore[attr-defined]  # a _CountedGeneration
         generation.on_cancel(lambda: instance.lane.cancel(generation.request_id))
         ticket.admitted.add_done_callback(lambda f: self._left_queue(instance, ticket, generation, f))
         instance.lane.enter(ticket)
@@ -351,6 +433,10 @@ class Engine:
     def _forget(self, instance: Instance, generation: Generation) -> None:
         if self._live.get(generation.request_id) is generation:
             del self._live[generation.request_id]
+            self._finished_ids[generation.request_id] = self._clock() + self.config.finished_ids_ttl_s
+            self._finished_ids.move_to_end(generation.request_id)
+            while len(self._finished_ids) > FINISHED_IDS_LIMIT:
+                self._finished_ids.popitem(last=False)
             instance.touch()  # the keep-alive counts from the last request's end (OPS-3)
             self.registry.unlease(instance)
 
@@ -363,15 +449,21 @@ class Engine:
             self.stats.outcome(key, "failed")
 
     def _take_early_cancel(self, request_id: str) -> bool:
-        now = self._clock()
-        while self._early_cancels and next(iter(self._early_cancels.values())) < now:
-            self._early_cancels.popitem(last=False)
+        _expire(self._early_cancels, self._clock())
         return self._early_cancels.pop(request_id, None) is not None
 
     # Lifecycle ----------------------------------------------------------------------------
 
     def _create_instance(self, spec: ModelSpec) -> Instance:
-        return Instance(spec, self.backend, self.config, self._clock)
+        instance = Instance(spec, self.backend, self.config, self._clock)
+        instance.on_weights_changed = self._weights_changed
+        return instance
+
+    def _weights_changed(self, instance: Instance) -> None:
+        names = self.registry.names_of(instance)
+        logger.warning("instance %s: its weights changed on disk since registration", instance.instance_id)
+        if self.on_weights_changed is not None:
+            self.on_weights_changed(names)
 
     def _schedule_teardown(self, instance: Instance) -> None:
         # The registry already forgot it; free memory and the thread without blocking the caller.
@@ -394,6 +486,7 @@ class Engine:
     def sweep(self) -> int:
         """Dispose expired warm sessions on every instance; returns how many went."""
         self._take_early_cancel("")  # also drops expired early cancels
+        _expire(self._finished_ids, self._clock())
         return sum(instance.sessions.sweep() for instance in self.registry.instances())
 
     async def housekeeping(self, interval_s: float | None = None) -> None:
@@ -453,6 +546,12 @@ class Engine:
         await asyncio.gather(*(asyncio.to_thread(i.stop, timeout) for i in instances))
         if self._teardowns:
             await asyncio.gather(*self._teardowns, return_exceptions=True)
+
+
+def _expire(remembered: OrderedDict[str, float], now: float) -> None:
+    # Entries are kept in expiry order (each is appended with the same TTL).
+    while remembered and next(iter(remembered.values())) < now:
+        remembered.popitem(last=False)
 
 
 def _default_name(spec: ModelSpec) -> str:

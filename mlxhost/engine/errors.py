@@ -21,6 +21,12 @@ class ModelLoadError(EngineError):
     code = "model_load_failed"
 
 
+class WeightsChangedError(ModelLoadError):
+    """The folder's files no longer match the fingerprint they were registered with (REG-3)."""
+
+    code = "weights_changed"
+
+
 class InvalidModelFolderError(EngineError):
     """A model folder is unsafe or incomplete (remote code, non-safetensors weights, no config)."""
 

@@ -6,11 +6,13 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from mlxhost.engine.errors import ModelLoadError
+from mlxhost.engine.errors import ModelLoadError, WeightsChangedError
 from mlxhost.engine.lane import Lane
 from mlxhost.engine.sessions import SessionCache
+from mlxhost.engine.weights import folder_fingerprint
 from mlxhost.engine.worker import CallJob, GenerateJob, InstanceWorker
 
 if TYPE_CHECKING:
@@ -69,6 +71,8 @@ class Instance:
         self._worker.burst_wait_s = config.burst_wait_s
         self._worker.reload_after_faults = config.reload_after_faults
         self._loading: asyncio.Future[None] | None = None
+        # Called on the loop when a load found the folder changed since registration (REG-3).
+        self.on_weights_changed: Callable[[Instance], None] | None = None
 
     @property
     def model(self) -> LoadedModel | None:
@@ -188,6 +192,10 @@ class Instance:
                 await self._on_worker(self._load)
             except Exception as exc:
                 self.state, self.last_error = "error", _describe(exc)
+                if isinstance(exc, WeightsChangedError):
+                    if self.on_weights_changed is not None:
+                        self.on_weights_changed(self)
+                    raise
                 raise ModelLoadError(self.last_error) from exc
             self.state = "ready"
             self.touch()  # a fresh load is not idle yet: its keep-alive starts now
@@ -205,7 +213,23 @@ class Instance:
 
     def _load(self) -> None:
         if self._worker.model is None:
+            self._verify_weights()
             self._worker.model = self._backend.load(self.spec, self._on_progress)
+
+    def _verify_weights(self) -> None:
+        """Refuse a folder whose files changed since registration, so the old instance id is never
+        stamped on new bytes (REG-3): a reload, a restart or a keep-alive reload reads the folder
+        afresh. A small TOCTOU window remains between this hash and the backend's read."""
+        spec = self.spec
+        folder = Path(spec.source)
+        if not spec.verify_weights or spec.revision or not folder.is_absolute():
+            return  # hub weights are named by an immutable commit
+        try:
+            actual = folder_fingerprint(folder)
+        except OSError as exc:
+            raise ModelLoadError(f"The weights could not be read: {exc}") from exc
+        if actual != spec.fingerprint:
+            raise WeightsChangedError("The weights changed since the alias was saved; re-save the alias.")
 
     def _reload_on_worker(self) -> LoadedModel:
         self.state, self.last_error = "loading", None

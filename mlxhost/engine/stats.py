@@ -25,7 +25,13 @@ REJECTIONS = ("queue_full", "draining", "queue_timeout")
 # Why an instance's weights were freed without an admin asking (OPS-3).
 UNLOAD_REASONS = ("keep_alive", "memory_budget")
 
-_OUTCOME_OF_FINISH = {"stop": "completed", "length": "incomplete", "cancelled": "cancelled"}
+# A server abort (drain timeout, shutdown) counts with the cancels: stopped before its end.
+_OUTCOME_OF_FINISH = {
+    "stop": "completed",
+    "length": "incomplete",
+    "cancelled": "cancelled",
+    "aborted": "cancelled",
+}
 
 Key = tuple[str, int]  # (binding name, instance id)
 

@@ -9,7 +9,9 @@ if TYPE_CHECKING:
     from mlxhost.engine.sessions import SessionQuery
 
 Role = Literal["system", "user", "assistant"]
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+# "cancelled": a client or a cancel by id stopped it; "aborted": the server cut it short
+# (a drain for unload, reload or shutdown ran past its timeout). Neither is a complete answer.
+FinishReason = Literal["stop", "length", "cancelled", "aborted", "error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,9 @@ class ModelSpec:
     lane: LaneSettings = field(default_factory=LaneSettings)
     keep_alive_s: float | None = None
     pinned: bool = False
+    # Re-hash a local folder at every load and refuse it when it no longer matches `fingerprint`
+    # (REG-3); the service layer sets it for registered aliases, hand-built specs may skip it.
+    verify_weights: bool = False
 
     @property
     def weights_key(self) -> tuple[str, str, str]:

@@ -389,16 +389,38 @@ async def test_a_mid_stream_failure_is_an_error_event():
     )
     events = decode([frame async for frame in message_sse(MessageTurn("msg_x", "tiny"), generation)])
     assert [name for name, _ in events] == [*EVENT_ORDER, "content_block_delta", "error"]
-    assert events[-1][1] == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
+    # API-4: the engine's detail stays in the log; the client gets a fixed text.
+    assert events[-1][1] == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "The model failed while generating."},
+    }
 
 
-async def test_a_request_cancelled_before_it_ran_still_opens_and_closes_the_message():
+async def test_a_request_cancelled_before_it_ran_opens_the_message_and_ends_with_an_error():
+    """LANE-6: a cancelled answer still opens the message, then ends with an `error` event,
+    never with `stop_reason: end_turn`, which would read like a complete answer."""
     from api.anthropic.messages import MessageTurn, message_sse
     from mlxhost.engine import Done, Timings, Usage
 
     done = Done(finish_reason="cancelled", usage=Usage(0, 0), timings=Timings(0, 0, 0, 0))
     frames = [frame async for frame in message_sse(MessageTurn("msg_x", "tiny"), ScriptedGeneration(done))]
-    assert [name for name, _ in decode(frames)] == [*EVENT_ORDER, *CLOSING]
+    events = decode(frames)
+    assert [name for name, _ in events] == [*EVENT_ORDER, "error"]
+    assert events[-1][1]["error"]["type"] == "api_error"
+
+
+async def test_a_stream_aborted_by_a_drain_ends_with_overloaded_error_not_end_turn():
+    """LANE-7, OPS-5: a stream the server cut short (drain timeout, shutdown) ends with an
+    `overloaded_error` event; no `message_delta` claims `end_turn`."""
+    from api.anthropic.messages import MessageTurn, message_sse
+    from mlxhost.engine import Delta, Done, Started, Timings, Usage
+
+    done = Done(finish_reason="aborted", usage=Usage(7, 1), timings=Timings(0, 0, 0, 0))
+    generation = ScriptedGeneration(Started(prompt_tokens=7), Delta(text="Hi"), done)
+    events = decode([frame async for frame in message_sse(MessageTurn("msg_x", "tiny"), generation)])
+    assert [name for name, _ in events] == [*EVENT_ORDER, "content_block_delta", "error"]
+    assert events[-1][1]["error"]["type"] == "overloaded_error"
+    assert not any(name == "message_delta" for name, _ in events)
 
 
 async def test_a_failure_before_the_answer_is_a_500_api_error():

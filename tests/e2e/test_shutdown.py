@@ -77,7 +77,8 @@ def lane(server: Server, headers: dict[str, str]) -> dict:
 
 def test_sigterm_drains_ends_every_stream_and_exits_zero(server, tiny_alias, api_key, tiny_eos_id):
     """OPS-5, LANE-7: on SIGTERM the running stream gets SHUTDOWN_TIMEOUT_S to finish, is then
-    aborted and still ends with a finish_reason chunk and [DONE]; the queued request and a new
+    aborted and ends with an error event (code `draining`, never a finish_reason that reads like
+    a complete answer) and [DONE]; the queued request and a new
     one sent during the drain get 503 `draining`; then the process exits with status 0."""
     headers = {"Authorization": f"Bearer {api_key}"}
     chat = f"{server.url}/v1/chat/completions"
@@ -123,8 +124,9 @@ def test_sigterm_drains_ends_every_stream_and_exits_zero(server, tiny_alias, api
     assert stream.error is None, stream.error
     data = stream.data()
     assert data[-1] == "[DONE]"
-    finishes = [c["choices"][0]["finish_reason"] for c in map(json.loads, data[:-1]) if c.get("choices")]
-    assert finishes[-1] is not None and all(f is None for f in finishes[:-1])
+    assert json.loads(data[-2])["error"]["code"] == "draining"
+    finishes = [c["choices"][0]["finish_reason"] for c in map(json.loads, data[:-2]) if c.get("choices")]
+    assert all(f is None for f in finishes)
 
     assert server.process.wait(timeout=EXIT_WITHIN_S) == 0, server.output()
     assert "engine stopped" in server.output()

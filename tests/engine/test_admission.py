@@ -249,7 +249,8 @@ async def test_drain_wait_refuses_fails_waiters_lets_the_running_finish_then_fre
 
 
 async def test_drain_abort_cancels_the_running_request(engine, backend):
-    """LANE-7: drain("abort") aborts the running request: it ends with Done(cancelled), then unload."""
+    """LANE-7: drain("abort") aborts the running request: it ends with Done(aborted), never a
+    client's "cancelled" or a complete "stop", then unloads."""
     await engine.load(spec(1))
     backend.gated = True
     running = await engine.submit(request("r1", max_tokens=10_000))
@@ -259,7 +260,7 @@ async def test_drain_abort_cancels_the_running_request(engine, backend):
     backend.gate.set()  # the worker sees the flag after at most one more token
     events = [event async for event in stream]
     assert isinstance(events[-1], Done)
-    assert events[-1].finish_reason == "cancelled"
+    assert events[-1].finish_reason == "aborted"
     assert events[-1].usage.completion_tokens <= 1
     await asyncio.wait_for(drain, 5)
     assert engine.get(1).state == "unloaded"

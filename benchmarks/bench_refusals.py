@@ -1,0 +1,232 @@
+"""Refusal benchmark: a burst over the lane's budget on every surface; served/refused counts and
+refusal latency (LANE-2, issue 10 item 4).
+
+A real daphne serves one alias at concurrency 1 and queue depth 4, so 5 requests of a 20-request
+burst hold a place and 15 must be refused (429, 529 on Anthropic, an error frame on the socket).
+Each burst is fired at once (httpx async for HTTP, `websockets` for the socket), with long
+generations, so no place frees up during it. Latency is from sending a request to receiving its
+refusal status (or frame).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import websockets
+from _common import (
+    ALIAS,
+    DEFAULT_MODELS_ROOT,
+    ensure_model,
+    loadavg,
+    percentile,
+    register_alias,
+    start_daphne,
+    state_env,
+    stop_process,
+    wait_ready,
+)
+
+CAPACITY, DEPTH = 1, 4
+LONG = 100_000
+HELLO = [{"role": "user", "content": "hello there"}]
+REFUSED = {429, 529}
+
+
+def bodies(eos_bias: dict[str, float]) -> dict[str, tuple[str, dict]]:
+    """Surface -> (path, body): long streamed generations; the EOS token is banned where allowed."""
+    return {
+        "chat": ("/v1/chat/completions", {"messages": HELLO, "max_tokens": LONG, "logit_bias": eos_bias}),
+        "completions": ("/v1/completions", {"prompt": "hello", "max_tokens": LONG, "logit_bias": eos_bias}),
+        "responses": (
+            "/v1/responses",
+            {"input": "hello", "max_output_tokens": LONG, "store": False, "logit_bias": eos_bias},
+        ),
+        "messages": ("/v1/messages", {"messages": HELLO, "max_tokens": LONG}),
+    }
+
+
+async def lane(client: httpx.AsyncClient) -> dict:
+    instances = (await client.get("/readyz")).json().get("instances", [])
+    return instances[0]["lane"] if instances else {}
+
+
+async def wait_idle(client: httpx.AsyncClient) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        probe = await lane(client)
+        if probe.get("active", 0) == probe.get("queued", 0) == probe.get("permits", 0) == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise SystemExit(f"the lane did not go idle between bursts: {probe}")
+
+
+async def settle(client: httpx.AsyncClient, refused: list[float], burst: int) -> int:
+    """Wait until every request of the burst is refused or holds a place; return the places."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        probe = await lane(client)
+        held = probe.get("active", 0) + probe.get("queued", 0)
+        if len(refused) + held >= burst:
+            return held
+        await asyncio.sleep(0.01)
+    return -1
+
+
+async def http_burst(base: str, key: str, path: str, body: dict, burst: int) -> tuple[int, list[float]]:
+    headers = {"Authorization": f"Bearer {key}", "x-api-key": key, "anthropic-version": "2023-06-01"}
+    payload = {"model": ALIAS, "stream": True, **body}
+    limits = httpx.Limits(max_connections=burst + 4)
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120, limits=limits) as client:
+        # Open the burst's connections first, as clients with a pool do: the refusal's latency is
+        # the server's, not the TCP handshakes' of 20 new connections on a loaded machine.
+        await asyncio.gather(*(client.get("/healthz") for _ in range(burst)))
+        refused: list[float] = []
+        statuses: list[int] = []
+
+        async def one() -> None:
+            started = time.perf_counter()
+            async with client.stream("POST", path, json=payload) as response:
+                statuses.append(response.status_code)
+                if response.status_code in REFUSED:
+                    refused.append(time.perf_counter() - started)
+                    return
+                async for _ in response.aiter_bytes():  # hold the place until hung up
+                    pass
+
+        tasks = [asyncio.create_task(one()) for _ in range(burst)]
+        held = await settle(client, refused, burst)
+        for task in tasks:
+            task.cancel()  # closing the connections cancels the streams and the waiters (LANE-6)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await wait_idle(client)
+        return held, refused
+
+
+async def ws_burst(base: str, key: str, body: dict, burst: int) -> tuple[int, list[float]]:
+    url = base.replace("http://", "ws://") + "/ws/v1/responses"
+    headers = {"Authorization": f"Bearer {key}"}
+    sockets = [await websockets.connect(url, additional_headers=headers) for _ in range(burst)]
+    refused: list[float] = []
+
+    async def one(socket) -> None:  # noqa: ANN001
+        started = time.perf_counter()
+        await socket.send(json.dumps({"type": "response.create", "model": ALIAS, **body}))
+        frame = json.loads(await socket.recv())
+        if frame.get("type") in ("error", "overloaded") and frame.get("status", 429) in REFUSED:
+            refused.append(time.perf_counter() - started)
+
+    try:
+        await asyncio.gather(*(one(socket) for socket in sockets))
+        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=30) as client:
+            held = await settle(client, refused, burst)
+            for socket in sockets:
+                await socket.close()  # closing the socket cancels its turn
+            await wait_idle(client)
+    finally:
+        for socket in sockets:
+            await socket.close()
+    return held, refused
+
+
+async def floor_burst(base: str, burst: int) -> list[float]:
+    """The same burst of GET /healthz (no auth, no engine): the HTTP floor of this machine."""
+    async with httpx.AsyncClient(
+        base_url=base, timeout=30, limits=httpx.Limits(max_connections=burst + 4)
+    ) as client:
+        await asyncio.gather(*(client.get("/healthz") for _ in range(burst)))
+
+        async def one() -> float:
+            started = time.perf_counter()
+            await client.get("/healthz")
+            return time.perf_counter() - started
+
+        return list(await asyncio.gather(*(one() for _ in range(burst))))
+
+
+def eos_bias(folder: Path) -> dict[str, float]:
+    eos = json.loads((folder / "config.json").read_text()).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return {str(token): -100.0 for token in ids}
+
+
+async def run(base: str, key: str, folder: Path, burst: int, rounds: int) -> list[dict]:
+    floor = [1000 * t for _ in range(rounds) for t in await floor_burst(base, burst)]
+    rows = [
+        {
+            "surface": "healthz",
+            "served": [burst] * rounds,
+            "refused": ["-"] * rounds,
+            "p50_ms": percentile(floor, 50),
+            "p99_ms": percentile(floor, 99),
+            "max_ms": max(floor),
+        }
+    ]
+    surfaces = bodies(eos_bias(folder))
+    for name in [*surfaces, "websocket"]:
+        print(f"bursting {name} ...", file=sys.stderr, flush=True)
+        held_counts, latencies, refused_counts = [], [], []
+        for _ in range(rounds):
+            if name == "websocket":
+                held, refused = await ws_burst(base, key, surfaces["responses"][1], burst)
+            else:
+                held, refused = await http_burst(base, key, *surfaces[name], burst)
+            held_counts.append(held)
+            refused_counts.append(len(refused))
+            latencies.extend(1000 * t for t in refused)
+        rows.append(
+            {
+                "surface": name,
+                "served": held_counts,
+                "refused": refused_counts,
+                "p50_ms": percentile(latencies, 50),
+                "p99_ms": percentile(latencies, 99),
+                "max_ms": max(latencies, default=float("nan")),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("tiny", "demo"), default="tiny")
+    parser.add_argument("--burst", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="bursts per surface")
+    parser.add_argument("--models-root", default=DEFAULT_MODELS_ROOT)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="mlxhost-bench-refusals-") as tmp:
+        state = Path(tmp)
+        env = state_env(Path(args.models_root), state)
+        folder = ensure_model(env, args.model)
+        key = register_alias(env, folder, concurrency=CAPACITY, queue_depth=DEPTH, max_output_tokens=LONG)
+        log = state / "daphne.log"
+        proc, base = start_daphne(env, log)
+        try:
+            wait_ready(proc, base, key, log)
+            rows = asyncio.run(run(base, key, folder, args.burst, args.rounds))
+        finally:
+            stop_process(proc)
+    print(
+        f"# refusals: burst {args.burst} at capacity {CAPACITY}, depth {DEPTH}, model {args.model}, "
+        f"{args.rounds} round(s), load {loadavg():.2f}"
+    )
+    print(f"{'surface':<12} {'served':<12} {'refused':<14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for row in rows:
+        print(
+            f"{row['surface']:<12} {','.join(map(str, row['served'])):<12} "
+            f"{','.join(map(str, row['refused'])):<14} {row['p50_ms']:8.1f} {row['p99_ms']:8.1f} {row['max_ms']:8.1f}"
+        )
+    expected_refused = args.burst - CAPACITY - DEPTH
+    exact = all(set(r["refused"]) == {expected_refused} for r in rows[1:])
+    sys.exit(0 if exact else 1)
+
+
+if __name__ == "__main__":
+    main()
