@@ -124,6 +124,8 @@ async def test_an_unattributed_batch_failure_degrades_then_recovers(engine, back
     backend.batch_step_failures = 1
     failed = await collect(await engine.submit(request("r0", spec_=BATCHED, max_tokens=3)))
     assert isinstance(failed[-1], Failed)
+    # The requests hear of the failure first; the worker then counts it and recovers.
+    await until(lambda: faults(engine)["recoveries"] == 1, what="the recovery")
     assert faults(engine) == {
         "total": 1,
         "in_a_row": 1,
@@ -145,8 +147,8 @@ async def test_repeated_failures_load_the_model_afresh(make_engine, backend):
     for i in range(3):
         events = await collect(await engine.submit(request(f"f{i}", max_tokens=2)))
         assert isinstance(events[-1], Failed)
-    await until(lambda: faults(engine)["reloads"] == 1, what="the reload")
-    assert backend.loads == [1, 1]
+    await until(lambda: backend.loads == [1, 1], what="the reload")
+    assert faults(engine)["reloads"] == 1
     assert faults(engine)["in_a_row"] == 3  # degraded until a generation finishes cleanly
     events = await collect(await engine.submit(request("ok", max_tokens=2)))
     assert isinstance(events[-1], Done)
