@@ -9,6 +9,11 @@ class ApiConfig(AppConfig):
 
     def ready(self) -> None:
         from django.contrib.auth.signals import user_logged_out
+        from django.core import checks
+
+        from mlxhost.middleware import check_protections
+
+        checks.register(check_protections, checks.Tags.security, deploy=True)
 
         from models_app.control import session_sockets_close
 

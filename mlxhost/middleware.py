@@ -15,14 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.contrib.auth.middleware import AuthenticationMiddleware
 from django.contrib.messages.middleware import MessageMiddleware
 from django.contrib.sessions.middleware import SessionMiddleware
+from django.core.checks import CheckMessage, Warning
 from django.http import HttpRequest, HttpResponseBase
 from django.middleware.clickjacking import XFrameOptionsMiddleware
 from django.middleware.common import CommonMiddleware
 from django.middleware.csrf import CsrfViewMiddleware
 from django.middleware.security import SecurityMiddleware
+from django.utils.module_loading import import_string
 
 API_PREFIX = "/v1/"
 
@@ -79,3 +82,22 @@ class InlineMessageMiddleware(_InlineForApi, MessageMiddleware):
 
 class InlineXFrameOptionsMiddleware(_InlineForApi, XFrameOptionsMiddleware):
     pass
+
+
+# Django's deploy checks look these three up by dotted path (security.W001, W002, W003), so the
+# settings silence them and this check stands in: each must be present as itself or a subclass.
+_PROTECTIONS = {
+    "mlxhost.W001": SecurityMiddleware,
+    "mlxhost.W002": XFrameOptionsMiddleware,
+    "mlxhost.W003": CsrfViewMiddleware,
+}
+
+
+def check_protections(**_kwargs: Any) -> list[CheckMessage]:
+    """A warning for each protecting middleware missing from MIDDLEWARE (in any subclass)."""
+    loaded = [import_string(path) for path in settings.MIDDLEWARE]
+    return [
+        Warning(f"No {base.__module__}.{base.__name__} (or a subclass) in MIDDLEWARE.", id=check_id)
+        for check_id, base in _PROTECTIONS.items()
+        if not any(isinstance(cls, type) and issubclass(cls, base) for cls in loaded)
+    ]

@@ -61,6 +61,9 @@ MIDDLEWARE = [
     # Last, as django-axes asks: it turns a lockout into its 429 page.
     "axes.middleware.AxesMiddleware",
 ]
+# Django finds the security, clickjacking and CSRF middleware by dotted path and so misses the
+# subclasses above; mlxhost.W001-W003 (mlxhost/middleware.py) check for them by class instead.
+SILENCED_SYSTEM_CHECKS = ["security.W001", "security.W002", "security.W003"]
 
 # Admin login throttle (ADM-1): 5 failed logins for one username from one address lock that pair
 # out for 15 minutes, even with the right password; a successful login resets the count.
@@ -92,7 +95,7 @@ if MLXHOST_BEHIND_TLS_PROXY:
     SECURE_HSTS_INCLUDE_SUBDOMAINS = env.bool("MLXHOST_HSTS_INCLUDE_SUBDOMAINS", default=True)
     SECURE_HSTS_PRELOAD = env.bool("MLXHOST_HSTS_PRELOAD", default=True)
     # Turning either off is a deliberate choice for this host's domain, not an oversight.
-    SILENCED_SYSTEM_CHECKS = [
+    SILENCED_SYSTEM_CHECKS += [
         *([] if SECURE_HSTS_INCLUDE_SUBDOMAINS else ["security.W005"]),
         *([] if SECURE_HSTS_PRELOAD else ["security.W021"]),
     ]

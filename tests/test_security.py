@@ -134,3 +134,12 @@ def test_local_http_is_unchanged_without_the_proxy_setting(client, settings):
     assert not settings.MLXHOST_BEHIND_TLS_PROXY
     assert (settings.SECURE_SSL_REDIRECT, settings.SESSION_COOKIE_SECURE) == (False, False)
     assert client.get(LOGIN).status_code == 200
+
+
+def test_the_protection_check_stands_in_for_djangos_silenced_ones(settings):
+    """API-5: Django's path-based W001-W003 are silenced for our subclasses; our own check still warns when one is gone."""
+    from mlxhost.middleware import check_protections
+
+    assert check_protections() == []
+    settings.MIDDLEWARE = [m for m in settings.MIDDLEWARE if "Csrf" not in m and "XFrame" not in m]
+    assert sorted(w.id for w in check_protections()) == ["mlxhost.W002", "mlxhost.W003"]
