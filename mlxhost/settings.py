@@ -224,6 +224,8 @@ MLXHOST_ENGINE = {
     "MAX_SESSION_BYTES": env.int("MLXHOST_MAX_SESSION_BYTES", default=2 << 30),
     "SESSION_TTL_S": env.float("MLXHOST_SESSION_TTL_S", default=1800.0),
     "SHUTDOWN_TIMEOUT_S": env.float("MLXHOST_SHUTDOWN_TIMEOUT_S", default=10.0),
+    # An admin unload or reload lets running requests finish this long, then aborts them (LANE-7).
+    "DRAIN_TIMEOUT_S": env.float("MLXHOST_DRAIN_TIMEOUT_S", default=30.0),
     # Keep-alive (OPS-3): how often idle instances are looked for; the alias sets each keep-alive.
     "HOUSEKEEPING_INTERVAL_S": env.float("MLXHOST_HOUSEKEEPING_INTERVAL_S", default=30.0),
     # Most bytes resident models (weights + warm sessions) may hold; unset or 0: no budget (OPS-3).
