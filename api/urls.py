@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
-from django.urls import path
+from django.urls import path, register_converter
 
 from api import health, metrics, openapi
 from api.anthropic import views as anthropic_views
 from api.openai import completions, responses_views
 from api.openai import views as openai_views
+
+
+class PublicIdConverter:
+    """A stored response's id as minted (`resp_` + hex), or anything of that alphabet: any other
+    text (a NUL byte, which PostgreSQL refuses) never reaches a query and gets the JSON 404."""
+
+    regex = "[A-Za-z0-9_-]{1,64}"
+
+    def to_python(self, value: str) -> str:
+        return value
+
+    def to_url(self, value: str) -> str:
+        return value
+
+
+register_converter(PublicIdConverter, "public_id")
 
 urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
@@ -17,15 +33,17 @@ urlpatterns = [
     path("v1/chat/completions", openai_views.chat_completions, name="chat-completions"),
     path("v1/completions", completions.completions, name="completions"),
     path("v1/responses", responses_views.responses_create, name="responses-create"),
-    path("v1/responses/<str:public_id>", responses_views.response_detail, name="responses-detail"),
-    path("v1/responses/<str:public_id>/cancel", responses_views.response_cancel, name="responses-cancel"),
+    path("v1/responses/<public_id:public_id>", responses_views.response_detail, name="responses-detail"),
     path(
-        "v1/responses/<str:public_id>/input_items",
+        "v1/responses/<public_id:public_id>/cancel", responses_views.response_cancel, name="responses-cancel"
+    ),
+    path(
+        "v1/responses/<public_id:public_id>/input_items",
         responses_views.response_input_items,
         name="responses-input-items",
     ),
     path("v1/messages", anthropic_views.messages, name="messages"),
     path("v1/messages/count_tokens", anthropic_views.count_tokens, name="messages-count-tokens"),
     path("v1/models", openai_views.models_list, name="models-list"),
-    path("v1/models/<str:name>", openai_views.model_retrieve, name="models-retrieve"),
+    path("v1/models/<slug:name>", openai_views.model_retrieve, name="models-retrieve"),
 ]

@@ -173,6 +173,23 @@ async def test_an_unknown_v1_route_is_a_json_404(path, dialect):
         assert_envelope(response, 404, dialect)
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        pytest.param("get", "/v1/responses/%00%ff", id="retrieve"),
+        pytest.param("delete", "/v1/responses/resp_%00", id="delete"),
+        pytest.param("post", "/v1/responses/%00/cancel", id="cancel"),
+        pytest.param("get", "/v1/responses/%00/input_items", id="input-items"),
+        pytest.param("get", "/v1/models/%00", id="model"),
+    ],
+)
+async def test_an_id_with_bytes_no_id_has_is_a_json_404_without_a_query(method, path, api_key):
+    """API-4, PER-6: a NUL byte in a path id (PostgreSQL refuses it in a query: a 500 before) is
+    the JSON 404 of an unknown id."""
+    response = await getattr(AsyncClient(), method)(path, headers={"Authorization": f"Bearer {api_key}"})
+    assert_envelope(response, 404, "openai")
+
+
 async def test_an_unknown_internal_error_is_a_500_with_a_request_id_and_no_traceback(
     api_key, monkeypatch, caplog
 ):

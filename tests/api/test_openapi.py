@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.test import AsyncClient
 from django.urls import URLPattern
@@ -22,7 +24,7 @@ async def test_the_schema_is_public_and_documents_every_v1_route():
     schema = response.json()
     assert schema["openapi"].startswith("3.")
     routes = {
-        "/" + str(p.pattern).replace("<str:", "{").replace(">", "}")
+        "/" + re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", str(p.pattern))
         for p in urlpatterns
         if isinstance(p, URLPattern) and str(p.pattern).startswith("v1/") and p.name != "openapi"
     }
