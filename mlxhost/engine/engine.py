@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from mlxhost.engine.backends.base import Backend
     from mlxhost.engine.lane import Ticket
     from mlxhost.engine.residency import MemoryPolicy
+    from mlxhost.engine.sessions import SessionLease
     from mlxhost.engine.stats import Key
     from mlxhost.engine.types import Event, GenerationRequest, ModelSpec, SamplingParams
 
@@ -357,7 +358,11 @@ class Engine:
         )
         ticket.on_position = generation.queued
         ticket.on_abort = generation.abort  # type: ignore[attr-defined]  # a _CountedGeneration
-        generation.on_cancel(lambda: instance.lane.cancel(generation.request_id))
+
+        def cancel() -> None:
+            instance.lane.cancel(generation.request_id)
+
+        generation.on_cancel(cancel)
         ticket.admitted.add_done_callback(lambda f: self._left_queue(instance, ticket, generation, f))
         instance.lane.enter(ticket)
 
@@ -408,8 +413,13 @@ class Engine:
         instance.dispatch(job)
 
     def _finished(
-        self, instance: Instance, ticket: Ticket, generation: Generation, lease, result: JobResult
-    ) -> None:  # noqa: ANN001
+        self,
+        instance: Instance,
+        ticket: Ticket,
+        generation: Generation,
+        lease: SessionLease | None,
+        result: JobResult,
+    ) -> None:
         # Adopt before releasing the slot: release admits (and leases for) the next waiter at
         # once, and a continuation queued behind its parent must find the parent's session.
         if lease is not None and not result.touched:

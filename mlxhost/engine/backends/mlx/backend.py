@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -62,16 +62,18 @@ class MlxModel:
         return make_prompt_cache(self._model)
 
     def trim_cache(self, kv: object, n: int) -> None:
-        if n and not can_trim_prompt_cache(kv):
+        layers = _layers(kv)
+        if n and not can_trim_prompt_cache(layers):
             raise ValueError("This model's cache cannot be trimmed.")
         if n:
-            trim_prompt_cache(kv, n)
+            trim_prompt_cache(layers, n)
 
     def cache_length(self, kv: object) -> int:
-        return int(kv[0].offset) if kv else 0  # type: ignore[index]
+        layers = _layers(kv)
+        return int(layers[0].offset) if layers else 0
 
     def cache_nbytes(self, kv: object) -> int:
-        return sum(int(layer.nbytes) for layer in kv)  # type: ignore[attr-defined]
+        return sum(int(layer.nbytes) for layer in _layers(kv))
 
     def dispose_cache(self, kv: object) -> None:
         kv.clear()  # type: ignore[attr-defined]  # dropping the arrays frees them
@@ -127,9 +129,14 @@ class MlxModel:
         mx.clear_cache()
 
 
+def _layers(kv: object) -> list[Any]:
+    # The engine holds caches as opaque objects; here they are mlx-lm's per-layer lists.
+    return cast("list[Any]", kv)
+
+
 def _kv_bytes_per_token(model: Any) -> int:
     """Keys and values of one token across the layers, in the activations' dtype; 0 if unknown."""
-    args = getattr(model, "args", None)
+    args: Any = getattr(model, "args", None)
     try:
         heads = int(args.num_attention_heads)
         kv_heads = int(getattr(args, "num_key_value_heads", None) or heads)
@@ -137,7 +144,8 @@ def _kv_bytes_per_token(model: Any) -> int:
         layers = len(model.layers)
     except (AttributeError, TypeError, ValueError, ZeroDivisionError):
         return 0
-    floats = [v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    weights = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
+    floats = [v.dtype for _, v in weights if mx.issubdtype(v.dtype, mx.floating)]
     itemsize = floats[0].size if floats else 4
     return 2 * layers * kv_heads * head_dim * itemsize
 
@@ -168,7 +176,7 @@ class MlxBackend:
             validate_model_folder(path)
         _read_with_progress(path, progress)
         try:
-            model, tokenizer = mlx_load(str(path))
+            model, tokenizer = mlx_load(str(path))[:2]
         except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: MLX's own reader
             raise ModelLoadError(f"mlx-lm could not load the model: {exc}") from exc
         return MlxModel(model, tokenizer, path)
@@ -215,9 +223,9 @@ def _reporting_bar(progress: ProgressCallback) -> type:
     """A tqdm class for `snapshot_download` that reports files fetched as load progress (OPS-4)."""
     from tqdm.auto import tqdm
 
-    class ReportingBar(tqdm):  # type: ignore[misc, valid-type]
+    class ReportingBar(tqdm):  # type: ignore[misc]
         def update(self, n: float | None = 1) -> bool | None:
-            shown = super().update(n)
+            shown: bool | None = super().update(n)
             progress(int(self.n), int(self.total or 0), "files")
             return shown
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
@@ -163,7 +163,7 @@ class MlxBatch:
         (uid,) = self._generator.insert(
             [list(prompt_ids[cached:])],
             max_tokens=[sampling.max_tokens],
-            caches=[kv],  # None: the generator makes a fresh cache
+            caches=cast("list[list[Any]]", [kv]),  # a None entry: the generator makes a fresh cache
             all_tokens=[list(prompt_ids[:cached])],
             samplers=[sampler],
             logits_processors=[[guard.processor(p) for p in make_processors(sampling)]],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -87,7 +87,9 @@ def convert_gguf(gguf: Path, dest: Path, *, dtype: str = "float32") -> Path:
 
 
 def _write_folder(gguf: Path, folder: Path, dtype: str) -> None:
-    tensors, meta = mx.load(str(gguf), return_metadata=True)
+    tensors, meta = cast(
+        "tuple[dict[str, mx.array], dict[str, Any]]", mx.load(str(gguf), return_metadata=True)
+    )
     architecture = _meta(meta, "general.architecture", default=None)
     if architecture != "llama":
         raise ValueError(
