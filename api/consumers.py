@@ -297,10 +297,17 @@ class ResponsesConsumer(_TrackedConsumer):
         except Exception as exc:
             await self.send_error(as_api_error(exc, model=data.get("model")), response_id=response_id)
             return
-        async for event in response_events(started.response, started.generation, started.on_end):
-            if event["type"] == "response.created":
-                event["session_cache"] = started.generation.session_outcome  # what the HTTP header says
-            await self.send_json(event)
+        events = response_events(started.response, started.generation, started.on_end)
+        try:
+            async for event in events:
+                if event["type"] == "response.created":
+                    event["session_cache"] = started.generation.session_outcome  # what the HTTP header says
+                await self.send_json(event)
+        finally:
+            # A send that failed (the socket closed) leaves the event generator unfinished; its
+            # generation must stop now, not when the generator is collected (LANE-6).
+            started.generation.cancel()
+            await events.aclose()  # runs its `on_end` now: the turn is stored as cancelled
 
     async def send_json(self, payload: dict[str, Any]) -> None:
         if not self.closed:

@@ -64,7 +64,7 @@ async def wait_idle(client: httpx.AsyncClient) -> None:
         if probe.get("active", 0) == probe.get("queued", 0) == probe.get("permits", 0) == 0:
             return
         await asyncio.sleep(0.05)
-    raise SystemExit(f"the lane did not go idle between bursts: {probe}")
+    raise SystemExit(f"the lane did not go idle between bursts: {(await client.get('/readyz')).text}")
 
 
 async def settle(client: httpx.AsyncClient, refused: list[float], burst: int) -> int:
@@ -79,31 +79,50 @@ async def settle(client: httpx.AsyncClient, refused: list[float], burst: int) ->
     return -1
 
 
+async def raw_connections(base: str, count: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """`count` open TCP connections to daphne. The burst is sent over them with a minimal HTTP/1.1
+    client: httpx spends milliseconds of CPU per request, which on a small machine would be
+    measured as server latency."""
+    url = httpx.URL(base)
+    return [await asyncio.open_connection(url.host, url.port) for _ in range(count)]
+
+
+def raw_request(base: str, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {httpx.URL(base).netloc.decode()}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    if body:
+        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+async def status_of(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter], request: bytes) -> int:
+    reader, writer = connection
+    writer.write(request)
+    return int((await reader.readline()).split()[1])
+
+
 async def http_burst(base: str, key: str, path: str, body: dict, burst: int) -> tuple[int, list[float]]:
     headers = {"Authorization": f"Bearer {key}", "x-api-key": key, "anthropic-version": "2023-06-01"}
-    payload = {"model": ALIAS, "stream": True, **body}
-    limits = httpx.Limits(max_connections=burst + 4)
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120, limits=limits) as client:
-        # Open the burst's connections first, as clients with a pool do: the refusal's latency is
-        # the server's, not the TCP handshakes' of 20 new connections on a loaded machine.
-        await asyncio.gather(*(client.get("/healthz") for _ in range(burst)))
-        refused: list[float] = []
-        statuses: list[int] = []
+    payload = json.dumps({"model": ALIAS, "stream": True, **body}).encode()
+    request = raw_request(base, "POST", path, headers, payload)
+    connections = await raw_connections(base, burst)
+    refused: list[float] = []
 
-        async def one() -> None:
-            started = time.perf_counter()
-            async with client.stream("POST", path, json=payload) as response:
-                statuses.append(response.status_code)
-                if response.status_code in REFUSED:
-                    refused.append(time.perf_counter() - started)
-                    return
-                async for _ in response.aiter_bytes():  # hold the place until hung up
-                    pass
+    async def one(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> None:
+        started = time.perf_counter()
+        if await status_of(connection, request) in REFUSED:
+            refused.append(time.perf_counter() - started)
+            return
+        while await connection[0].read(65536):  # hold the place until hung up
+            pass
 
-        tasks = [asyncio.create_task(one()) for _ in range(burst)]
+    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=120) as client:
+        tasks = [asyncio.create_task(one(connection)) for connection in connections]
         held = await settle(client, refused, burst)
         for task in tasks:
-            task.cancel()  # closing the connections cancels the streams and the waiters (LANE-6)
+            task.cancel()
+        for _, writer in connections:
+            writer.close()  # the server sees the disconnect: streams and waiters are cancelled (LANE-6)
         await asyncio.gather(*tasks, return_exceptions=True)
         await wait_idle(client)
         return held, refused
@@ -136,18 +155,20 @@ async def ws_burst(base: str, key: str, body: dict, burst: int) -> tuple[int, li
 
 
 async def floor_burst(base: str, burst: int) -> list[float]:
-    """The same burst of GET /healthz (no auth, no engine): the HTTP floor of this machine."""
-    async with httpx.AsyncClient(
-        base_url=base, timeout=30, limits=httpx.Limits(max_connections=burst + 4)
-    ) as client:
-        await asyncio.gather(*(client.get("/healthz") for _ in range(burst)))
+    """The same burst of GET /healthz (no auth, no engine): this machine's HTTP floor."""
+    request = raw_request(base, "GET", "/healthz", {})
+    connections = await raw_connections(base, burst)
 
-        async def one() -> float:
-            started = time.perf_counter()
-            await client.get("/healthz")
-            return time.perf_counter() - started
+    async def one(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> float:
+        started = time.perf_counter()
+        await status_of(connection, request)
+        return time.perf_counter() - started
 
-        return list(await asyncio.gather(*(one() for _ in range(burst))))
+    try:
+        return list(await asyncio.gather(*(one(connection) for connection in connections)))
+    finally:
+        for _, writer in connections:
+            writer.close()
 
 
 def eos_bias(folder: Path) -> dict[str, float]:
@@ -156,7 +177,7 @@ def eos_bias(folder: Path) -> dict[str, float]:
     return {str(token): -100.0 for token in ids}
 
 
-async def run(base: str, key: str, folder: Path, burst: int, rounds: int) -> list[dict]:
+async def run(base: str, key: str, folder: Path, burst: int, rounds: int, only: set[str]) -> list[dict]:
     floor = [1000 * t for _ in range(rounds) for t in await floor_burst(base, burst)]
     rows = [
         {
@@ -169,9 +190,9 @@ async def run(base: str, key: str, folder: Path, burst: int, rounds: int) -> lis
         }
     ]
     surfaces = bodies(eos_bias(folder))
-    for name in [*surfaces, "websocket"]:
+    for name in [n for n in [*surfaces, "websocket"] if not only or n in only]:
         print(f"bursting {name} ...", file=sys.stderr, flush=True)
-        held_counts, latencies, refused_counts = [], [], []
+        held_counts, latencies, refused_counts, round_max = [], [], [], []
         for _ in range(rounds):
             if name == "websocket":
                 held, refused = await ws_burst(base, key, surfaces["responses"][1], burst)
@@ -179,6 +200,7 @@ async def run(base: str, key: str, folder: Path, burst: int, rounds: int) -> lis
                 held, refused = await http_burst(base, key, *surfaces[name], burst)
             held_counts.append(held)
             refused_counts.append(len(refused))
+            round_max.append(round(1000 * max(refused, default=float("nan"))))
             latencies.extend(1000 * t for t in refused)
         rows.append(
             {
@@ -188,6 +210,7 @@ async def run(base: str, key: str, folder: Path, burst: int, rounds: int) -> lis
                 "p50_ms": percentile(latencies, 50),
                 "p99_ms": percentile(latencies, 99),
                 "max_ms": max(latencies, default=float("nan")),
+                "round_max_ms": round_max,
             }
         )
     return rows
@@ -199,6 +222,7 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="bursts per surface")
     parser.add_argument("--models-root", default=DEFAULT_MODELS_ROOT)
+    parser.add_argument("--surfaces", default="", help="comma-separated subset (default: all)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="mlxhost-bench-refusals-") as tmp:
@@ -210,18 +234,26 @@ def main() -> None:
         proc, base = start_daphne(env, log)
         try:
             wait_ready(proc, base, key, log)
-            rows = asyncio.run(run(base, key, folder, args.burst, args.rounds))
+            only = set(filter(None, args.surfaces.split(",")))
+            try:
+                rows = asyncio.run(run(base, key, folder, args.burst, args.rounds, only))
+            except SystemExit:
+                print(log.read_text(errors="replace")[-6000:], file=sys.stderr)  # why it went wrong
+                raise
         finally:
             stop_process(proc)
     print(
         f"# refusals: burst {args.burst} at capacity {CAPACITY}, depth {DEPTH}, model {args.model}, "
         f"{args.rounds} round(s), load {loadavg():.2f}"
     )
-    print(f"{'surface':<12} {'served':<12} {'refused':<14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    print(
+        f"{'surface':<12} {'served':<12} {'refused':<14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}  max per round"
+    )
     for row in rows:
         print(
             f"{row['surface']:<12} {','.join(map(str, row['served'])):<12} "
-            f"{','.join(map(str, row['refused'])):<14} {row['p50_ms']:8.1f} {row['p99_ms']:8.1f} {row['max_ms']:8.1f}"
+            f"{','.join(map(str, row['refused'])):<14} {row['p50_ms']:8.1f} {row['p99_ms']:8.1f} {row['max_ms']:8.1f}  "
+            f"{','.join(map(str, row.get('round_max_ms', [])))}"
         )
     expected_refused = args.burst - CAPACITY - DEPTH
     exact = all(set(r["refused"]) == {expected_refused} for r in rows[1:])

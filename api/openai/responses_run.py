@@ -207,6 +207,7 @@ async def response_start(
         raise
     # Retained from now until the row lands, so the instance outlives its pending persist (REG-6).
     engine.registry.retain(instance)
+    generation: Generation | None = None
     try:
         generation = await engine.submit(_generation_request(turn, response_id, engine), permit)
         _live_owners[response_id] = tenant
@@ -216,6 +217,10 @@ async def response_start(
             async for position in generation.queue_positions():
                 await on_queued(position)
     except BaseException:
+        if generation is not None:
+            # The caller gave up while it waited (a socket that closed under a queue-position
+            # frame): cancel, or the waiter would later run its whole answer for nobody (LANE-6).
+            generation.cancel()
         _live_owners.pop(response_id, None)
         engine.registry.unretain(instance)
         raise

@@ -237,3 +237,27 @@ async def test_an_aborted_responses_stream_ends_incomplete_and_says_why():
     assert events[-1]["response"]["status"] == "incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "draining"}
     assert ended == [turn]
+
+
+async def test_a_turn_whose_caller_gives_up_while_queued_is_cancelled_not_left_to_run(
+    tiny_alias, api_key, mlx_engine, tiny_eos_id
+):
+    """LANE-6: when the queue-position callback fails (the socket closed under it), the queued
+    turn is cancelled; before, it stayed queued and later ran its whole answer for nobody."""
+    from api.openai.responses_run import response_start
+
+    await set_lane(tiny_alias, concurrency=1, queue_depth=2)
+    holder = await post_chat(api_key, stream=True, max_tokens=100_000, logit_bias={str(tiny_eos_id): -100})
+    tenant = (await ModelAlias.objects.aget(name="tiny")).pk  # any tenant id will do here
+
+    async def socket_closed(_position: int) -> None:
+        raise ConnectionError("Attempt to send on a closed protocol")
+
+    data = {"model": "tiny", "turns": [{"role": "user", "content": "hi"}], "store": False}
+    try:
+        with pytest.raises(ConnectionError):
+            await response_start(data, tenant, response_id="resp_gone", on_queued=socket_closed)
+        assert mlx_engine.snapshot()[0]["lane"]["queued"] == 0  # out of the queue at once
+        await until(lambda: "resp_gone" not in mlx_engine._live)  # and forgotten
+    finally:
+        mlx_engine.cancel(holder["X-Request-Id"])
