@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 import uuid
@@ -82,6 +83,10 @@ async def engine_start() -> None:
     engine.on_weights_changed = actions.weights_changed
     _keep(loop.create_task(control.run_control_listener(engine, actions), name="engine-control"))
     _keep(loop.create_task(control.run_status_publisher(engine, actions), name="engine-status"))
+    # What is imported by now lives as long as the process: keep it out of the cyclic collector,
+    # whose full passes over it stalled the loop for ~100 ms (refusals in a burst, RELIABILITY.md).
+    # Before the models load, so an unloaded model's objects stay collectable.
+    gc.freeze()
     await control.reconcile(engine, load_pinned=settings.MLXHOST_ENGINE.get("PRELOAD", True))
 
 
