@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 MARKER_NAME = ".mlxhost-build.json"
 # Bump when anything below changes the built bytes, so old folders get rebuilt.
-TINY_VERSION = 1
+TINY_VERSION = 2  # 2: a 128k context
 TINY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -44,7 +44,9 @@ TINY_CONFIG: dict[str, Any] = {
     "vocab_size": 512,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
-    "max_position_embeddings": 2048,
+    # A long context, as today's models have (RoPE has no learned positions): the context is the
+    # default input limit and cuts max_tokens, and tests stream long answers without reaching it.
+    "max_position_embeddings": 131072,
     "tie_word_embeddings": True,
     "torch_dtype": "float32",
     "bos_token_id": SPECIAL_TOKENS.index(IM_START),
