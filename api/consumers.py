@@ -38,6 +38,7 @@ CLOSE_GOING_AWAY = 1001  # the server shuts down
 AUTH_FRAME_TIMEOUT_S = 10.0
 # Admission refusals a client should retry later: the frame's error type is `overloaded` (LANE-2).
 OVERLOADED_CODES = frozenset({"queue_full", "draining"})
+TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
 def _header(scope: dict[str, Any], name: bytes) -> str:
@@ -295,6 +296,7 @@ class ResponsesConsumer(_TrackedConsumer):
         try:
             started = await response_start(data, self.tenant, response_id=response_id, on_queued=on_queued)  # type: ignore[arg-type]
         except Exception as exc:
+            self.turns.pop(response_id, None)  # before the client hears: its next turn may start
             await self.send_error(as_api_error(exc, model=data.get("model")), response_id=response_id)
             return
         events = response_events(started.response, started.generation, started.on_end)
@@ -302,6 +304,10 @@ class ResponsesConsumer(_TrackedConsumer):
             async for event in events:
                 if event["type"] == "response.created":
                     event["session_cache"] = started.generation.session_outcome  # what the HTTP header says
+                elif event["type"] in TERMINAL_EVENTS:
+                    # Turns run back to back (API-3): a create sent the moment this event arrives
+                    # must not find the socket's turn still taken.
+                    self.turns.pop(response_id, None)
                 await self.send_json(event)
         finally:
             # A send that failed (the socket closed) leaves the event generator unfinished; its
