@@ -1,8 +1,8 @@
 """The engine process's side of cross-process control (ADM-3) and of the live status (ADM-2, OPS-4).
 
 `run_control_listener` joins the engine group on the channel layer: a `models.changed` message
-reconciles the engine with the database, a `models.action` message loads, unloads or reloads an
-alias through the instance's writer path (LANE-4). `run_status_publisher` reports every instance
+reconciles the engine with the database, a `models.action` message loads, unloads or reloads a
+model through its instance's writer path (LANE-4). `run_status_publisher` reports every instance
 about once a second to the cache (the admin reads it) and to the dashboard group (pushed to the
 browsers). The message vocabulary lives in `models_app.control`.
 """
@@ -23,9 +23,9 @@ from django.core.exceptions import ValidationError
 
 from api.engine_client import BOOT_ID
 from api.health import instance_status
-from mlxhost.engine import Engine, EngineError, ModelSpec
+from mlxhost.engine import Engine, EngineError, ModelSpec, UnknownModelError
 from models_app import control, hotcache, selectors, services
-from models_app.models import ModelAlias
+from models_app.models import Model, ModelAlias
 
 logger = logging.getLogger(__name__)
 
@@ -40,16 +40,18 @@ STARTED_AT = time.time()
 
 
 def _desired() -> dict[str, tuple[ModelSpec, bool]]:
-    """Every enabled alias -> (the spec it should be served with, pinned)."""
+    """Every enabled alias -> (the spec of its model, whether that model is pinned)."""
     return {
-        alias.name: (selectors.model_spec_for(alias=alias), alias.pinned)
+        alias.name: (selectors.model_spec_for(alias=alias), alias.model.pinned)
         for alias in selectors.aliases_enabled()
     }
 
 
 async def reconcile(engine: Engine, *, load_pinned: bool = True) -> None:
     """Make the engine match the database: drop removed or disabled aliases, apply changed
-    settings or weights to bound ones (REG-5, hot swap), and load pinned ones."""
+    settings or weights to bound ones (REG-5, hot swap), and load pinned models.
+
+    Only control binds (this, `bind_on_demand` and the admin actions); requests resolve."""
     desired = await sync_to_async(_desired)()
     bound = set(engine.registry.names())
     for name in bound:
@@ -64,6 +66,30 @@ async def reconcile(engine: Engine, *, load_pinned: bool = True) -> None:
             if pinned and instance.state != "ready":
                 loads.append(_load_logged(engine, name, spec))
     await asyncio.gather(*loads)
+
+
+async def bind_on_demand(engine: Engine, name: str) -> None:
+    """Bind the alias `name` as the database has it now, unless the engine already serves it.
+
+    The first request for a name that is not pinned (and so not bound at start) comes here. It
+    reads the row afresh, never the caller's copy, and never re-binds a bound name: a request
+    that read the row before an admin swap cannot move the name back (REG-5).
+
+    Raises:
+        UnknownModelError: no enabled alias has that name.
+    """
+    if engine.bound(name):
+        return
+    try:
+        spec = await sync_to_async(_spec_of_alias)(name)
+    except ModelAlias.DoesNotExist:
+        raise UnknownModelError(f"No model is served as {name!r}.") from None
+    if not engine.bound(name):  # another request bound it while this one read the row
+        engine.bind(name, spec)
+
+
+def _spec_of_alias(name: str) -> ModelSpec:
+    return selectors.model_spec_for(alias=selectors.alias_resolve(name=name))
 
 
 def _is_alias(name: str) -> bool:
@@ -84,43 +110,43 @@ async def _load_logged(engine: Engine, name: str, spec: ModelSpec) -> None:
 
 
 class Actions:
-    """Runs admin actions for one engine and remembers the last result per alias (shown by the admin)."""
+    """Runs admin actions on models for one engine and remembers the last result per model."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.results: dict[str, dict[str, Any]] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
 
-    def start(self, alias_name: str, action: str) -> asyncio.Task[None]:
-        """Run `action` in the background; one action at a time per alias, in arrival order."""
-        previous = self._running.get(alias_name)
-        task = asyncio.get_running_loop().create_task(self._after(previous, alias_name, action))
-        self._running[alias_name] = task
+    def start(self, model_name: str, action: str) -> asyncio.Task[None]:
+        """Run `action` in the background; one action at a time per model, in arrival order."""
+        previous = self._running.get(model_name)
+        task = asyncio.get_running_loop().create_task(self._after(previous, model_name, action))
+        self._running[model_name] = task
         task.add_done_callback(
-            lambda t: self._running.pop(alias_name, None) if self._running.get(alias_name) is t else None
+            lambda t: self._running.pop(model_name, None) if self._running.get(model_name) is t else None
         )
         return task
 
-    async def _after(self, previous: asyncio.Task[None] | None, alias_name: str, action: str) -> None:
+    async def _after(self, previous: asyncio.Task[None] | None, model_name: str, action: str) -> None:
         if previous is not None:
             await asyncio.wait({previous})
-        await self.run(alias_name, action)
+        await self.run(model_name, action)
 
-    async def run(self, alias_name: str, action: str) -> None:
-        self.results[alias_name] = {"action": action, "state": "running", "error": "", "at": time.time()}
+    async def run(self, model_name: str, action: str) -> None:
+        self.results[model_name] = {"action": action, "state": "running", "error": "", "at": time.time()}
         try:
-            instance_id = await self._run(alias_name, action)
-        except (EngineError, ValidationError, ModelAlias.DoesNotExist) as exc:
+            instance_id = await self._run(model_name, action)
+        except (EngineError, ValidationError, Model.DoesNotExist) as exc:
             error = _reason(exc)
-            logger.error("%s of alias %s failed: %s", action, alias_name, error)
-            self.results[alias_name] = {
+            logger.error("%s of model %s failed: %s", action, model_name, error)
+            self.results[model_name] = {
                 "action": action,
                 "state": "failed",
                 "error": error,
                 "at": time.time(),
             }
             return
-        self.results[alias_name] = {
+        self.results[model_name] = {
             "action": action,
             "state": "done",
             "error": "",
@@ -128,37 +154,59 @@ class Actions:
             "instance_id": instance_id,
         }
 
-    async def _run(self, alias_name: str, action: str) -> int | None:
-        engine = self.engine
+    async def _run(self, model_name: str, action: str) -> int | None:
+        model = await sync_to_async(_model_named)(model_name)
         if action == "unload":
-            if alias_name not in engine.registry.names():
-                return None  # nothing of it is resident here
-            instance = engine.registry.resolve(alias_name)
-            await self._drain(instance.instance_id)
-            return instance.instance_id
-        alias = await sync_to_async(selectors.alias_resolve)(name=alias_name)
+            return await self._unload(model)
         if action == "load":
-            return (await engine.load(selectors.model_spec_for(alias=alias), name=alias_name)).instance_id
+            return await self._load(model, selectors.model_spec_for(model=model))
         if action == "reload":
-            return await self._reload(alias)
+            return await self._reload(model)
         raise ValueError(f"unknown action {action!r}")
 
-    async def _reload(self, alias: ModelAlias) -> int:
-        """Read the alias's weights again. New weights load beside the old instance, which keeps
+    def _serving(self, model: Model) -> list[str]:
+        """The model's enabled aliases: the names its weights are served under."""
+        return [alias.name for alias in model.aliases.all() if alias.enabled]
+
+    async def _load(self, model: Model, spec: ModelSpec) -> int:
+        """Bind every enabled alias of the model to `spec` and load it (a model without one
+        loads under an internal name, so it is resident for the aliases to come)."""
+        names = self._serving(model) or [_model_binding(model)]
+        for name in names[1:]:
+            self.engine.bind(name, spec)
+        return (await self.engine.load(spec, name=names[0])).instance_id
+
+    async def _unload(self, model: Model) -> int | None:
+        engine = self.engine
+        names = [name for name in (*self._serving(model), _model_binding(model)) if engine.bound(name)]
+        ids = {engine.resolve(name) for name in names}
+        if model.instance_id is not None and engine.hosts(model.instance_id):
+            ids.add(model.instance_id)
+        for instance_id in sorted(ids):
+            await self._drain(instance_id)
+        return model.instance_id if ids else None  # None: nothing of it was resident here
+
+    async def _reload(self, model: Model) -> int:
+        """Read the model's weights again. New weights load beside the old instance, which keeps
         serving until they are resident and is kept if they fail (OPS-4)."""
         engine = self.engine
-        fresh = await sync_to_async(services.alias_fresh_instance)(alias=alias)
-        if fresh.pk == alias.instance_id:  # the same weights: reload them in place
-            instance = engine.bind(alias.name, selectors.model_spec_for(alias=alias))
-            await self._drain(instance.instance_id)
-            await instance.ensure_loaded()
-            return instance.instance_id
-        staging = f"reload:{alias.name}"
-        spec = selectors.model_spec_for(alias=alias, instance=fresh)
+        fresh = await sync_to_async(services.model_fresh_instance)(model=model)
+        if fresh.pk == model.instance_id:  # the same weights: reload them in place
+            spec = selectors.model_spec_for(model=model)
+            names = self._serving(model) or [_model_binding(model)]
+            instance_id = 0
+            for name in names:
+                instance_id = engine.bind(name, spec).instance_id
+            await self._drain(instance_id)
+            await engine.load(spec, name=names[0])
+            return instance_id
+        staging = f"reload:{model.name}"
+        spec = selectors.model_spec_for(model=model, instance=fresh)
         try:
             await engine.load(spec, name=staging)
-            await sync_to_async(services.alias_rebind)(alias=alias, instance=fresh)
-            engine.bind(alias.name, spec)  # the hot swap: the old instance ends after its requests
+            await sync_to_async(services.model_switch_instance)(model=model, instance=fresh)
+            for name in self._serving(model) or [_model_binding(model)]:
+                engine.bind(name, spec)  # the hot swap: the old instance ends after its requests
         finally:
             engine.unbind(staging)
         return fresh.pk
@@ -170,19 +218,37 @@ class Actions:
         await self.engine.drain(instance_id, "wait", self.engine.config.drain_timeout_s)
 
     def weights_changed(self, names: list[str]) -> None:
-        """A load found these aliases' folder changed since registration (REG-3): reload each,
-        which registers the new weights under a new instance id (on the loop, from the engine)."""
-        for name in names:
-            if _is_alias(name):
-                logger.warning("alias %s: weights changed on disk; registering them anew", name)
-                self.start(name, "reload")
+        """A load found these aliases' folder changed since registration (REG-3): reload their
+        models, which registers the new weights under a new instance id (on the loop)."""
+        aliases = [name for name in names if _is_alias(name)]
+        if not aliases:
+            return
+        asyncio.get_running_loop().create_task(self._reload_models_of(aliases))
+
+    async def _reload_models_of(self, aliases: list[str]) -> None:
+        for model_name in await sync_to_async(_model_names_of)(aliases):
+            logger.warning("model %s: weights changed on disk; registering them anew", model_name)
+            self.start(model_name, "reload")
+
+
+def _model_named(name: str) -> Model:
+    return Model.objects.select_related("instance").prefetch_related("aliases").get(name=name)
+
+
+def _model_names_of(aliases: list[str]) -> list[str]:
+    return sorted(set(ModelAlias.objects.filter(name__in=aliases).values_list("model__name", flat=True)))
+
+
+def _model_binding(model: Model) -> str:
+    # A model loaded by an admin action before any alias serves it.
+    return f"model:{model.name}"
 
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, ValidationError):
         return "; ".join(exc.messages)
-    if isinstance(exc, ModelAlias.DoesNotExist):
-        return "The alias does not exist or is disabled."
+    if isinstance(exc, Model.DoesNotExist):
+        return "The model does not exist."
     return str(exc) or type(exc).__name__
 
 
@@ -221,7 +287,7 @@ async def handle_message(engine: Engine, actions: Actions, message: dict[str, An
             hotcache.aliases.clear()  # an edit in another process: resolve names afresh
             await reconcile(engine)
         elif kind == control.MODEL_ACTION:
-            actions.start(str(message.get("alias", "")), str(message.get("action", "")))
+            actions.start(str(message.get("model", "")), str(message.get("action", "")))
         else:
             logger.warning("ignoring control message of type %r", kind)
     except Exception:

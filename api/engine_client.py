@@ -36,6 +36,20 @@ def get_engine() -> Engine:
     return _engine
 
 
+async def engine_for(name: str) -> Engine:
+    """This process's engine, serving the alias `name`: control binds it from the database if
+    nothing has yet (requests only resolve names, never bind them).
+
+    Raises:
+        UnknownModelError: no enabled alias has that name.
+    """
+    from api import control
+
+    engine = get_engine()
+    await control.bind_on_demand(engine, name)
+    return engine
+
+
 def engine_config() -> EngineConfig:
     """The engine's settings from `settings.MLXHOST_ENGINE` (the only place that reads them)."""
     options = settings.MLXHOST_ENGINE

@@ -1,4 +1,5 @@
-"""Admin pages for aliases, instances, API keys, stored responses and tombstones; writes go through services."""
+"""Admin pages for models, aliases, instances, API keys, stored responses and tombstones; writes go
+through services."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from django.utils.safestring import SafeString
 
 from models_app import control, selectors, services
 from models_app.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
-from models_app.forms import ApiKeyCreateForm, ModelAliasForm
-from models_app.models import ApiKey, InstanceTombstone, ModelAlias, ModelInstance, StoredResponse
+from models_app.forms import MODEL_FORM_FIELDS as MODEL_FORM_FIELDS
+from models_app.forms import ApiKeyCreateForm, ModelAliasForm, ModelForm
+from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 
 ACTION_REQUESTED = "{action} requested for {names}; progress shows here and on the dashboard."
-ACTION_NEEDS_ENABLED = "Enable the alias first."
 NEW_KEY_SHOWN_ONCE = "New API key (shown once, copy it now): {raw}"
 DASH = "—"
 
@@ -73,102 +74,138 @@ class _LiveColumns:
 
     def __init__(self) -> None:
         self.views, self.actions = selectors.live_views()
-        self._states: dict[int, selectors.AliasLiveState] = {}
+        self._states: dict[tuple[str, int], selectors.AliasLiveState] = {}
 
-    def state_of(self, alias: ModelAlias) -> selectors.AliasLiveState:
-        if alias.pk not in self._states:
-            self._states[alias.pk] = selectors.alias_live_state(
-                alias=alias, views=self.views, actions=self.actions
-            )
-        return self._states[alias.pk]
+    def state_of(self, obj: Model | ModelAlias) -> selectors.AliasLiveState:
+        key = (type(obj).__name__, obj.pk)
+        if key not in self._states:
+            if isinstance(obj, Model):
+                state = selectors.model_live_state(model=obj, views=self.views, actions=self.actions)
+            else:
+                state = selectors.alias_live_state(alias=obj, views=self.views, actions=self.actions)
+            self._states[key] = state
+        return self._states[key]
 
-    def columns(self) -> tuple[Callable[[ModelAlias], Any], ...]:
+    def columns(self) -> tuple[Callable[[Any], Any], ...]:
         @admin.display(description="live state")
-        def live_state(alias: ModelAlias) -> SafeString:
-            return live_state_html(self.state_of(alias))
+        def live_state(obj: Model | ModelAlias) -> SafeString:
+            return live_state_html(self.state_of(obj))
 
         @admin.display(description="instance")
-        def instance_live(alias: ModelAlias) -> str:
-            instance_id = self.state_of(alias).instance_id
+        def instance_live(obj: Model | ModelAlias) -> str:
+            instance_id = self.state_of(obj).instance_id
             return f"#{instance_id}" if instance_id else DASH
 
         @admin.display(description="active / queued / capacity")
-        def requests_live(alias: ModelAlias) -> str:
-            return live_load_text(self.state_of(alias), short=True)
+        def requests_live(obj: Model | ModelAlias) -> str:
+            return live_load_text(self.state_of(obj), short=True)
 
         @admin.display(description="warm sessions")
-        def warm_sessions(alias: ModelAlias) -> str:
-            live = self.state_of(alias)
+        def warm_sessions(obj: Model | ModelAlias) -> str:
+            live = self.state_of(obj)
             return str(live.warm_sessions) if live.resident_counts else DASH
 
         @admin.display(description="last action")
-        def last_action(alias: ModelAlias) -> SafeString | str:
-            return last_action_html(self.state_of(alias))
+        def last_action(obj: Model | ModelAlias) -> SafeString | str:
+            return last_action_html(self.state_of(obj))
 
         return (live_state, instance_live, requests_live, warm_sessions, last_action)
 
 
-# Aliases -------------------------------------------------------------------------------------------
+def _live_columns(request: HttpRequest) -> _LiveColumns:
+    columns: _LiveColumns | None = getattr(request, "_mlxhost_live_columns", None)
+    if columns is None:  # Django asks more than once per page; read the engines' status once
+        columns = _LiveColumns()
+        request._mlxhost_live_columns = columns  # type: ignore[attr-defined]
+    return columns
 
 
-@admin.register(ModelAlias)
-class ModelAliasAdmin(admin.ModelAdmin):
-    form = ModelAliasForm
-    list_display = ("name", "source_label", "enabled", "pinned", "concurrency", "updated_at")
-    list_filter = ("enabled", "pinned", "source_kind")
-    search_fields = ("name", "local_path", "hf_repo", "description")
+def _live_context(live: selectors.AliasLiveState) -> dict[str, Any]:
+    return {
+        "live": live,
+        "live_state_html": live_state_html(live),
+        "live_load_text": live_load_text(live),
+        "last_action_html": last_action_html(live),
+    }
+
+
+# Models ---------------------------------------------------------------------------------------------
+
+
+class AliasInline(admin.TabularInline):
+    """The aliases a model serves, read-only here: each is edited on its own page."""
+
+    model = ModelAlias
+    fields = ("name", "enabled", "temperature", "max_tokens", "max_output_tokens")
+    readonly_fields = fields
+    show_change_link = True
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Model)
+class ModelAdmin(admin.ModelAdmin):
+    """Weights, their admission lane and memory policy, and the load / unload / reload actions."""
+
+    form = ModelForm
+    list_display = ("name", "source_label", "served_as", "pinned", "concurrency", "updated_at")
+    list_filter = ("pinned", "source_kind")
+    search_fields = ("name", "local_path", "hf_repo", "description", "aliases__name")
     readonly_fields = ("instance", "created_at", "updated_at")
     actions = ("load", "unload", "reload")
+    inlines = (AliasInline,)
     fieldsets = (
-        (None, {"fields": ("name", "description", "enabled", "pinned", "instance")}),
+        (None, {"fields": ("name", "description", "pinned", "instance")}),
         ("Weights", {"fields": ("source_kind", "local_path", "hf_repo", "hf_revision")}),
         (
-            "Sampling defaults",
-            {"fields": ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")},
+            "Admission lane (shared by every alias of this model)",
+            {"fields": ("concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s")},
         ),
-        ("Limits", {"fields": ("max_output_tokens", "max_input_tokens")}),
-        ("Admission lane", {"fields": ("concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s")}),
         ("Memory", {"fields": ("keep_alive_s",)}),
         ("History", {"fields": ("created_at", "updated_at")}),
     )
 
-    # The changelist ---------------------------------------------------------------------------
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Model]:
+        return super().get_queryset(request).prefetch_related("aliases")
+
+    @admin.display(description="aliases")
+    def served_as(self, obj: Model) -> str:
+        return ", ".join(alias.name for alias in obj.aliases.all()) or DASH
 
     def get_list_display(self, request: HttpRequest) -> tuple[Any, ...]:
-        columns: _LiveColumns | None = getattr(request, "_mlxhost_live_columns", None)
-        if columns is None:  # Django asks more than once per page; read the engines' status once
-            columns = _LiveColumns()
-            request._mlxhost_live_columns = columns  # type: ignore[attr-defined]
         name, source, *rest = self.list_display
-        return (name, source, *columns.columns(), *rest)
+        return (name, source, *_live_columns(request).columns(), *rest)
 
-    @admin.action(description="Load selected aliases", permissions=["change"])
-    def load(self, request: HttpRequest, queryset: QuerySet[ModelAlias]) -> None:
+    @admin.action(description="Load selected models", permissions=["change"])
+    def load(self, request: HttpRequest, queryset: QuerySet[Model]) -> None:
         self._request_actions(request, queryset, "load")
 
-    @admin.action(description="Unload selected aliases", permissions=["change"])
-    def unload(self, request: HttpRequest, queryset: QuerySet[ModelAlias]) -> None:
+    @admin.action(description="Unload selected models", permissions=["change"])
+    def unload(self, request: HttpRequest, queryset: QuerySet[Model]) -> None:
         self._request_actions(request, queryset, "unload")
 
     @admin.action(
-        description="Reload selected aliases (the old weights serve until the new are in)",
+        description="Reload selected models (the old weights serve until the new are in)",
         permissions=["change"],
     )
-    def reload(self, request: HttpRequest, queryset: QuerySet[ModelAlias]) -> None:
+    def reload(self, request: HttpRequest, queryset: QuerySet[Model]) -> None:
         self._request_actions(request, queryset, "reload")
 
-    def _request_actions(self, request: HttpRequest, aliases: Iterable[ModelAlias], action: str) -> None:
+    def _request_actions(self, request: HttpRequest, models: Iterable[Model], action: str) -> None:
         # Only services talk to the engines; this collects their answers into messages.
         requested: list[str] = []
-        for alias in aliases:
+        for model in models:
             try:
-                services.alias_request_action(
-                    alias=alias, action=action, requested_by=request.user.get_username()
+                services.model_request_action(
+                    model=model, action=action, requested_by=request.user.get_username()
                 )
             except ValidationError as exc:
                 messages.error(request, "; ".join(exc.messages))
                 continue
-            requested.append(alias.name)
+            requested.append(model.name)
         if requested:
             messages.success(
                 request, ACTION_REQUESTED.format(action=action.capitalize(), names=", ".join(requested))
@@ -181,21 +218,98 @@ class ModelAliasAdmin(admin.ModelAdmin):
         action = path(
             "<path:object_id>/action/<str:action>/",
             self.admin_site.admin_view(self.action_view),
-            name="models_app_modelalias_action",
+            name="models_app_model_action",
         )
         return [action, *super().get_urls()]
 
     def action_view(self, request: HttpRequest, object_id: str, action: str) -> HttpResponse:
-        """POST only: ask the engines to load, unload or reload this alias (ADM-1)."""
+        """POST only: ask the engines to load, unload or reload this model (ADM-1)."""
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
-        alias = self.get_object(request, unquote(object_id))
-        if alias is None:
-            raise Http404("No such alias.")
-        if not self.has_change_permission(request, alias):
+        model = self.get_object(request, unquote(object_id))
+        if model is None:
+            raise Http404("No such model.")
+        if not self.has_change_permission(request, model):
             raise PermissionDenied
-        self._request_actions(request, [alias], action)
-        return redirect(reverse("admin:models_app_modelalias_change", args=(quote(alias.pk),)))
+        self._request_actions(request, [model], action)
+        return redirect(reverse("admin:models_app_model_change", args=(quote(model.pk),)))
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: Model | None = None,
+    ) -> HttpResponse:
+        if obj is not None and obj.pk is not None:
+            views, actions = selectors.live_views()
+            live = selectors.model_live_state(model=obj, views=views, actions=actions)
+            context.update(_live_context(live), model_actions=self._action_buttons(request, obj))
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def _action_buttons(self, request: HttpRequest, model: Model) -> list[dict[str, Any]]:
+        if not self.has_change_permission(request, model):
+            return []
+        return [
+            {
+                "name": action,
+                "label": action.capitalize(),
+                "url": reverse("admin:models_app_model_action", args=(quote(model.pk), action)),
+            }
+            for action in control.ACTIONS
+        ]
+
+    # Writes ---------------------------------------------------------------------------------------
+
+    def save_model(self, request: HttpRequest, obj: Model, form: forms.ModelForm, change: bool) -> None:
+        try:
+            services.model_save(model=obj)
+        except ValidationError as exc:  # the folder changed between clean() and save
+            messages.error(request, "; ".join(exc.messages))
+            raise
+
+    def delete_model(self, request: HttpRequest, obj: Model) -> None:
+        services.model_delete(model=obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Model]) -> None:
+        for model in queryset:
+            services.model_delete(model=model)
+
+
+# Aliases -------------------------------------------------------------------------------------------
+
+
+@admin.register(ModelAlias)
+class ModelAliasAdmin(admin.ModelAdmin):
+    """Public names: sampling defaults and limits. Weights, lane and actions are on the model."""
+
+    form = ModelAliasForm
+    list_display = ("name", "model_link", "enabled", "temperature", "max_tokens", "updated_at")
+    list_filter = ("enabled", "model")
+    list_select_related = ("model", "model__instance")
+    search_fields = ("name", "description", "model__name")
+    readonly_fields = ("created_at", "updated_at")
+    fieldsets = (
+        (None, {"fields": ("name", "description", "model", "enabled")}),
+        (
+            "Sampling defaults",
+            {"fields": ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")},
+        ),
+        ("Limits", {"fields": ("max_output_tokens", "max_input_tokens")}),
+        ("History", {"fields": ("created_at", "updated_at")}),
+    )
+
+    @admin.display(description="model", ordering="model__name")
+    def model_link(self, obj: ModelAlias) -> SafeString:
+        url = reverse("admin:models_app_model_change", args=(quote(obj.model_id),))
+        return format_html('<a href="{}">{}</a>', url, obj.model.name)
+
+    def get_list_display(self, request: HttpRequest) -> tuple[Any, ...]:
+        name, model, *rest = self.list_display
+        live_state, instance_live, requests_live, *_ = _live_columns(request).columns()
+        return (name, model, live_state, instance_live, requests_live, *rest)
 
     def render_change_form(
         self,
@@ -209,36 +323,12 @@ class ModelAliasAdmin(admin.ModelAdmin):
         if obj is not None and obj.pk is not None:
             views, actions = selectors.live_views()
             live = selectors.alias_live_state(alias=obj, views=views, actions=actions)
-            context.update(
-                live=live,
-                live_state_html=live_state_html(live),
-                live_load_text=live_load_text(live),
-                last_action_html=last_action_html(live),
-                alias_actions=self._action_buttons(request, obj),
-            )
+            model_url = reverse("admin:models_app_model_change", args=(quote(obj.model_id),))
+            context.update(_live_context(live), model_url=model_url, model_name=obj.model.name)
         return super().render_change_form(request, context, add, change, form_url, obj)
 
-    def _action_buttons(self, request: HttpRequest, alias: ModelAlias) -> list[dict[str, Any]]:
-        if not self.has_change_permission(request, alias):
-            return []
-        return [
-            {
-                "name": action,
-                "label": action.capitalize(),
-                "url": reverse("admin:models_app_modelalias_action", args=(quote(alias.pk), action)),
-                "disabled_reason": "" if alias.enabled or action == "unload" else ACTION_NEEDS_ENABLED,
-            }
-            for action in control.ACTIONS
-        ]
-
-    # Writes ---------------------------------------------------------------------------------------
-
     def save_model(self, request: HttpRequest, obj: ModelAlias, form: forms.ModelForm, change: bool) -> None:
-        try:
-            services.alias_save(alias=obj)
-        except ValidationError as exc:  # the folder changed between clean() and save
-            messages.error(request, "; ".join(exc.messages))
-            raise
+        services.alias_save(alias=obj)
 
     def delete_model(self, request: HttpRequest, obj: ModelAlias) -> None:
         services.alias_delete(alias=obj)

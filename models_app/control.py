@@ -91,15 +91,15 @@ def notify_models_changed() -> None:
     transaction.on_commit(lambda: _send({"type": MODELS_CHANGED}))
 
 
-def request_action(*, alias_name: str, action: Action, requested_by: str = "") -> None:
-    """Ask every engine, once this transaction commits, to load, unload or reload `alias_name`.
+def request_action(*, model_name: str, action: Action, requested_by: str = "") -> None:
+    """Ask every engine, once this transaction commits, to load, unload or reload `model_name`.
 
     Raises:
         ValueError: `action` is not one of ACTIONS.
     """
     if action not in ACTIONS:
         raise ValueError(f"Unknown action {action!r}; expected one of {', '.join(ACTIONS)}.")
-    message = {"type": MODEL_ACTION, "alias": alias_name, "action": action, "by": requested_by}
+    message = {"type": MODEL_ACTION, "model": model_name, "action": action, "by": requested_by}
     transaction.on_commit(lambda: _send(message))
 
 
@@ -132,7 +132,7 @@ def instance_views(statuses: list[dict[str, Any]] | None = None) -> dict[int, di
 
 
 def action_views(statuses: list[dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
-    """Alias name -> the last admin action an engine ran for it (action, ok, error, at)."""
+    """Model name -> the last admin action an engine ran for it (action, ok, error, at)."""
     actions: dict[str, dict[str, Any]] = {}
     for status in engine_statuses() if statuses is None else statuses:
         for name, result in status.get("actions", {}).items():

@@ -1,4 +1,4 @@
-"""Admin forms: registering an alias (folder suggestions, source validation) and creating API keys."""
+"""Admin forms: registering a model (folder suggestions, source validation), its aliases, and API keys."""
 
 from __future__ import annotations
 
@@ -9,14 +9,17 @@ from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
 from models_app import selectors, services
-from models_app.models import ApiKey, ModelAlias
+from models_app.models import ApiKey, Model, ModelAlias
 
-ALIAS_FORM_FIELDS = (
-    "name", "description", "enabled", "pinned",
+MODEL_FORM_FIELDS = (
+    "name", "description", "pinned",
     "source_kind", "local_path", "hf_repo", "hf_revision",
+    "concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s", "keep_alive_s",
+)  # fmt: skip
+ALIAS_FORM_FIELDS = (
+    "name", "description", "model", "enabled",
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
     "max_output_tokens", "max_input_tokens",
-    "concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s", "keep_alive_s",
 )  # fmt: skip
 FOLDERS_FOUND_HELP = (
     "A folder relative to MODELS_ROOT. Suggested: the {count} folder(s) there that look like "
@@ -46,12 +49,12 @@ class DatalistInput(forms.TextInput):
         return format_html('{}<datalist id="{}">{}</datalist>', html, list_id, options)
 
 
-class ModelAliasForm(forms.ModelForm):
-    """Registers or edits an alias; the weights source is checked before the admin saves it."""
+class ModelForm(forms.ModelForm):
+    """Registers or edits a model; the weights source is checked before the admin saves it."""
 
     class Meta:
-        model = ModelAlias
-        fields = ALIAS_FORM_FIELDS
+        model = Model
+        fields = MODEL_FORM_FIELDS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -72,8 +75,16 @@ class ModelAliasForm(forms.ModelForm):
                 setattr(self.instance, field, value)
             # Folder safety (MODELS_ROOT, remote code, weights) or a pinned revision, keyed by the
             # offending field, before save_model runs.
-            services.alias_source_check(alias=self.instance)
+            services.model_source_check(model=self.instance)
         return cleaned
+
+
+class ModelAliasForm(forms.ModelForm):
+    """Registers or edits an alias: a public name, its sampling and limits, and its model."""
+
+    class Meta:
+        model = ModelAlias
+        fields = ALIAS_FORM_FIELDS
 
 
 class ApiKeyCreateForm(forms.ModelForm):

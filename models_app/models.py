@@ -1,4 +1,5 @@
-"""Persistent state: model aliases, model instances, API keys and stored responses."""
+"""Persistent state: models (weights and their lane), aliases (names and sampling), weights
+registrations (instances), API keys and stored responses."""
 
 from __future__ import annotations
 
@@ -41,10 +42,14 @@ class ModelInstance(models.Model):
         return f"#{self.pk} {self.source}{rev} ({self.fingerprint[:12]})"
 
 
-class ModelAlias(BaseModel):
-    """A registered model name that clients put in `model` (REG-1)."""
+class Model(BaseModel):
+    """Weights the server hosts, and how (REG-3): their source, the admission lane every alias of
+    them shares (LANE-1/2/8), the memory policy (OPS-3) and the admin's load actions (ADM-1).
 
-    name = models.SlugField(max_length=64, unique=True)
+    Aliases point at a Model; the public names and their sampling live there, never here.
+    """
+
+    name = models.SlugField(max_length=64, unique=True, help_text="A label for staff; clients use aliases.")
     description = models.CharField(max_length=200, blank=True)
     source_kind = models.CharField(
         max_length=8, choices=ModelInstance.SourceKind.choices, default=ModelInstance.SourceKind.LOCAL
@@ -55,10 +60,50 @@ class ModelAlias(BaseModel):
         max_length=128, blank=True, verbose_name="pinned revision", help_text="A commit hash or tag."
     )
     instance = models.ForeignKey(
-        ModelInstance, null=True, blank=True, on_delete=models.PROTECT, related_name="aliases", editable=False
+        ModelInstance, null=True, blank=True, on_delete=models.PROTECT, related_name="models", editable=False
     )
-    enabled = models.BooleanField(default=True, db_index=True)
     pinned = models.BooleanField(default=False, help_text="Load at start and never unload for idleness.")
+    keep_alive_s = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        default=1800,
+        help_text="Free memory after this many idle seconds (empty: never).",
+    )
+    concurrency = models.PositiveSmallIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(64)],
+        help_text="1 = exclusive; N = batched. Every alias of this model shares these slots.",
+    )
+    queue_depth = models.PositiveIntegerField(default=16, help_text="Waiters beyond the running requests.")
+    queue_unbounded = models.BooleanField(default=False)
+    queue_timeout_s = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.1)])
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["source_kind", "local_path", "hf_repo", "hf_revision"], name="model_unique_source"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def source_label(self) -> str:
+        if self.source_kind == ModelInstance.SourceKind.HUB:
+            return f"{self.hf_repo}@{self.hf_revision}"
+        return self.local_path
+
+
+class ModelAlias(BaseModel):
+    """A public name that clients put in `model` (REG-1), with its sampling defaults and limits,
+    pointing at the Model whose weights and lane serve it."""
+
+    name = models.SlugField(max_length=64, unique=True)
+    description = models.CharField(max_length=200, blank=True)
+    model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="aliases")
+    enabled = models.BooleanField(default=True, db_index=True)
 
     temperature = models.FloatField(default=0.7, validators=[MinValueValidator(0.0), MaxValueValidator(2.0)])
     top_p = models.FloatField(default=1.0, validators=[MinValueValidator(0.0), MaxValueValidator(1.0)])
@@ -79,21 +124,6 @@ class ModelAlias(BaseModel):
         null=True, blank=True, help_text="Refuse prompts longer than this (empty: no limit)."
     )
 
-    concurrency = models.PositiveSmallIntegerField(
-        default=1,
-        validators=[MinValueValidator(1), MaxValueValidator(64)],
-        help_text="1 = exclusive; N = batched.",
-    )
-    queue_depth = models.PositiveIntegerField(default=16, help_text="Waiters beyond the running requests.")
-    queue_unbounded = models.BooleanField(default=False)
-    queue_timeout_s = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.1)])
-    keep_alive_s = models.PositiveIntegerField(
-        null=True,
-        blank=True,
-        default=1800,
-        help_text="Free memory after this many idle seconds (empty: never).",
-    )
-
     class Meta:
         ordering = ["name"]
         verbose_name = "model alias"
@@ -109,10 +139,17 @@ class ModelAlias(BaseModel):
         return self.name
 
     @property
+    def instance(self) -> ModelInstance | None:
+        """The weights registration serving this alias now: its model's."""
+        return self.model.instance
+
+    @property
+    def instance_id(self) -> int | None:
+        return self.model.instance_id
+
+    @property
     def source_label(self) -> str:
-        if self.source_kind == ModelInstance.SourceKind.HUB:
-            return f"{self.hf_repo}@{self.hf_revision}"
-        return self.local_path
+        return self.model.source_label
 
 
 class ApiKey(BaseModel):

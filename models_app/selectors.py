@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from mlxhost.engine.errors import InvalidModelFolderError
 from mlxhost.engine.weights import resolve_under
 from models_app import control
 from models_app.apikeys import key_matches, key_prefix
-from models_app.models import ApiKey, ModelAlias, ModelInstance, StoredResponse
+from models_app.models import ApiKey, Model, ModelAlias, ModelInstance, StoredResponse
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 REQUEST_ONLY_FIELDS = ("presence_penalty", "frequency_penalty", "seed")
@@ -31,28 +31,38 @@ class KeyIdentity:
 
 
 def alias_resolve(*, name: str) -> ModelAlias:
-    """The enabled alias called `name`, with its instance. Never treats `name` as a path.
+    """The enabled alias called `name`, with its model and instance. Never treats `name` as a path.
 
     Raises:
-        ModelAlias.DoesNotExist: no enabled alias has that name, or it has no instance yet.
+        ModelAlias.DoesNotExist: no enabled alias has that name, or its model has no instance yet.
     """
-    return ModelAlias.objects.select_related("instance").get(name=name, enabled=True, instance__isnull=False)
+    return ModelAlias.objects.select_related("model__instance").get(
+        name=name, enabled=True, model__instance__isnull=False
+    )
 
 
 def aliases_enabled() -> QuerySet[ModelAlias]:
-    return ModelAlias.objects.select_related("instance").filter(enabled=True, instance__isnull=False)
+    return ModelAlias.objects.select_related("model__instance").filter(
+        enabled=True, model__instance__isnull=False
+    )
 
 
-def alias_local_folder(*, alias: ModelAlias) -> Path:
-    """The absolute folder of a local alias, which must lie under MODELS_ROOT."""
-    return resolve_under(Path(settings.MODELS_ROOT), alias.local_path)
+def models_served() -> QuerySet[Model]:
+    """Every model with an instance, with its aliases (the engines' desired state)."""
+    return Model.objects.select_related("instance").prefetch_related("aliases").filter(instance__isnull=False)
 
 
-def model_spec_for(*, alias: ModelAlias, instance: ModelInstance | None = None) -> ModelSpec:
-    """What the engine needs to host the alias's instance (or `instance`, weights being reloaded
-    for it) with the alias's settings; the engine never sees the alias."""
-    instance = instance or alias.instance
-    assert instance is not None, "an alias is saved with its instance"
+def model_spec_for(
+    *, model: Model | None = None, alias: ModelAlias | None = None, instance: ModelInstance | None = None
+) -> ModelSpec:
+    """What the engine needs to host `model` (or `alias`'s model) on its instance, or on `instance`,
+    weights being reloaded for it. Lane and memory settings come from the model only, so every
+    alias of it gives the same spec; the engine never sees an alias's settings."""
+    if model is None:
+        assert alias is not None, "pass a model or an alias"
+        model = alias.model
+    instance = instance or model.instance
+    assert instance is not None, "a model is saved with its instance"
     if instance.source_kind == ModelInstance.SourceKind.HUB:
         source, revision = instance.source, instance.revision or None
     else:
@@ -64,15 +74,14 @@ def model_spec_for(*, alias: ModelAlias, instance: ModelInstance | None = None) 
         fingerprint=instance.fingerprint,
         # A local folder is re-hashed at every load, so edited files never keep the old id (REG-3).
         verify_weights=instance.source_kind == ModelInstance.SourceKind.LOCAL,
-        max_input_tokens=alias.max_input_tokens,
         lane=LaneSettings(
-            capacity=alias.concurrency,
-            queue_depth=alias.queue_depth,
-            unbounded=alias.queue_unbounded,
-            queue_timeout_s=alias.queue_timeout_s,
+            capacity=model.concurrency,
+            queue_depth=model.queue_depth,
+            unbounded=model.queue_unbounded,
+            queue_timeout_s=model.queue_timeout_s,
         ),
-        keep_alive_s=alias.keep_alive_s,  # None: never freed for idleness (OPS-3)
-        pinned=alias.pinned,
+        keep_alive_s=model.keep_alive_s,  # None: never freed for idleness (OPS-3)
+        pinned=model.pinned,
     )
 
 
@@ -160,7 +169,7 @@ LIVE_LABELS = {
 
 @dataclass(frozen=True, slots=True)
 class AliasLiveState:
-    """What the engines report about one alias, ready to show.
+    """What the engines report about one model (or an alias of it), ready to show.
 
     `state` is one of: unreported (no engine process publishes status), disabled (the alias is
     not served), unloaded, loading, resident, degraded, draining, error.
@@ -204,30 +213,28 @@ def live_views() -> tuple[dict[int, dict[str, Any]] | None, dict[str, dict[str, 
     return control.instance_views(statuses), control.action_views(statuses)
 
 
-def alias_live_state(
+def model_live_state(
     *,
-    alias: ModelAlias,
+    model: Model,
     views: Mapping[int, Mapping[str, Any]] | None,
     actions: Mapping[str, Mapping[str, Any]],
 ) -> AliasLiveState:
-    """The live state of `alias` from `live_views()` output (views None: no engine reporting)."""
-    action, action_state = _action_text(actions.get(alias.name))
+    """The live state of `model` from `live_views()` output (views None: no engine reporting)."""
+    action, action_state = _action_text(actions.get(model.name))
+    names = {alias.name for alias in model.aliases.all()}
 
     def idle(state: str, label: str) -> AliasLiveState:
         return AliasLiveState(
             state=state,
             label=label,
-            instance_id=alias.instance_id,
+            instance_id=model.instance_id,
             last_action=action,
             last_action_state=action_state,
         )
 
     if views is None:
         return idle("unreported", "no engine process reporting")
-    view = _view_for(alias, views)
-    if not alias.enabled and (view is None or alias.name not in view.get("aliases", ())):
-        # Its weights may be resident for another alias, but nothing is served under this name.
-        return idle("disabled", "disabled (not served)")
+    view = _view_for(model.instance_id, names, views)
     if view is None:
         return idle("unloaded", "not loaded")
     state = _live_state(view)
@@ -248,16 +255,33 @@ def alias_live_state(
     )
 
 
-def _view_for(alias: ModelAlias, views: Mapping[int, Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    # What an engine serves under the name is the truth (a hot swap may be ahead of this row);
-    # otherwise the row's instance, which another alias of the same weights may have loaded.
-    bound = [view for view in views.values() if alias.name in view.get("aliases", ())]
+def alias_live_state(
+    *,
+    alias: ModelAlias,
+    views: Mapping[int, Mapping[str, Any]] | None,
+    actions: Mapping[str, Mapping[str, Any]],
+) -> AliasLiveState:
+    """The live state of `alias`: its model's, unless the alias itself is disabled."""
+    live = model_live_state(model=alias.model, views=views, actions=actions)
+    still_bound = views is not None and any(alias.name in view.get("aliases", ()) for view in views.values())
+    if not alias.enabled and views is not None and not still_bound:
+        # Its weights may be resident for another alias, but nothing is served under this name.
+        return replace(live, state="disabled", label="disabled (not served)", active=0, queued=0)
+    return live
+
+
+def _view_for(
+    instance_id: int | None, names: set[str], views: Mapping[int, Mapping[str, Any]]
+) -> Mapping[str, Any] | None:
+    # What an engine serves under the names is the truth (a hot swap may be ahead of this row);
+    # otherwise the row's instance.
+    bound = [view for view in views.values() if names & set(view.get("aliases", ()))]
     for view in bound:
-        if view.get("instance_id") == alias.instance_id:
+        if view.get("instance_id") == instance_id:
             return view
     if bound:
         return bound[0]
-    return views.get(alias.instance_id) if alias.instance_id is not None else None
+    return views.get(instance_id) if instance_id is not None else None
 
 
 def _live_state(view: Mapping[str, Any]) -> str:

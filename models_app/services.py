@@ -1,4 +1,4 @@
-"""Writes: register aliases and bind them to instances, API keys, stored responses, tombstones."""
+"""Writes: register models and their weights, aliases, API keys, stored responses, tombstones."""
 
 from __future__ import annotations
 
@@ -19,30 +19,30 @@ from mlxhost.engine.errors import InvalidModelFolderError
 from mlxhost.engine.weights import folder_fingerprint, hub_fingerprint, resolve_under, validate_model_folder
 from models_app import control, hotcache
 from models_app.apikeys import key_generate, key_hash, key_prefix
-from models_app.models import ApiKey, InstanceTombstone, ModelAlias, ModelInstance, StoredResponse
+from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 
 logger = logging.getLogger(__name__)
 HF_REPO_HELP = "A Hugging Face repo id looks like 'owner/name'."
 API_KEY_TOUCH_INTERVAL = timedelta(minutes=1)
 
 
-def alias_source_check(*, alias: ModelAlias) -> tuple[str, str, str]:
-    """Validate the alias's weights source; return (source, revision, fingerprint).
+def model_source_check(*, model: Model) -> tuple[str, str, str]:
+    """Validate the model's weights source; return (source, revision, fingerprint).
 
     Raises:
         ValidationError: keyed by the offending field, with a message for the admin form.
     """
-    if alias.source_kind == ModelInstance.SourceKind.HUB:
-        repo, revision = alias.hf_repo.strip(), alias.hf_revision.strip()
+    if model.source_kind == ModelInstance.SourceKind.HUB:
+        repo, revision = model.hf_repo.strip(), model.hf_revision.strip()
         if repo.count("/") != 1 or repo.startswith(("/", ".")) or ".." in repo:
             raise ValidationError({"hf_repo": HF_REPO_HELP})
         if not revision:
             raise ValidationError({"hf_revision": "Pin a revision (a commit hash or tag) for hub models."})
         return repo, revision, hub_fingerprint(repo, revision)
-    if not alias.local_path.strip():
+    if not model.local_path.strip():
         raise ValidationError({"local_path": "Choose a model folder under MODELS_ROOT."})
     try:
-        folder = resolve_under(Path(settings.MODELS_ROOT), alias.local_path.strip())
+        folder = resolve_under(Path(settings.MODELS_ROOT), model.local_path.strip())
         validate_model_folder(folder)
     except InvalidModelFolderError as exc:
         raise ValidationError({"local_path": str(exc)}) from exc
@@ -67,75 +67,151 @@ def instance_register(*, source_kind: str, source: str, revision: str, fingerpri
 
 
 @transaction.atomic
-def alias_save(*, alias: ModelAlias) -> ModelAlias:
-    """Validate and save `alias`, binding it to the instance of the weights it names (REG-2/3).
+def model_save(*, model: Model) -> Model:
+    """Validate and save `model`, registering the weights its source holds now (REG-2/3).
 
     Raises:
         ValidationError: the source or a setting is invalid.
     """
-    source, revision, fingerprint = alias_source_check(alias=alias)
-    if alias.source_kind == ModelInstance.SourceKind.LOCAL:
-        alias.local_path, alias.hf_repo, alias.hf_revision = source, "", ""
+    source, revision, fingerprint = model_source_check(model=model)
+    if model.source_kind == ModelInstance.SourceKind.LOCAL:
+        model.local_path, model.hf_repo, model.hf_revision = source, "", ""
     else:
-        alias.hf_repo, alias.hf_revision, alias.local_path = source, revision, ""
-    alias.instance = instance_register(
-        source_kind=alias.source_kind, source=source, revision=revision, fingerprint=fingerprint
+        model.hf_repo, model.hf_revision, model.local_path = source, revision, ""
+    model.instance = instance_register(
+        source_kind=model.source_kind, source=source, revision=revision, fingerprint=fingerprint
     )
+    model.full_clean()
+    model.save()
+    control.notify_models_changed()  # on commit: engines in every process reconcile (ADM-3)
+    return model
+
+
+@transaction.atomic
+def model_delete(*, model: Model) -> None:
+    """Delete a model that no alias points at any more.
+
+    Raises:
+        ValidationError: aliases still point at it (delete or move them first).
+    """
+    names = list(model.aliases.values_list("name", flat=True))
+    if names:
+        raise ValidationError(
+            f"{model.name} still serves {', '.join(names)}; move or delete those aliases first."
+        )
+    model.delete()
+    control.notify_models_changed()
+
+
+def model_fresh_instance(*, model: Model) -> ModelInstance:
+    """The instance of the weights the model's source holds now (a new id if they changed),
+    without switching the model to it: a reload loads it first (OPS-4).
+
+    Raises:
+        ValidationError: the source is no longer valid.
+    """
+    source, revision, fingerprint = model_source_check(model=model)
+    return instance_register(
+        source_kind=model.source_kind, source=source, revision=revision, fingerprint=fingerprint
+    )
+
+
+@transaction.atomic
+def model_switch_instance(*, model: Model, instance: ModelInstance) -> Model:
+    """Point the model at `instance` (its reloaded weights are resident) and tell the engines."""
+    Model.objects.filter(pk=model.pk).update(instance=instance, updated_at=timezone.now())
+    model.instance = instance
+    control.notify_models_changed()
+    return model
+
+
+def model_request_action(*, model: Model, action: str, requested_by: str = "") -> None:
+    """Ask the engines to load, unload or reload the model, through their writer path (ADM-1).
+
+    Raises:
+        ValidationError: the action is unknown.
+    """
+    if action not in control.ACTIONS:
+        raise ValidationError(f"Unknown action {action!r}.")
+    with transaction.atomic():
+        control.request_action(model_name=model.name, action=action, requested_by=requested_by)  # type: ignore[arg-type]
+
+
+@transaction.atomic
+def alias_save(*, alias: ModelAlias) -> ModelAlias:
+    """Validate and save `alias` (its name, sampling and limits); engines reconcile on commit.
+
+    Raises:
+        ValidationError: a setting is invalid.
+    """
     alias.full_clean()
     alias.save()
-    control.notify_models_changed()  # on commit: engines in every process reconcile (ADM-3)
+    control.notify_models_changed()
     return alias
 
 
 @transaction.atomic
 def alias_delete(*, alias: ModelAlias) -> None:
-    """Delete the alias; engines unbind it, and its instance goes once its requests finish."""
+    """Delete the alias; engines unbind it, and its model's weights stay for its other aliases."""
     alias.delete()
     control.notify_models_changed()
 
 
-def alias_fresh_instance(*, alias: ModelAlias) -> ModelInstance:
-    """The instance of the weights the alias's source holds now (a new id if they changed),
-    without binding the alias to it: a reload loads it first (OPS-4).
-
-    Raises:
-        ValidationError: the source is no longer valid.
-    """
-    source, revision, fingerprint = alias_source_check(alias=alias)
-    return instance_register(
-        source_kind=alias.source_kind, source=source, revision=revision, fingerprint=fingerprint
-    )
-
-
 @transaction.atomic
-def alias_rebind(*, alias: ModelAlias, instance: ModelInstance) -> ModelAlias:
-    """Point the alias at `instance` (its reloaded weights are resident) and tell the engines."""
-    ModelAlias.objects.filter(pk=alias.pk).update(instance=instance, updated_at=timezone.now())
-    alias.instance = instance
-    control.notify_models_changed()
-    return alias
+def alias_register(*, name: str, model_name: str = "", **fields: Any) -> ModelAlias:
+    """Create or update the alias `name` and the model of the weights it names, in one step.
 
-
-def alias_request_action(*, alias: ModelAlias, action: str, requested_by: str = "") -> None:
-    """Ask the engines to load, unload or reload the alias, through their writer path (ADM-1).
-
-    Raises:
-        ValidationError: the action is unknown, or the alias is disabled (nothing may load it).
+    `fields` may mix alias fields (sampling, limits) and model fields (source, lane, memory):
+    the model is found by its source (or created, called `model_name` or the alias's name), the
+    model fields given are applied to it, and the alias points at it. For scripts, the demo and
+    tests; the admin edits the two separately.
     """
-    if action not in control.ACTIONS:
-        raise ValidationError(f"Unknown action {action!r}.")
-    if action != "unload" and not alias.enabled:
-        raise ValidationError(f"{alias.name} is disabled; enable it before you {action} it.")
-    with transaction.atomic():
-        control.request_action(alias_name=alias.name, action=action, requested_by=requested_by)  # type: ignore[arg-type]
-
-
-def alias_register(*, name: str, **fields: Any) -> ModelAlias:
-    """Create or update the alias `name` with `fields` (source and settings) and bind its instance."""
-    alias = ModelAlias.objects.filter(name=name).first() or ModelAlias(name=name)
+    model_fields = {key: fields.pop(key) for key in list(fields) if key in MODEL_ONLY_FIELDS}
+    alias = ModelAlias.objects.select_related("model").filter(name=name).first() or ModelAlias(name=name)
+    model = _model_for_source(model_fields, current=alias.model if alias.pk else None)
+    if model.pk is None:
+        model.name = _free_model_name(model_name or name)
+    for field, value in model_fields.items():
+        setattr(model, field, value)
+    if model.pk is None or model_fields:
+        model_save(model=model)
+    alias.model = model
     for field, value in fields.items():
         setattr(alias, field, value)
     return alias_save(alias=alias)
+
+
+MODEL_SOURCE_FIELDS = ("source_kind", "local_path", "hf_repo", "hf_revision")
+MODEL_ONLY_FIELDS = frozenset(
+    (*MODEL_SOURCE_FIELDS, "pinned", "keep_alive_s", "concurrency", "queue_depth", "queue_unbounded",
+     "queue_timeout_s")
+)  # fmt: skip
+
+
+def _model_for_source(model_fields: dict[str, Any], *, current: Model | None) -> Model:
+    if not any(field in model_fields for field in MODEL_SOURCE_FIELDS):
+        if current is None:
+            raise ValidationError("A new alias needs a weights source (local_path or hf_repo).")
+        return current
+    kind = model_fields.get("source_kind", ModelInstance.SourceKind.LOCAL)
+    source = {"source_kind": kind, "local_path": "", "hf_repo": "", "hf_revision": ""}
+    source.update({key: str(model_fields.get(key, "")).strip() for key in MODEL_SOURCE_FIELDS[1:]})
+    if kind == ModelInstance.SourceKind.LOCAL and source["local_path"]:
+        # Stored relative and normalised (model_save), so look it up the same way.
+        try:
+            folder = resolve_under(Path(settings.MODELS_ROOT), source["local_path"])
+            source["local_path"] = str(folder.relative_to(Path(settings.MODELS_ROOT).resolve()))
+        except (InvalidModelFolderError, ValueError):
+            pass  # model_save reports it, keyed by the field
+    model_fields.update(source)
+    return Model.objects.filter(**source).first() or Model()
+
+
+def _free_model_name(wanted: str) -> str:
+    name, n = wanted, 2
+    while Model.objects.filter(name=name).exists():
+        name, n = f"{wanted}-{n}", n + 1
+    return name
 
 
 def apikey_create(*, owner: AbstractBaseUser, name: str) -> tuple[ApiKey, str]:

@@ -11,7 +11,7 @@ from api import lookups
 from api.anthropic.messages import MessageTurn, message_complete, message_sse
 from api.anthropic.serializers import CountTokensInput, MessagesInput
 from api.auth import api_endpoint, json_body
-from api.engine_client import get_engine
+from api.engine_client import engine_for
 from api.openai.views import SSE_HEADERS, validated
 from mlxhost.engine import Engine, GenerationRequest, Message
 from models_app import selectors
@@ -35,10 +35,10 @@ def _messages_request(
     session = engine.scoper.query(tenant=tenant, salt=None, instructions=system, warm_any=True)
     return GenerationRequest(
         request_id=request_id,
-        model=selectors.model_spec_for(alias=alias),
         sampling=selectors.sampling_params_for(alias=alias, overrides=overrides),
         messages=messages,
         binding=alias.name,
+        max_input_tokens=alias.max_input_tokens,
         session=session,
     )
 
@@ -58,7 +58,7 @@ async def messages(request: HttpRequest) -> HttpResponse:
     """
     alias, data = await _resolve(request, MessagesInput)
     request_id = f"msg_{secrets.token_hex(12)}"
-    engine = get_engine()
+    engine = await engine_for(alias.name)
     tenant = str(request.tenant_id)  # type: ignore[attr-defined]
     generation = await engine.submit(_messages_request(alias, data, request_id, tenant, engine))
     # Wait for a slot before any header goes out, so a queue timeout or drain is a status code.
@@ -82,7 +82,7 @@ async def messages(request: HttpRequest) -> HttpResponse:
 async def count_tokens(request: HttpRequest) -> HttpResponse:
     """POST /v1/messages/count_tokens: the prompt's token count, without generating or queueing."""
     alias, data = await _resolve(request, CountTokensInput)
-    engine = get_engine()
+    engine = await engine_for(alias.name)
     tenant = str(request.tenant_id)  # type: ignore[attr-defined]
     prompt = _messages_request(alias, data, "count", tenant, engine)
     return JsonResponse({"input_tokens": await engine.count_tokens(prompt)})

@@ -12,7 +12,7 @@ from rest_framework import serializers
 from api import lookups
 from api.auth import api_endpoint, json_body
 from api.collect import collect_text
-from api.engine_client import get_engine
+from api.engine_client import engine_for
 from api.errors import cut_short_error, error_body, failed_error
 from api.openai.chat import FINISH_REASONS, ChatTurn, usage_body
 from api.openai.serializers import MAX_TOP_K, ChatCompletionInput, StreamOptionsInput, StrictBooleanField
@@ -91,10 +91,10 @@ def _completion_request(
     )
     return GenerationRequest(
         request_id=request_id,
-        model=selectors.model_spec_for(alias=alias),
         sampling=selectors.sampling_params_for(alias=alias, overrides=data),
         prompt=data["prompt"],
         binding=alias.name,
+        max_input_tokens=alias.max_input_tokens,
         session=session,
     )
 
@@ -146,7 +146,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
     data = validated(CompletionInput, body)
     alias = await lookups.alias_resolve(data["model"])
     request_id = f"cmpl-{secrets.token_hex(12)}"
-    engine = get_engine()
+    engine = await engine_for(alias.name)
     tenant = str(request.tenant_id)  # type: ignore[attr-defined]
     generation = await engine.submit(_completion_request(alias, data, request_id, tenant, engine))
     await generation.admitted()  # a queue timeout or drain is a status code, before any header

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from api import lookups
-from api.engine_client import BOOT_ID, get_engine
+from api.engine_client import BOOT_ID, engine_for
 from api.errors import ApiError
 from api.openai.responses import Handoff, OnEnd, ResponseTurn, usage_body
 from mlxhost.engine import Engine, Generation, GenerationRequest, Message
@@ -96,10 +96,10 @@ def _generation_request(turn: Turn, request_id: str, engine: Engine) -> Generati
     )
     return GenerationRequest(
         request_id=request_id,
-        model=selectors.model_spec_for(alias=turn.alias),
         sampling=selectors.sampling_params_for(alias=turn.alias, overrides=data),
         messages=turn.messages(),
         binding=turn.alias.name,
+        max_input_tokens=turn.alias.max_input_tokens,
         session=session,
     )
 
@@ -191,9 +191,9 @@ async def response_start(
         ModelAlias.DoesNotExist: no enabled alias has that name.
     """
     alias = await lookups.alias_resolve(data["model"])
-    engine = get_engine()
+    engine = await engine_for(alias.name)
     response_id = response_id or f"resp_{secrets.token_hex(16)}"
-    permit = engine.reserve(response_id, selectors.model_spec_for(alias=alias), alias.name)
+    permit = engine.reserve(response_id, alias.name)
     try:
         parent = await _parent(data, tenant)
         instructions, history = conversations.conversation_of(parent=parent) if parent else (None, [])

@@ -11,7 +11,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 
 from api import lookups
 from api.auth import api_endpoint, json_body
-from api.engine_client import engine_if_started, get_engine
+from api.engine_client import engine_for, engine_if_started
 from api.errors import ApiError
 from api.openai.chat import ChatTurn, chat_complete, chat_sse
 from api.openai.serializers import ChatCompletionInput, first_error
@@ -48,10 +48,10 @@ def _chat_request(
     )
     return GenerationRequest(
         request_id=request_id,
-        model=selectors.model_spec_for(alias=alias),
         sampling=selectors.sampling_params_for(alias=alias, overrides=data),
         messages=messages,
         binding=alias.name,
+        max_input_tokens=alias.max_input_tokens,
         session=session,
     )
 
@@ -63,7 +63,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     data = validated(ChatCompletionInput, body)
     alias = await lookups.alias_resolve(data["model"])
     request_id = f"chatcmpl-{secrets.token_hex(12)}"
-    engine = get_engine()
+    engine = await engine_for(alias.name)
     tenant = str(request.tenant_id)  # type: ignore[attr-defined]
     generation = await engine.submit(_chat_request(alias, data, request_id, tenant, engine))
     # Wait for a slot before any header goes out, so a queue timeout or drain is a 503 (LANE-7/8).

@@ -20,6 +20,7 @@ from mlxhost.engine.errors import (
     ModelLoadError,
     QueueFullError,
     RequestCancelledError,
+    UnknownModelError,
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.instance import Instance
@@ -147,13 +148,16 @@ class Engine:
             DrainingError: the engine is draining for shutdown.
             EngineClosedError: the engine has shut down.
         """
+        self._check_open()
+        instance = self.registry.bind(name, spec)
+        self.residency.bound(name, spec)
+        return instance
+
+    def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("The engine is shutting down.")
         if self._stopping:
             raise DrainingError(SHUTDOWN_MESSAGE)
-        instance = self.registry.bind(name, spec)
-        self.residency.bound(name, spec)
-        return instance
 
     def unbind(self, name: str) -> None:
         self.registry.unbind(name)
@@ -189,13 +193,34 @@ class Engine:
 
     # Requests -----------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, model: ModelSpec, binding: str = "") -> Permit:
-        """Take a lane permit for a request before its async pre-work (LANE-3).
+    def resolve(self, name: str) -> int:
+        """The instance id bound to `name` now; requests resolve names and never bind them.
+
+        Raises:
+            UnknownModelError: nothing is bound under that name (control has not bound it).
+        """
+        return self.registry.resolve(name).instance_id
+
+    def bound(self, name: str) -> bool:
+        return name in self.registry.names()
+
+    def hosts(self, instance_id: int) -> bool:
+        """Whether an instance with this id is registered here (bound, leased or retained)."""
+        try:
+            self.registry.get(instance_id)
+        except UnknownModelError:
+            return False
+        return True
+
+    def reserve(self, request_id: str, binding: str) -> Permit:
+        """Take a lane permit on the instance bound to `binding` before a request's async
+        pre-work (LANE-3). Resolves the name only: it never binds, swaps or updates settings.
 
         A cancel that arrived first wins over a full lane: the caller hears "cancelled",
         not 429 (LANE-6).
 
         Raises:
+            UnknownModelError: nothing is bound under `binding`.
             RequestCancelledError: a cancel for this id arrived first (LANE-6).
             DuplicateRequestError: a request with this id is live (LANE-5).
             QueueFullError: the lane is over budget (LANE-2).
@@ -204,14 +229,13 @@ class Engine:
         """
         if request_id in self._live:
             raise DuplicateRequestError(f"A request with id {request_id!r} is already in flight.")
-        binding = binding or _default_name(model)
-        key: Key = (binding, model.instance_id)
+        instance = self.registry.resolve(binding)
+        key: Key = (binding, instance.instance_id)
         if self._take_early_cancel(request_id):
             self.stats.outcome(key, "cancelled")
             raise RequestCancelledError("The request was cancelled before it started.")
         try:
-            instance = self.bind(binding, model)
-            key = (binding, instance.instance_id)
+            self._check_open()
             ticket = instance.lane.reserve(request_id)
         except (QueueFullError, DrainingError) as exc:
             self.stats.reject(key, exc.code)
@@ -237,7 +261,7 @@ class Engine:
         """
         request_id = request.request_id
         if permit is None:
-            permit = self.reserve(request_id, request.model, request.binding)
+            permit = self.reserve(request_id, request.binding)
         elif permit.request_id != request_id:
             permit.release()
             raise ValueError(f"The permit is for {permit.request_id!r}, not {request_id!r}.")
@@ -269,15 +293,17 @@ class Engine:
     async def count_tokens(self, request: GenerationRequest) -> int:
         """The number of prompt tokens `request` would feed its model (Anthropic `count_tokens`).
 
-        Binds, loads if needed and renders like `submit`, but a count is not a generation:
+        Resolves, loads if needed and renders like `submit`, but a count is not a generation:
         it never enters the lane, so a full queue does not refuse it (LANE-2), and it is not
         held to `max_input_tokens`.
 
         Raises:
+            UnknownModelError: nothing is bound under `request.binding`.
             ModelLoadError: the model could not be loaded.
             EngineClosedError: the engine is shutting down.
         """
-        instance = self.bind(request.binding or _default_name(request.model), request.model)
+        self._check_open()
+        instance = self.registry.resolve(request.binding)
         self.registry.lease(instance)  # an unbind while the count renders defers teardown (REG-6)
         try:
             await self.residency.ensure_loaded(instance)
@@ -326,7 +352,7 @@ class Engine:
         sampling = limits.fitted(
             sampling,
             len(prompt_ids),
-            alias_limit=instance.spec.max_input_tokens,
+            alias_limit=request.max_input_tokens,
             context_length=model.context_length,
         )
         limits.check_kv_cost(

@@ -104,7 +104,7 @@ class Generation:
         self.cancelled = False
         self.session_outcome: Outcome = "fresh"
         self.cached_tokens = 0
-        self.instance_id = request.model.instance_id
+        self.instance_id = 0  # set by the engine once the binding is resolved
         self._loop = loop
         self._events: deque[Event | _DeltaRun] = deque()  # loop side, unread
         self._wakeup: asyncio.Future[None] | None = None  # the reader waits on it when empty

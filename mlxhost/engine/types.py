@@ -39,7 +39,7 @@ class SamplingParams:
 
 @dataclass(frozen=True, slots=True)
 class LaneSettings:
-    """Admission settings of an instance's lane (LANE-1/2/8), edited on the alias."""
+    """Admission settings of an instance's lane (LANE-1/2/8), edited on the model (never an alias)."""
 
     capacity: int = 1
     queue_depth: int = 16
@@ -53,16 +53,15 @@ class ModelSpec:
 
     `instance_id` is the caller's id for these weights (a database sequence); the registry
     may keep an older id for the same weights (a live binding or a tombstone, REG-7).
-    `keep_alive_s` and `pinned` are the binding alias's memory policy (OPS-3): free the
-    weights after that many idle seconds (None: never); a pinned alias is never freed for
-    idleness or for the memory budget.
+    `keep_alive_s` and `pinned` are the model's memory policy (OPS-3): free the weights after
+    that many idle seconds (None: never); pinned weights are never freed for idleness or for
+    the memory budget. Only control (reconcile, admin actions) hands specs to the engine.
     """
 
     instance_id: int
     source: str  # an absolute local folder, or a Hugging Face repo id
     fingerprint: str
     revision: str | None = None
-    max_input_tokens: int | None = None
     lane: LaneSettings = field(default_factory=LaneSettings)
     keep_alive_s: float | None = None
     pinned: bool = False
@@ -78,13 +77,18 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
+    """One turn. `binding` names what serves it (an alias) and is only resolved, never bound:
+    binding, swapping and reloading belong to control (REG-5), so a request that read an older
+    row can never move a name back to old weights."""
+
     request_id: str
-    model: ModelSpec
+    binding: str
     sampling: SamplingParams
     messages: tuple[Message, ...] = ()
     prompt: str | None = None  # raw text completion instead of a chat template
-    binding: str = ""  # the name the registry binds the weights under (an alias); "" = by instance id
     session: SessionQuery | None = None  # warm-session lookup and adoption; None = neither
+    # The alias's input limit, below the model's context (None: the context only).
+    max_input_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,14 +29,21 @@ async def post_chat(api_key: str, **fields):
 
 
 async def set_lane(alias, **fields) -> None:
+    """Edit the lane of the alias's model, as the admin does, and reconcile this process's engine,
+    as its control listener does on the `models.changed` message."""
+    from api import control
+    from api.engine_client import engine_if_started
     from models_app import services
 
     def save() -> None:
+        model = alias.model
         for name, value in fields.items():
-            setattr(alias, name, value)
-        services.alias_save(alias=alias)
+            setattr(model, name, value)
+        services.model_save(model=model)
 
     await sync_to_async(save)()
+    if (engine := engine_if_started()) is not None:
+        await control.reconcile(engine, load_pinned=False)
 
 
 class StreamReader:

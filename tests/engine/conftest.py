@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 
 from mlxhost.engine import (
     Engine,
     EngineConfig,
+    Generation,
     GenerationRequest,
     Message,
     ModelSpec,
+    Permit,
     SamplingParams,
     SessionQuery,
 )
@@ -48,9 +51,36 @@ def _ungate(backend: FakeBackend) -> None:
     backend.gate.set()
 
 
+@dataclass(frozen=True, slots=True)
+class SpecRequest(GenerationRequest):
+    """A request that also says which weights its name stands for, so a test engine can bind
+    the name on first sight, as control would before the request arrived."""
+
+    spec: ModelSpec | None = None
+
+
+class TestEngine(Engine):
+    """The engine, plus a first-sight bind of an unbound name from a `SpecRequest`'s spec: what
+    reconcile does for the database before any request arrives. It never re-binds a bound
+    name; tests of swaps and settings changes call `bind` themselves, as control does."""
+
+    async def submit(self, request: GenerationRequest, permit: Permit | None = None) -> Generation:
+        self._bind_first(request)
+        return await super().submit(request, permit)
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        self._bind_first(request)
+        return await super().count_tokens(request)
+
+    def _bind_first(self, request: GenerationRequest) -> None:
+        spec_ = getattr(request, "spec", None)
+        if spec_ is not None and not self.bound(request.binding) and not self._closed and not self._stopping:
+            self.bind(request.binding, spec_)
+
+
 @pytest.fixture
 async def engine(backend: FakeBackend):
-    engine = Engine(EngineConfig(backend="fake"), backend=backend)
+    engine = TestEngine(EngineConfig(backend="fake"), backend=backend)
     yield engine
     _ungate(backend)
     await engine.shutdown()
@@ -64,7 +94,7 @@ async def make_engine(backend: FakeBackend):
     def make(clock: Callable[[], float] | None = None, **config) -> Engine:
         config.setdefault("backend", "fake")
         kwargs = {"clock": clock} if clock is not None else {}
-        engine = Engine(EngineConfig(**config), backend=backend, **kwargs)
+        engine = TestEngine(EngineConfig(**config), backend=backend, **kwargs)
         engines.append(engine)
         return engine
 
@@ -88,16 +118,20 @@ def request(
     binding: str = "",
     session: SessionQuery | None = None,
     spec_: ModelSpec | None = None,
+    max_input_tokens: int | None = None,
     **sampling,
-) -> GenerationRequest:
-    """A chat request; `spec_` overrides the model spec, `messages` the single user message."""
-    return GenerationRequest(
+) -> SpecRequest:
+    """A chat request; `spec_` overrides the model spec, `messages` the single user message.
+    Without a `binding` the name is "instance:<id>" of the spec."""
+    model = spec_ if spec_ is not None else spec(instance_id)
+    return SpecRequest(
         request_id=request_id,
-        model=spec_ if spec_ is not None else spec(instance_id),
+        binding=binding or f"instance:{model.instance_id}",
         sampling=SamplingParams(**sampling),
         messages=messages if messages is not None else (Message(role="user", content=text),),
-        binding=binding,
         session=session,
+        max_input_tokens=max_input_tokens,
+        spec=model,
     )
 
 

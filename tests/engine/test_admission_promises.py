@@ -25,11 +25,11 @@ async def test_a_reserved_permit_counts_against_the_budget_and_is_handed_in_once
     """LANE-3, LANE-2: a permit from `reserve` holds a place in the budget while its holder does
     async pre-work; `submit` hands it into the lane without counting it twice."""
     await engine.load(laned(capacity=1, queue_depth=1))
-    permit = engine.reserve("held", laned(capacity=1, queue_depth=1))
+    permit = engine.reserve("held", "instance:1")
     assert lane_of(engine)["permits"] == 1
     running = await engine.submit(request("other", spec_=laned(capacity=1, queue_depth=1), max_tokens=1))
     with pytest.raises(QueueFullError):  # 1 permit + 1 running = capacity + depth
-        engine.reserve("third", laned(capacity=1, queue_depth=1))
+        engine.reserve("third", "instance:1")
     await collect(running)
     generation = await engine.submit(
         request("held", spec_=laned(capacity=1, queue_depth=1), max_tokens=1), permit
@@ -43,14 +43,14 @@ async def test_a_reserved_permit_counts_against_the_budget_and_is_handed_in_once
 async def test_a_released_permit_frees_its_place_and_a_second_release_is_harmless(engine, backend):
     """LANE-3: bail-out releases the permit; releasing twice never frees someone else's place."""
     await engine.load(laned(capacity=1, queue_depth=0))
-    permit = engine.reserve("bail", laned(capacity=1, queue_depth=0))
+    permit = engine.reserve("bail", "instance:1")
     with pytest.raises(QueueFullError):
-        engine.reserve("next", laned(capacity=1, queue_depth=0))
+        engine.reserve("next", "instance:1")
     permit.release()
-    second = engine.reserve("next", laned(capacity=1, queue_depth=0))
+    second = engine.reserve("next", "instance:1")
     permit.release()
     with pytest.raises(QueueFullError):  # `second` still holds the only place
-        engine.reserve("third", laned(capacity=1, queue_depth=0))
+        engine.reserve("third", "instance:1")
     second.release()
     assert lane_of(engine)["permits"] == 0
 

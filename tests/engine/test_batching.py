@@ -270,6 +270,7 @@ async def test_lowering_capacity_to_one_switches_to_the_exclusive_scheduler(engi
     await collect(await engine.submit(request("r1", spec_=batching(2), max_tokens=2)))
     assert backend.batch_steps == [1, 1]
     await lane_idle(engine)
+    engine.bind("instance:1", batching(1))  # control applies the new capacity (REG-5)
     await collect(await engine.submit(request("r2", spec_=batching(1), max_tokens=2)))
     assert backend.batch_steps == [1, 1]
     assert len(backend.history) == 2

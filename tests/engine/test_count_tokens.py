@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 
 import pytest
 
@@ -33,7 +32,8 @@ async def test_counts_the_rendered_chat_prompt_without_generating(engine, backen
 
 
 async def test_counts_a_raw_prompt_by_encoding_it(engine, backend):
-    raw = GenerationRequest(request_id="r", model=spec(), sampling=SamplingParams(), prompt="abcdef")
+    engine.bind("raw", spec())
+    raw = GenerationRequest(request_id="r", binding="raw", sampling=SamplingParams(), prompt="abcdef")
     assert await engine.count_tokens(raw) == 6
     assert backend.render_calls == 0
 
@@ -66,8 +66,7 @@ async def test_a_count_is_answered_while_the_lane_is_full(engine, backend):
 
 
 async def test_a_count_is_not_held_to_max_input_tokens(engine, backend):
-    limited = replace(spec(), max_input_tokens=3)
-    assert await engine.count_tokens(request(spec_=limited)) == len(PROMPT)
+    assert await engine.count_tokens(request(max_input_tokens=3)) == len(PROMPT)
 
 
 async def test_a_count_loads_the_model_and_reports_a_failed_load(engine, backend):

@@ -111,10 +111,7 @@ async def test_load_failure_is_reported_with_reason_and_can_be_retried(engine, b
 
 
 async def test_prompt_over_max_input_tokens_is_refused_before_queueing(engine, backend):
-    req = request(text="x" * 50)
-    req = type(req)(
-        request_id="long", model=spec(1, max_input_tokens=20), sampling=req.sampling, messages=req.messages
-    )
+    req = request("long", text="x" * 50, max_input_tokens=20)
     with pytest.raises(PromptTooLongError) as info:
         await engine.submit(req)
     assert info.value.limit == 20

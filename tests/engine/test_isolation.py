@@ -86,7 +86,7 @@ async def test_the_context_length_bounds_the_prompt_and_cuts_max_tokens(engine, 
 async def test_the_alias_limit_lowers_the_context_limit(engine, backend):
     backend.context_length = 1000
     with pytest.raises(PromptTooLongError) as caught:
-        await engine.submit(request("long", spec_=spec(1, max_input_tokens=10), text="x" * 20))
+        await engine.submit(request("long", max_input_tokens=10, text="x" * 20))
     assert caught.value.limit == 10
 
 

@@ -188,21 +188,21 @@ async def test_tombstone_is_inherited_refcounted_and_released(engine, backend):
 
 
 async def test_rebind_updates_settings_in_place_but_running_requests_keep_theirs(engine, backend):
-    """REG-5: re-registering with new max_input_tokens and lane settings applies to the next request only."""
+    """REG-5: re-binding with new lane settings applies to the next request only; a request that
+    carries a lower input limit (its alias's) is held to it."""
     instance = await engine.load(X, name="a")
     lane = instance.lane
     backend.gated = True
     running = await engine.submit(request("r1", binding="a", spec_=X, max_tokens=3))
     stream = await started(running)
 
-    updated = x_as(1, max_input_tokens=5, lane=LaneSettings(capacity=1, queue_depth=1))
+    updated = x_as(1, lane=LaneSettings(capacity=1, queue_depth=1))
     assert engine.bind("a", updated) is instance
     assert instance.lane is lane
-    assert instance.spec.max_input_tokens == 5
     probe = lane_of(engine, 1)
     assert (probe["capacity"], probe["limit"]) == (1, 2)
     with pytest.raises(PromptTooLongError) as info:
-        await engine.submit(request("r2", binding="a", spec_=updated, text="far too long"))
+        await engine.submit(request("r2", binding="a", text="far too long", max_input_tokens=5))
     assert info.value.limit == 5
     assert backend.render_calls == 2  # templated, counted, refused
 

@@ -1,4 +1,4 @@
-"""The Django admin: registering aliases through services, and API keys shown exactly once."""
+"""The Django admin: registering models and aliases through services, and API keys shown exactly once."""
 
 from __future__ import annotations
 
@@ -6,18 +6,31 @@ import re
 
 import pytest
 
-from models_app.models import ApiKey, ModelAlias
+from models_app.models import ApiKey, Model, ModelAlias
 
 pytestmark = [pytest.mark.django_db]
 
-ALIAS_FORM = {
+MODEL_FORM = {
     "name": "tiny-admin",
     "description": "",
-    "enabled": "on",
     "source_kind": "local",
     "local_path": "tiny-llama",
     "hf_repo": "",
     "hf_revision": "",
+    "concurrency": "1",
+    "queue_depth": "16",
+    "queue_timeout_s": "",
+    "keep_alive_s": "1800",
+    # The model page lists its aliases inline (read-only, none to add).
+    "aliases-TOTAL_FORMS": "0",
+    "aliases-INITIAL_FORMS": "0",
+    "aliases-MIN_NUM_FORMS": "0",
+    "aliases-MAX_NUM_FORMS": "0",
+}
+ALIAS_FORM = {
+    "name": "tiny-chat",
+    "description": "",
+    "enabled": "on",
     "temperature": "0.7",
     "top_p": "1.0",
     "top_k": "0",
@@ -26,27 +39,40 @@ ALIAS_FORM = {
     "max_tokens": "256",
     "max_output_tokens": "1024",
     "max_input_tokens": "",
-    "concurrency": "1",
-    "queue_depth": "16",
-    "queue_timeout_s": "",
-    "keep_alive_s": "1800",
 }
+MODELS_URL = "/admin/models_app/model/"
 
 
-def test_admin_registers_an_alias_bound_to_an_instance(admin_client, tiny_model_dir):
-    """REG-1: aliases are rows edited in the admin; saving binds the weights' instance."""
-    response = admin_client.post("/admin/models_app/modelalias/add/", ALIAS_FORM)
+def test_admin_registers_a_model_and_an_alias_of_it(admin_client, tiny_model_dir):
+    """REG-1: models and aliases are rows edited in the admin; saving a model registers its weights'
+    instance, and an alias served from it shares that instance."""
+    response = admin_client.post(f"{MODELS_URL}add/", MODEL_FORM)
     assert response.status_code == 302, response.content.decode()[:2000]
-    alias = ModelAlias.objects.get(name="tiny-admin")
-    assert alias.instance is not None
+    model = Model.objects.get(name="tiny-admin")
+    assert model.instance is not None
+    response = admin_client.post("/admin/models_app/modelalias/add/", {**ALIAS_FORM, "model": model.pk})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    alias = ModelAlias.objects.get(name="tiny-chat")
+    assert alias.instance == model.instance
     assert alias.max_output_tokens == 1024
+    page = admin_client.get(f"{MODELS_URL}{model.pk}/change/").content.decode()
+    assert "tiny-chat" in page  # the model page lists the aliases it serves
+
+
+def test_the_alias_form_has_no_lane_or_weights_fields(admin_client, tiny_alias):
+    """Issue 11: lane, memory and weights live on the model; the alias page links there instead."""
+    page = admin_client.get(f"/admin/models_app/modelalias/{tiny_alias.pk}/change/").content.decode()
+    for field in ("concurrency", "queue_depth", "keep_alive_s", "local_path", "pinned"):
+        assert f'name="{field}"' not in page, field
+    assert f"{MODELS_URL}{tiny_alias.model_id}/change/" in page
+    assert "/action/load/" not in page
 
 
 def test_admin_refuses_a_folder_outside_models_root(admin_client, tiny_model_dir):
-    response = admin_client.post("/admin/models_app/modelalias/add/", {**ALIAS_FORM, "local_path": "../etc"})
+    response = admin_client.post(f"{MODELS_URL}add/", {**MODEL_FORM, "local_path": "../etc"})
     assert response.status_code == 200
     assert "MODELS_ROOT" in response.content.decode()
-    assert not ModelAlias.objects.filter(name="tiny-admin").exists()
+    assert not Model.objects.filter(name="tiny-admin").exists()
 
 
 def test_admin_shows_a_new_api_key_once(admin_client, admin_user):
@@ -161,6 +187,7 @@ def test_every_admin_page_renders(admin_client, tiny_alias, user):
         instance_id=9, weights_key=("tiny-llama", "", "f" * 64), public_id="resp_t"
     )
     pages = {
+        "model": (tiny_alias.model_id, 200),
         "modelalias": (tiny_alias.pk, 200),
         "modelinstance": (tiny_alias.instance_id, 403),
         "apikey": (key.pk, 200),
@@ -183,9 +210,9 @@ def test_bulk_actions_send_the_control_message(
     """ADM-1: the changelist's bulk actions ask every engine, on commit, to run the action (LANE-4 there)."""
     with django_capture_on_commit_callbacks(execute=True):
         response = admin_client.post(
-            ALIASES_URL, {"action": action, "_selected_action": [tiny_alias.pk]}, follow=True
+            MODELS_URL, {"action": action, "_selected_action": [tiny_alias.model_id]}, follow=True
         )
-    assert {"type": "models.action", "alias": "tiny", "action": action, "by": "admin"} in sent
+    assert {"type": "models.action", "model": "tiny", "action": action, "by": "admin"} in sent
     assert f"{action.capitalize()} requested for tiny; progress shows here" in response.content.decode()
 
 
@@ -194,13 +221,13 @@ def test_change_page_buttons_post_the_action(
     admin_client, tiny_alias, sent, action, django_capture_on_commit_callbacks
 ):
     """ADM-1: the change page has a CSRF-protected POST button per action; pressing it sends the message."""
-    url = f"{ALIASES_URL}{tiny_alias.pk}/action/{action}/"
-    page = admin_client.get(f"{ALIASES_URL}{tiny_alias.pk}/change/").content.decode()
+    url = f"{MODELS_URL}{tiny_alias.model_id}/action/{action}/"
+    page = admin_client.get(f"{MODELS_URL}{tiny_alias.model_id}/change/").content.decode()
     assert f'action="{url}"' in page and "csrfmiddlewaretoken" in page
     with django_capture_on_commit_callbacks(execute=True):
         response = admin_client.post(url)
-    assert response.status_code == 302 and response["Location"].endswith(f"/{tiny_alias.pk}/change/")
-    assert sent == [{"type": "models.action", "alias": "tiny", "action": action, "by": "admin"}]
+    assert response.status_code == 302 and response["Location"].endswith(f"/{tiny_alias.model_id}/change/")
+    assert sent == [{"type": "models.action", "model": "tiny", "action": action, "by": "admin"}]
     shown = admin_client.get(response["Location"]).content.decode()
     assert f"{action.capitalize()} requested for tiny; progress shows here and on the dashboard." in shown
 
@@ -212,7 +239,7 @@ def test_action_url_needs_csrf(client, admin_user, tiny_alias, sent, django_capt
     csrf_client = Client(enforce_csrf_checks=True)
     csrf_client.force_login(admin_user)
     with django_capture_on_commit_callbacks(execute=True):
-        response = csrf_client.post(f"{ALIASES_URL}{tiny_alias.pk}/action/load/")
+        response = csrf_client.post(f"{MODELS_URL}{tiny_alias.model_id}/action/load/")
     assert response.status_code == 403 and sent == []
 
 
@@ -221,7 +248,7 @@ def test_get_on_an_action_url_does_nothing(
 ):
     """ADM-1: following a link (GET) never loads or unloads a model."""
     with django_capture_on_commit_callbacks(execute=True) as callbacks:
-        response = admin_client.get(f"{ALIASES_URL}{tiny_alias.pk}/action/unload/")
+        response = admin_client.get(f"{MODELS_URL}{tiny_alias.model_id}/action/unload/")
     assert response.status_code == 405
     assert sent == [] and callbacks == []
 
@@ -229,42 +256,37 @@ def test_get_on_an_action_url_does_nothing(
 def test_actions_need_staff_with_change_permission(
     client, user, tiny_alias, sent, django_capture_on_commit_callbacks
 ):
-    """ADM-1: a staff member who may only view aliases cannot request actions."""
+    """ADM-1: a staff member who may only view models cannot request actions."""
     from django.contrib.auth.models import Permission
 
     user.is_staff = True
     user.save()
-    user.user_permissions.add(Permission.objects.get(codename="view_modelalias"))
+    user.user_permissions.add(Permission.objects.get(codename="view_model"))
     client.force_login(user)
     with django_capture_on_commit_callbacks(execute=True):
-        response = client.post(f"{ALIASES_URL}{tiny_alias.pk}/action/load/")
+        response = client.post(f"{MODELS_URL}{tiny_alias.model_id}/action/load/")
     assert response.status_code == 403 and sent == []
-    page = client.get(f"{ALIASES_URL}{tiny_alias.pk}/change/").content.decode()
+    page = client.get(f"{MODELS_URL}{tiny_alias.model_id}/change/").content.decode()
     assert "/action/load/" not in page
 
 
-def test_a_disabled_alias_cannot_be_loaded(
+def test_two_aliases_of_one_model_act_on_it_once(
     admin_client, tiny_alias, sent, django_capture_on_commit_callbacks
 ):
-    """ADM-1: load and reload of a disabled alias are refused with a message; unload still works."""
-    ModelAlias.objects.filter(pk=tiny_alias.pk).update(enabled=False)
+    """ADM-1: actions belong to the model; a second alias of it adds no second action or lane."""
+    from models_app import services
+
+    services.alias_register(name="tiny-2", model_name="ignored", source_kind="local", local_path="tiny-llama")
+    assert Model.objects.count() == 1
     with django_capture_on_commit_callbacks(execute=True):
-        response = admin_client.post(f"{ALIASES_URL}{tiny_alias.pk}/action/load/", follow=True)
-        bulk = admin_client.post(
-            ALIASES_URL, {"action": "reload", "_selected_action": [tiny_alias.pk]}, follow=True
-        )
-    assert "is disabled; enable it before you load it." in response.content.decode()
-    assert "is disabled; enable it before you reload it." in bulk.content.decode()
-    assert sent == []
-    with django_capture_on_commit_callbacks(execute=True):
-        admin_client.post(f"{ALIASES_URL}{tiny_alias.pk}/action/unload/")
-    assert [m["action"] for m in sent] == ["unload"]
+        admin_client.post(f"{MODELS_URL}{tiny_alias.model_id}/action/load/")
+    assert sent == [{"type": "models.action", "model": "tiny", "action": "load", "by": "admin"}]
 
 
 def test_an_unknown_action_is_refused(admin_client, tiny_alias, sent, django_capture_on_commit_callbacks):
     """ADM-1: only load, unload and reload exist."""
     with django_capture_on_commit_callbacks(execute=True):
-        response = admin_client.post(f"{ALIASES_URL}{tiny_alias.pk}/action/explode/", follow=True)
+        response = admin_client.post(f"{MODELS_URL}{tiny_alias.model_id}/action/explode/", follow=True)
     assert "Unknown action" in response.content.decode() and sent == []
 
 
@@ -290,7 +312,7 @@ def test_deleting_aliases_notifies_the_engines(
 
 def test_the_add_form_offers_model_folders(admin_client, tiny_model_dir):
     """ADM-1: registering a model suggests the folders under MODELS_ROOT that look like mlx-lm models."""
-    page = admin_client.get(f"{ALIASES_URL}add/").content.decode()
+    page = admin_client.get(f"{MODELS_URL}add/").content.decode()
     assert 'list="id_local_path_choices"' in page
     assert '<datalist id="id_local_path_choices">' in page
     assert '<option value="tiny-llama"></option>' in page
@@ -341,12 +363,12 @@ def test_a_folder_with_remote_code_is_refused(admin_client, tiny_model_dir, muta
     shutil.copytree(tiny_model_dir, bad)
     try:
         mutate(bad)
-        response = admin_client.post(f"{ALIASES_URL}add/", {**ALIAS_FORM, "local_path": "tiny-remote"})
+        response = admin_client.post(f"{MODELS_URL}add/", {**MODEL_FORM, "local_path": "tiny-remote"})
         assert response.status_code == 200
         errors = response.context["adminform"].form.errors
         assert list(errors) == ["local_path"]
         assert message in errors["local_path"][0] and "refused" in errors["local_path"][0]
-        assert not ModelAlias.objects.filter(name="tiny-admin").exists()
+        assert not Model.objects.filter(name="tiny-admin").exists()
     finally:
         shutil.rmtree(bad)
 
@@ -357,16 +379,16 @@ def _edit_json(path, **fields):
     path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
 
 
-def test_a_hub_alias_needs_repo_and_revision(admin_client, tiny_model_dir):
+def test_a_hub_model_needs_repo_and_revision(admin_client, tiny_model_dir):
     """ADM-1 / REG-1: a Hugging Face source takes a repo id and a pinned revision, errors on the right field."""
-    hub = {**ALIAS_FORM, "source_kind": "hub", "local_path": "", "hf_repo": "mlx-community/tiny"}
-    response = admin_client.post(f"{ALIASES_URL}add/", hub)
+    hub = {**MODEL_FORM, "source_kind": "hub", "local_path": "", "hf_repo": "mlx-community/tiny"}
+    response = admin_client.post(f"{MODELS_URL}add/", hub)
     assert list(response.context["adminform"].form.errors) == ["hf_revision"]
-    response = admin_client.post(f"{ALIASES_URL}add/", {**hub, "hf_repo": "not-a-repo", "hf_revision": "abc"})
+    response = admin_client.post(f"{MODELS_URL}add/", {**hub, "hf_repo": "not-a-repo", "hf_revision": "abc"})
     assert list(response.context["adminform"].form.errors) == ["hf_repo"]
-    response = admin_client.post(f"{ALIASES_URL}add/", {**hub, "hf_revision": "abc123"})
+    response = admin_client.post(f"{MODELS_URL}add/", {**hub, "hf_revision": "abc123"})
     assert response.status_code == 302
-    assert ModelAlias.objects.get(name="tiny-admin").source_label == "mlx-community/tiny@abc123"
+    assert Model.objects.get(name="tiny-admin").source_label == "mlx-community/tiny@abc123"
 
 
 def test_a_new_api_key_is_shown_once_then_only_its_prefix(admin_client, admin_user):
@@ -469,15 +491,19 @@ LIVE_CASES = [
 
 
 @pytest.mark.parametrize(("views", "actions", "shown"), LIVE_CASES)
-def test_alias_pages_show_the_live_state(admin_client, tiny_alias, views, actions, shown):
-    """ADM-1 / OPS-4: the changelist and change page show each live state the engines publish."""
+def test_model_and_alias_pages_show_the_live_state(admin_client, tiny_alias, views, actions, shown):
+    """ADM-1 / OPS-4: the model and alias changelists and change pages show each live state the
+    engines publish (the last action only on the model's pages, where the actions are)."""
     if views is not None:
         _publish(
             *[{**view, "instance_id": view["instance_id"] or tiny_alias.instance_id} for view in views],
             actions=actions,
         )
     list_text, change_text = shown if isinstance(shown, tuple) else (shown, shown)
-    for url, text in ((ALIASES_URL, list_text), (f"{ALIASES_URL}{tiny_alias.pk}/change/", change_text)):
+    pages = [(MODELS_URL, list_text), (f"{MODELS_URL}{tiny_alias.model_id}/change/", change_text)]
+    if actions is None:
+        pages += [(ALIASES_URL, list_text), (f"{ALIASES_URL}{tiny_alias.pk}/change/", change_text)]
+    for url, text in pages:
         page = admin_client.get(url).content.decode()
         assert text in page, url
 
