@@ -148,14 +148,6 @@ def responses_landed(*, public_ids: Iterable[str]) -> set[str]:
 
 MODEL_FOLDER_DEPTH = 2  # MODELS_ROOT/<name> or MODELS_ROOT/<owner>/<name>
 RESPONSE_CHAIN_MAX_DEPTH = 100
-LIVE_LABELS = {
-    "unloaded": "not loaded",
-    "loading": "loading",
-    "resident": "resident",
-    "degraded": "resident (degraded)",
-    "draining": "draining",
-    "error": "error",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,12 +221,13 @@ def alias_live_state(
         # Its weights may be resident for another alias, but nothing is served under this name.
         return idle("disabled", "disabled (not served)")
     if view is None:
-        return idle("unloaded", "not loaded")
-    state = _live_state(view)
+        return idle("unloaded", control.LIVE_LABELS["unloaded"])
+    # The engine's status publisher names the state and its words (mlxhost.runtime.status).
+    state = str(view.get("live_state") or "unloaded")
     progress = view.get("load_progress") or {}
     return AliasLiveState(
         state=state,
-        label=LIVE_LABELS[state],
+        label=str(view.get("label") or control.LIVE_LABELS["unloaded"]),
         instance_id=view.get("instance_id"),
         error=str(view.get("error") or "") if state == "error" else "",
         active=int(view.get("active") or 0),
@@ -258,17 +251,6 @@ def _view_for(alias: ModelAlias, views: Mapping[int, Mapping[str, Any]]) -> Mapp
     if bound:
         return bound[0]
     return views.get(alias.instance_id) if alias.instance_id is not None else None
-
-
-def _live_state(view: Mapping[str, Any]) -> str:
-    state = view.get("state")
-    if view.get("draining") and state in ("ready", "unloaded"):
-        return "draining"
-    if state == "ready":
-        return "degraded" if view.get("status") == "degraded" else "resident"
-    if state in ("loading", "error"):
-        return str(state)
-    return "unloaded"
 
 
 def _action_text(result: Mapping[str, Any] | None) -> tuple[str, str]:

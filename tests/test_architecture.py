@@ -101,7 +101,9 @@ def build_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> Graph:
     """Read every module under `packages` (below `root`) and the imports between them."""
     graph = Graph()
     files = {
-        module_name(path, root): path for package in packages for path in sorted((root / package).rglob("*.py"))
+        module_name(path, root): path
+        for package in packages
+        for path in sorted((root / package).rglob("*.py"))
     }
     graph.modules = set(files)
     for source, path in files.items():
@@ -172,7 +174,9 @@ def _describe(cycle: list[str], graph: Graph) -> str:
     steps = []
     for source, target in zip(cycle, cycle[1:], strict=False):
         line, kind = next(
-            (i.line, i.kind) for i in graph.imports if i.source == source and i.target == target and i.kind != "type_checking"
+            (i.line, i.kind)
+            for i in graph.imports
+            if i.source == source and i.target == target and i.kind != "type_checking"
         )
         steps.append(f"{source} -> {target} (line {line}, {kind})")
     return "\n  ".join(steps)

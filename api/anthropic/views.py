@@ -11,9 +11,9 @@ from api import lookups
 from api.anthropic.messages import MessageTurn, message_complete, message_sse
 from api.anthropic.serializers import CountTokensInput, MessagesInput
 from api.auth import api_endpoint, json_body
-from api.engine_client import get_engine
 from api.openai.views import SSE_HEADERS, validated
 from mlxhost.engine import Engine, GenerationRequest, Message
+from mlxhost.runtime import get_engine
 from models_app import selectors
 from models_app.models import ModelAlias
 

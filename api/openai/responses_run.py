@@ -9,11 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from api import lookups
-from api.engine_client import BOOT_ID, get_engine
 from api.errors import ApiError
 from api.openai.responses import Handoff, OnEnd, ResponseTurn, usage_body
 from mlxhost.engine import Engine, Generation, GenerationRequest, Message
 from mlxhost.engine.instance import Instance
+from mlxhost.runtime import BOOT_ID, get_engine
 from models_app import conversations, selectors
 from models_app.models import ModelAlias, StoredResponse
 from models_app.persistence import ResponseRecord, persistence
