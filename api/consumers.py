@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import secrets
 import weakref
 from typing import Any
@@ -21,14 +22,16 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from api.auth import authenticate_raw
-from api.engine_client import get_engine
 from api.errors import ApiError, as_api_error, error_body
 from api.openai.responses import response_events
 from api.openai.responses_input import ResponsesInput
 from api.openai.responses_run import response_start
 from api.openai.views import validated
 from api.parsing import loads_object
+from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
+
+logger = logging.getLogger(__name__)
 
 # Close codes: 4401/4403 mirror HTTP 401/403; 1009 is the protocol's "message too big".
 CLOSE_UNAUTHENTICATED = 4401
@@ -171,6 +174,16 @@ async def close_open_sockets(timeout: float) -> int:
         await asyncio.wait(tasks, timeout=timeout)
     _open_sockets.clear()
     return len(sockets)
+
+
+async def _close_sockets_at_stop() -> None:
+    if closed := await close_open_sockets(lifecycle.STOP_GRACE_S):
+        logger.info("closed %d open WebSocket(s)", closed)
+
+
+# Shutdown (OPS-5): hold the sockets as it begins, close them after the drain and the flush.
+lifecycle.on_shutdown_begin(pin_open_sockets)
+lifecycle.on_stop(_close_sockets_at_stop, stage=lifecycle.StopStage.CLOSE)
 
 
 class ResponsesConsumer(_TrackedConsumer):

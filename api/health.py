@@ -8,7 +8,8 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from api.auth import api_endpoint, may_see_internals
-from api.engine_client import engine_if_started
+from mlxhost.runtime import engine_if_started
+from mlxhost.runtime.status import instance_status
 from models_app import selectors
 
 
@@ -23,18 +24,6 @@ def _aliases_by_instance() -> dict[int, list[str]]:
     for alias in selectors.aliases_enabled():
         names.setdefault(alias.instance_id, []).append(alias.name)
     return names
-
-
-def instance_status(snap: dict[str, Any]) -> str:
-    """OPS-2's ladder: ok | loading | degraded (saturated queue, stuck generation, failures
-    since the last clean generation) | error | unloaded."""
-    state = snap["state"]
-    faulted = snap["faults"]["in_a_row"] > 0
-    if state == "ready" and (
-        not snap["worker_alive"] or snap["stalled"] or snap["lane"]["saturated"] or faulted
-    ):
-        return "degraded"
-    return {"ready": "ok", "loading": "loading", "error": "error"}.get(state, "unloaded")
 
 
 @api_endpoint(dialect="openai", methods=("GET", "HEAD"), public=True)

@@ -22,8 +22,8 @@ from prometheus_client.core import (
 )
 
 from api.auth import api_endpoint, may_see_internals
-from api.engine_client import engine_if_started
 from api.errors import INVALID_KEY_MESSAGE, ApiError
+from mlxhost.runtime import engine_if_started
 from models_app.persistence import persistence_if_started
 
 if TYPE_CHECKING:

@@ -14,9 +14,10 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
-from api.engine_client import schedule_engine_start  # noqa: E402
 from api.routing import websocket_urlpatterns  # noqa: E402
 from mlxhost.daphne_options import configure_daphne_websockets  # noqa: E402
+from mlxhost.runtime import control, persistence, status  # noqa: E402, F401  (they register their hooks)
+from mlxhost.runtime.lifecycle import schedule_engine_start  # noqa: E402
 
 # Daphne serves no static files itself; the admin's CSS and the dashboard's JS come from here.
 http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.MLXHOST_SERVE_STATIC else django_asgi_app

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 from datetime import timedelta
 from pathlib import Path
 
 import environ
+
+from mlxhost.runtime.config import runtime_settings_from
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(environ.Env().str("MLXHOST_VAR_DIR", default=str(BASE_DIR / "var")))
@@ -212,31 +215,10 @@ REST_FRAMEWORK = {
 # Local model folders must live under this root; a request's `model` is never a path.
 MODELS_ROOT = Path(env.str("MODELS_ROOT", default=str(VAR_DIR / "models"))).resolve()
 
-# False for a process that only serves the admin and dashboard: it starts no engine, loads no
-# model, and its generation endpoints answer 503 (another process's engine serves them, ADM-3).
-MLXHOST_RUN_ENGINE = env.bool("MLXHOST_RUN_ENGINE", default=True)
-MLXHOST_ENGINE = {
-    "BACKEND": env.str("MLXHOST_ENGINE_BACKEND", default="mlx"),
-    "PRELOAD": env.bool("MLXHOST_PRELOAD", default=True),
-    "DEFAULT_MAX_TOKENS": env.int("MLXHOST_DEFAULT_MAX_TOKENS", default=512),
-    # Warm sessions per instance (SES-1).
-    "MAX_SESSIONS": env.int("MLXHOST_MAX_SESSIONS", default=8),
-    "MAX_SESSION_BYTES": env.int("MLXHOST_MAX_SESSION_BYTES", default=2 << 30),
-    "SESSION_TTL_S": env.float("MLXHOST_SESSION_TTL_S", default=1800.0),
-    "SHUTDOWN_TIMEOUT_S": env.float("MLXHOST_SHUTDOWN_TIMEOUT_S", default=10.0),
-    # An admin unload or reload lets running requests finish this long, then aborts them (LANE-7).
-    "DRAIN_TIMEOUT_S": env.float("MLXHOST_DRAIN_TIMEOUT_S", default=30.0),
-    # Keep-alive (OPS-3): how often idle instances are looked for; the alias sets each keep-alive.
-    "HOUSEKEEPING_INTERVAL_S": env.float("MLXHOST_HOUSEKEEPING_INTERVAL_S", default=30.0),
-    # Most bytes resident models (weights + warm sessions) may hold; unset or 0: no budget (OPS-3).
-    "MEMORY_BUDGET_BYTES": env.int("MLXHOST_MEMORY_BUDGET_BYTES", default=0) or None,
-    # A batch about to start waits up to this long for requests of the same burst still being
-    # templated, so they are prefilled together (LANE-1); 0 starts each request at once.
-    "BURST_WAIT_MS": env.int("MLXHOST_BURST_WAIT_MS", default=250),
-    # The most KV-cache bytes one request may need (prompt + max_tokens); unset: what the memory
-    # budget (or the machine's RAM) leaves beside the model's weights.
-    "MAX_REQUEST_KV_BYTES": env.int("MLXHOST_MAX_REQUEST_KV_BYTES", default=0) or None,
-}
+# The engine and the serving process (MLXHOST_RUN_ENGINE, MLXHOST_PRELOAD, MLXHOST_ENGINE_BACKEND,
+# sessions, timeouts, memory budget, burst wait): parsed once into frozen dataclasses whose
+# defaults live in mlxhost/runtime/config.py and mlxhost/engine/config.py, not here.
+MLXHOST_RUNTIME = runtime_settings_from(os.environ)
 # /metrics (OPS-1) needs an API key or a staff login unless this is true (scrapers without auth).
 MLXHOST_METRICS_PUBLIC = env.bool("MLXHOST_METRICS_PUBLIC", default=False)
 MLXHOST_MAX_REQUEST_BYTES = env.int("MLXHOST_MAX_REQUEST_BYTES", default=4 * 1024 * 1024)

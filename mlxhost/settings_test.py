@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+from mlxhost.engine import EngineConfig
+from mlxhost.runtime.config import RuntimeSettings
+
 from .settings import *  # noqa: F403
 from .settings import BASE_DIR, DATABASES, REDIS_URL
 
@@ -19,4 +22,6 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # A file, not :memory:, so a daphne subprocess in the end-to-end tests can share it.
     # One file per pytest process, so concurrent runs never share (and corrupt) one database.
     DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR / ".cache" / f"test-db-{os.getpid()}.sqlite3")}
-MLXHOST_ENGINE = {"BACKEND": "mlx", "PRELOAD": False, "DEFAULT_MAX_TOKENS": 64}
+# The defaults whatever the environment says, the real tiny model, and pinned aliases that wait
+# for their first request instead of loading at start.
+MLXHOST_RUNTIME = RuntimeSettings(preload=False, engine=EngineConfig(backend="mlx"))

@@ -1,4 +1,4 @@
-"""App config for models_app. `ready()` stays empty: the engine is built lazily by api/engine_client."""
+"""App config for models_app. `ready()` stays empty: the engine is built lazily by mlxhost/runtime/lifecycle."""
 
 from django.apps import AppConfig
 

@@ -157,14 +157,6 @@ def responses_landed(*, public_ids: Iterable[str]) -> set[str]:
 
 MODEL_FOLDER_DEPTH = 2  # MODELS_ROOT/<name> or MODELS_ROOT/<owner>/<name>
 RESPONSE_CHAIN_MAX_DEPTH = 100
-LIVE_LABELS = {
-    "unloaded": "not loaded",
-    "loading": "loading",
-    "resident": "resident",
-    "degraded": "resident (degraded)",
-    "draining": "draining",
-    "error": "error",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,12 +228,13 @@ def model_live_state(
         return idle("unreported", "no engine process reporting")
     view = _view_for(model.instance_id, names, views)
     if view is None:
-        return idle("unloaded", "not loaded")
-    state = _live_state(view)
+        return idle("unloaded", control.LIVE_LABELS["unloaded"])
+    # The engine's status publisher names the state and its words (mlxhost.runtime.status).
+    state = str(view.get("live_state") or "unloaded")
     progress = view.get("load_progress") or {}
     return AliasLiveState(
         state=state,
-        label=LIVE_LABELS[state],
+        label=str(view.get("label") or control.LIVE_LABELS["unloaded"]),
         instance_id=view.get("instance_id"),
         error=str(view.get("error") or "") if state == "error" else "",
         active=int(view.get("active") or 0),
@@ -282,17 +275,6 @@ def _view_for(
     if bound:
         return bound[0]
     return views.get(instance_id) if instance_id is not None else None
-
-
-def _live_state(view: Mapping[str, Any]) -> str:
-    state = view.get("state")
-    if view.get("draining") and state in ("ready", "unloaded"):
-        return "draining"
-    if state == "ready":
-        return "degraded" if view.get("status") == "degraded" else "resident"
-    if state in ("loading", "error"):
-        return str(state)
-    return "unloaded"
 
 
 def _action_text(result: Mapping[str, Any] | None) -> tuple[str, str]:

@@ -19,9 +19,6 @@ if TYPE_CHECKING:
 
 View = Callable[..., "HttpResponse"]
 
-# The instance states as the admin and dashboard name them (the page's script uses the same words).
-STATE_LABELS = {"ready": "resident", "loading": "loading", "unloaded": "not loaded", "error": "error"}
-
 
 def staff_only(view: View) -> View:
     """Anonymous visitors go to the admin login; a signed-in user who is not staff gets a 403
@@ -73,21 +70,12 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "statuses": statuses,
         "rows": instance_rows(statuses),
         "actions": control.action_views(statuses),
+        "no_instance_label": control.LIVE_LABELS["unloaded"],
     }
     response = render(request, "dashboard/index.html", context)
     response["Content-Security-Policy"] = content_security_policy(request)
     response["Referrer-Policy"] = "same-origin"
     return response
-
-
-def state_label(view: dict[str, Any]) -> str:
-    """The admin's words for an instance's state (`selectors.LIVE_LABELS`)."""
-    state = view.get("state", "")
-    if view.get("draining") and state in ("ready", "unloaded"):
-        return "draining"
-    if state == "ready" and view.get("status") == "degraded":
-        return "resident (degraded)"
-    return STATE_LABELS.get(state, state)
 
 
 def load_percent(progress: dict[str, Any]) -> int:
@@ -102,7 +90,7 @@ def instance_rows(statuses: list[dict[str, Any]]) -> list[dict[str, Any]]:
             **view,
             "key": f"{status['boot_id']}:{view['instance_id']}",
             "engine": f"{status.get('host', '?')} · pid {status.get('pid', '?')}",
-            "label": state_label(view),
+            "label": view.get("label") or control.LIVE_LABELS["unloaded"],  # as the engine published it
             "load_percent": load_percent(view.get("load_progress") or {}),
         }
         for status in statuses

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from api import engine_client
+from mlxhost import runtime
 from mlxhost.engine import Engine, EngineConfig
 
 TINY_FOLDER = "tiny-llama"
@@ -91,9 +91,9 @@ def tiny_alias(tiny_model_dir):
 async def mlx_engine():
     """A fresh engine on this test's event loop, installed as the process engine."""
     engine = Engine(EngineConfig(backend="mlx"))
-    engine_client.set_engine(engine)
+    runtime.set_engine(engine)
     yield engine
-    engine_client.set_engine(None)
+    runtime.set_engine(None)
     await engine.shutdown()
     await settle_persistence()
 

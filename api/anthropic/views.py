@@ -11,9 +11,9 @@ from api import lookups
 from api.anthropic.messages import MessageTurn, message_complete, message_sse
 from api.anthropic.serializers import CountTokensInput, MessagesInput
 from api.auth import api_endpoint, json_body
-from api.engine_client import engine_for
 from api.openai.views import SSE_HEADERS, validated
 from mlxhost.engine import Engine, GenerationRequest, Message
+from mlxhost.runtime.control import engine_for
 from models_app import selectors
 from models_app.models import ModelAlias
 

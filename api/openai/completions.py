@@ -12,13 +12,13 @@ from rest_framework import serializers
 from api import lookups
 from api.auth import api_endpoint, json_body
 from api.collect import collect_text
-from api.engine_client import engine_for
 from api.errors import cut_short_error, error_body, failed_error
 from api.openai.chat import FINISH_REASONS, ChatTurn, usage_body
 from api.openai.serializers import MAX_TOP_K, ChatCompletionInput, StreamOptionsInput, StrictBooleanField
 from api.openai.views import chat_shaped_response, validated
 from api.sse import SSE_DONE, sse_event
 from mlxhost.engine import Delta, Done, Engine, Failed, Generation, GenerationRequest
+from mlxhost.runtime.control import engine_for
 from models_app import selectors
 from models_app.models import ModelAlias
 

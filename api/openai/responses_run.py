@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from api import lookups
-from api.engine_client import BOOT_ID, engine_for
 from api.errors import ApiError
 from api.openai.responses import Handoff, OnEnd, ResponseTurn, usage_body
 from mlxhost.engine import Engine, Generation, GenerationRequest, Message
 from mlxhost.engine.instance import Instance
+from mlxhost.runtime import BOOT_ID
+from mlxhost.runtime.control import engine_for
 from models_app import conversations, selectors
 from models_app.models import ModelAlias, StoredResponse
 from models_app.persistence import ResponseRecord, persistence

@@ -8,12 +8,12 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
 from api.auth import api_endpoint, json_body
-from api.engine_client import get_engine
 from api.openai.responses import ResponseTurn, response_collect, response_sse
 from api.openai.responses_input import ResponsesInput
 from api.openai.responses_run import live_owner, not_found, response_start
 from api.openai.views import SSE_HEADERS, validated
 from mlxhost.engine import Usage
+from mlxhost.runtime import get_engine
 from models_app import services
 from models_app.models import StoredResponse
 from models_app.persistence import persistence

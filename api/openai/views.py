@@ -11,11 +11,12 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 
 from api import lookups
 from api.auth import api_endpoint, json_body
-from api.engine_client import engine_for, engine_if_started
 from api.errors import ApiError
 from api.openai.chat import ChatTurn, chat_complete, chat_sse
 from api.openai.serializers import ChatCompletionInput, first_error
 from mlxhost.engine import Engine, Generation, GenerationRequest, Message
+from mlxhost.runtime import engine_if_started
+from mlxhost.runtime.control import engine_for
 from models_app import selectors
 from models_app.models import ModelAlias
 

@@ -1,4 +1,5 @@
-"""The engine's configuration dataclass, built once from `settings.MLXHOST_ENGINE`."""
+"""The engine's configuration dataclass; the serving process builds it once from the environment
+(`mlxhost.runtime.config`), and its defaults are the only ones."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     backend: str = "mlx"  # "mlx" or "fake"
-    default_max_tokens: int = 512
     load_timeout_s: float = 600.0
     shutdown_timeout_s: float = 10.0
     # Warm sessions per instance (SES-1): entries, bytes and time to live.

@@ -11,7 +11,6 @@
   var BACKOFF_MAX_MS = 15000;
   // Close codes after which retrying is useless until the user signs in again.
   var DENIED = { 4401: "signed out", 4403: "forbidden" };
-  var STATE_LABELS = { ready: "resident", loading: "loading", unloaded: "not loaded", error: "error" };
 
   // Helpers -----------------------------------------------------------------------------------
 
@@ -43,13 +42,6 @@
 
   function socketUrl(path) {
     return (location.protocol === "https:" ? "wss://" : "ws://") + location.host + path;
-  }
-
-  // The admin's words for an instance's state (models_app.views.state_label says the same).
-  function stateLabel(view) {
-    if (view.draining && (view.state === "ready" || view.state === "unloaded")) return "draining";
-    if (view.state === "ready" && view.status === "degraded") return "resident (degraded)";
-    return STATE_LABELS[view.state] || view.state;
   }
 
   function slug(text) {
@@ -273,7 +265,7 @@
   };
 
   Dashboard.prototype.fillRow = function (tr, status, view) {
-    var label = stateLabel(view);
+    var label = view.label; // the engine's status publisher names the state (mlxhost.runtime.status)
     tr.className = "state-" + view.state;
     var state = el("td", { className: "state" }, [el("span", { className: "badge badge-" + slug(label), text: label })]);
     if (view.state === "loading") state.append(loadProgress(view.load_progress || { done: 0, total: 0 }));
@@ -302,10 +294,12 @@
         byAlias[name] = row.view;
       });
     });
+    var table = document.getElementById("aliases-table");
+    var noInstance = table ? table.dataset.noInstanceLabel : "";
     document.querySelectorAll("#aliases-table tr[data-alias]").forEach(function (tr) {
       var view = byAlias[tr.dataset.alias];
       var cell = tr.querySelector(".alias-state");
-      var label = view ? stateLabel(view) : "not loaded";
+      var label = view ? view.label : noInstance;
       cell.replaceChildren(el("span", { className: "badge badge-" + slug(label), text: label }));
     });
   };

@@ -31,8 +31,9 @@ async def post_chat(api_key: str, **fields):
 async def set_lane(alias, **fields) -> None:
     """Edit the lane of the alias's model, as the admin does, and reconcile this process's engine,
     as its control listener does on the `models.changed` message."""
-    from api import control
     from api.engine_client import engine_if_started
+
+    from api import control
     from models_app import services
 
     def save() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 
 import pytest
@@ -10,8 +11,9 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.core.cache import cache
 
-from api import control as engine_control
 from mlxhost.engine.backends.mlx.tiny import build_tiny_model
+from mlxhost.runtime import control as engine_control
+from mlxhost.runtime import status as engine_status
 from models_app import control, selectors, services
 from models_app.models import ModelAlias
 
@@ -146,7 +148,7 @@ async def test_the_status_reports_rates_and_reaches_the_cache(tiny_alias, api_ke
 
     await sync_to_async(cache.delete)(control.STATUS_INDEX_KEY)  # statuses of earlier tests' servers
     actions = engine_control.Actions(mlx_engine)
-    builder = engine_control.StatusBuilder(mlx_engine, actions)
+    builder = engine_status.StatusBuilder(mlx_engine, actions)
     response = await AsyncClient().post(
         "/v1/chat/completions",
         data='{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}',
@@ -179,10 +181,10 @@ async def test_an_admin_only_process_serves_no_models(tiny_alias, api_key, setti
     """ADM-3: with MLXHOST_RUN_ENGINE=false a process builds no engine; generation answers 503."""
     from django.test import AsyncClient
 
-    from api import engine_client
+    from mlxhost import runtime
 
-    settings.MLXHOST_RUN_ENGINE = False
-    engine_client.set_engine(None)
+    settings.MLXHOST_RUNTIME = dataclasses.replace(settings.MLXHOST_RUNTIME, run_engine=False)
+    runtime.set_engine(None)
     response = await AsyncClient().post(
         "/v1/chat/completions",
         data='{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}',
@@ -191,4 +193,4 @@ async def test_an_admin_only_process_serves_no_models(tiny_alias, api_key, setti
     )
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "engine_closed"
-    assert engine_client.engine_if_started() is None
+    assert runtime.engine_if_started() is None

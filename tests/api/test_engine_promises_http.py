@@ -13,10 +13,10 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.test import AsyncClient
 
-from api import control as engine_control
-from api import engine_client
 from api.errors import LOAD_FAILED_MESSAGE, as_api_error, failed_error
+from mlxhost import runtime
 from mlxhost.engine import Engine, EngineConfig, Failed, InvalidModelFolderError, ModelLoadError
+from mlxhost.runtime import control as engine_control
 from models_app import services
 from models_app.models import ModelAlias
 from tests.api.test_admission_http import StreamReader, post_chat, set_lane
@@ -76,9 +76,9 @@ async def test_a_missing_parent_releases_the_permit(tiny_alias, api_key, mlx_eng
 async def draining_engine():
     """An engine whose admin drains abort running streams after 0.3 s (DRAIN_TIMEOUT_S)."""
     engine = Engine(EngineConfig(backend="mlx", drain_timeout_s=0.3))
-    engine_client.set_engine(engine)
+    runtime.set_engine(engine)
     yield engine
-    engine_client.set_engine(None)
+    runtime.set_engine(None)
     await engine.shutdown()
 
 

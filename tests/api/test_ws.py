@@ -241,7 +241,8 @@ async def test_the_dashboard_socket_pushes_each_published_status_to_staff(
 ):
     """ADM-2: staff sockets join the dashboard group and get every engine status as it is published;
     anyone else is refused before accept."""
-    from api import control as engine_control
+    from mlxhost.runtime import control as engine_control
+    from mlxhost.runtime import status as engine_status
 
     staff = await django_user_model.objects.acreate(username="root", is_staff=True, is_superuser=True)
     client = AsyncClient()
@@ -269,7 +270,7 @@ async def test_the_dashboard_socket_pushes_each_published_status_to_staff(
     # a channel of another prefix would take that loop over and starve the consumers.
     assert prefixes == [()]
     socket = await connect([HOST, cookie, origin], path="/ws/dashboard")
-    publisher = asyncio.create_task(engine_control.run_status_publisher(mlx_engine, actions))
+    publisher = asyncio.create_task(engine_status.run_status_publisher(mlx_engine, actions))
     try:
         for _ in range(50):  # frames from earlier engines' cached statuses may come first
             frame = json.loads(await socket.receive_from(timeout=10))

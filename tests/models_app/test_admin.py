@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from mlxhost.runtime.status import live_fields
 from models_app.models import ApiKey, Model, ModelAlias
 
 pytestmark = [pytest.mark.django_db]
@@ -142,7 +143,9 @@ def _view(instance_id, **fields):
         "warm_sessions": 0,
         "load_progress": {"done": 0, "total": 0},
     }
-    return {**view, **fields}
+    view = {**view, **fields}
+    # The label comes with the view, named by the engine's status publisher (issue 11, item 6).
+    return {**view, **live_fields(state=view["state"], status=view["status"], draining=view["draining"])}
 
 
 def _publish(*views, actions=None):

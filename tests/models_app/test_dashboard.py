@@ -8,6 +8,7 @@ import time
 import pytest
 from django.core.cache import cache
 
+from mlxhost.runtime.status import live_fields
 from models_app import control, services
 
 pytestmark = [pytest.mark.django_db]
@@ -57,6 +58,7 @@ def engine_status(**instance) -> dict:
         "stalled_s": 0.0,
         **instance,
     }
+    view.update(live_fields(state=view["state"], status=view["status"], draining=view["draining"]))
     return {
         "boot_id": "boot-1",
         "host": "box",

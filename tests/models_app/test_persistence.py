@@ -416,12 +416,11 @@ async def test_embedded_default_sweeps_in_the_web_process(user, make_store):
 async def test_server_start_runs_one_monitor_and_the_embedded_sweeper(make_store):
     """PER-4 / PER-5: starting the server starts the breaker's monitor and, without a broker, the
     sweeper; a second start, or a record, adds no second one."""
-    from api import engine_client
+    from mlxhost.runtime.persistence import start_persistence
 
     store = make_store()
-    loop = asyncio.get_running_loop()
-    engine_client._start_persistence(loop)
-    engine_client._start_persistence(loop)
+    start_persistence()
+    start_persistence()
     await asyncio.sleep(0.05)
     names = sorted(task.get_name() for task in asyncio.all_tasks() if task.get_name().startswith("persist-"))
     assert names == ["persist-monitor", "persist-sweeper"]

@@ -1,10 +1,10 @@
-"""The engine process's side of cross-process control (ADM-3) and of the live status (ADM-2, OPS-4).
+"""The engine process's side of cross-process control (ADM-3): reconcile, admin actions, the listener.
 
 `run_control_listener` joins the engine group on the channel layer: a `models.changed` message
 reconciles the engine with the database, a `models.action` message loads, unloads or reloads a
-model through its instance's writer path (LANE-4). `run_status_publisher` reports every instance
-about once a second to the cache (the admin reads it) and to the dashboard group (pushed to the
-browsers). The message vocabulary lives in `models_app.control`.
+model through its instance's writer path (LANE-4). The message vocabulary lives in
+`models_app.control`; the live status is `mlxhost.runtime.status`. Registered on import: when the
+engine starts, the listener runs and the engine is reconciled (pinned models load).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import time
 from typing import Any
 
@@ -21,19 +19,16 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.core.exceptions import ValidationError
 
-from api.engine_client import BOOT_ID
-from api.health import instance_status
 from mlxhost.engine import Engine, EngineError, ModelSpec, UnknownModelError
+from mlxhost.runtime import lifecycle
 from models_app import control, hotcache, selectors, services
 from models_app.models import Model, ModelAlias
 
 logger = logging.getLogger(__name__)
 
-STATUS_INTERVAL_S = 1.0
 # Channels' Redis layer forgets a group member after a day; re-join well before that.
 REJOIN_INTERVAL_S = 600.0
 LISTENER_RETRY_S = 2.0
-STARTED_AT = time.time()
 
 
 # Reconciling ------------------------------------------------------------------------------------
@@ -55,7 +50,7 @@ async def reconcile(engine: Engine, *, load_pinned: bool = True) -> None:
     desired = await sync_to_async(_desired)()
     bound = set(engine.registry.names())
     for name in bound:
-        if _is_alias(name) and name not in desired:
+        if is_alias(name) and name not in desired:
             logger.info("alias %s is gone or disabled: unbinding it", name)
             engine.unbind(name)
     loads = []
@@ -88,11 +83,23 @@ async def bind_on_demand(engine: Engine, name: str) -> None:
         engine.bind(name, spec)
 
 
+async def engine_for(name: str) -> Engine:
+    """This process's engine, serving the alias `name` (bound on demand if nothing has yet).
+
+    Raises:
+        UnknownModelError: no enabled alias has that name.
+    """
+    engine = lifecycle.get_engine()
+    await bind_on_demand(engine, name)
+    return engine
+
+
 def _spec_of_alias(name: str) -> ModelSpec:
     return selectors.model_spec_for(alias=selectors.alias_resolve(name=name))
 
 
-def _is_alias(name: str) -> bool:
+def is_alias(name: str) -> bool:
+    """Whether a bound name is an alias, not an internal name of the engine."""
     # The engine also binds internal names ("instance:7" for bare specs, "reload:x" while reloading).
     return ":" not in name
 
@@ -220,7 +227,7 @@ class Actions:
     def weights_changed(self, names: list[str]) -> None:
         """A load found these aliases' folder changed since registration (REG-3): reload their
         models, which registers the new weights under a new instance id (on the loop)."""
-        aliases = [name for name in names if _is_alias(name)]
+        aliases = [name for name in names if is_alias(name)]
         if not aliases:
             return
         asyncio.get_running_loop().create_task(self._reload_models_of(aliases))
@@ -294,75 +301,32 @@ async def handle_message(engine: Engine, actions: Actions, message: dict[str, An
         logger.exception("control message %r failed", kind)
 
 
-# Status -------------------------------------------------------------------------------------------
+# The lifecycle ------------------------------------------------------------------------------------
+
+_actions: Actions | None = None
 
 
-class StatusBuilder:
-    """Turns engine snapshots into the status the admin and dashboard show, with rates over time."""
-
-    def __init__(self, engine: Engine, actions: Actions) -> None:
-        self.engine = engine
-        self.actions = actions
-        self._last: dict[int, tuple[int, float]] = {}  # instance id -> (tokens generated, when)
-
-    def build(self) -> dict[str, Any]:
-        now = time.monotonic()
-        views = [self._view(snap, now) for snap in self.engine.snapshot()]
-        return {
-            "boot_id": BOOT_ID,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started_at": STARTED_AT,
-            "at": time.time(),
-            "instances": sorted(views, key=lambda view: view["instance_id"]),
-            "actions": dict(self.actions.results),
-        }
-
-    def _view(self, snap: dict[str, Any], now: float) -> dict[str, Any]:
-        instance_id, tokens = snap["instance_id"], snap["tokens_generated"]
-        last_tokens, last_at = self._last.get(instance_id, (tokens, now))
-        self._last[instance_id] = (tokens, now)
-        elapsed = now - last_at
-        lane, progress = snap["lane"], snap["load_progress"]
-        return {
-            "instance_id": instance_id,
-            "aliases": [name for name in snap["aliases"] if _is_alias(name)],
-            "state": snap["state"],
-            "status": instance_status(snap),
-            "error": snap["last_error"] or "",
-            "active": lane["active"],
-            "queued": lane["queued"],
-            "capacity": lane["capacity"],
-            "draining": lane["draining"],
-            "tokens_per_s": round((tokens - last_tokens) / elapsed, 1) if elapsed > 0 else 0.0,
-            "decode_tps": snap["decode_tps"],
-            "ttft_ms": snap["ttft_ms"],
-            "batch_size": snap["batch_size"],
-            "warm_sessions": snap["sessions"]["entries"],
-            "warm_bytes": snap["sessions"]["bytes"],
-            "memory_bytes": snap["memory_bytes"],
-            "load_progress": progress,
-            "requests_finished": snap["requests_finished"],
-            "stalled_s": snap["stalled_s"],
-        }
+def actions_for(engine: Engine) -> Actions:
+    """The one `Actions` of `engine` (the listener runs them, the status publisher reports them)."""
+    global _actions
+    if _actions is None or _actions.engine is not engine:  # a test's fresh engine replaces the last
+        _actions = Actions(engine)
+    return _actions
 
 
-async def run_status_publisher(engine: Engine, actions: Actions) -> None:
-    """Publish this engine's status every STATUS_INTERVAL_S until cancelled."""
-    layer = get_channel_layer()
-    builder = StatusBuilder(engine, actions)
-    failing = False
-    while True:
-        status = builder.build()
-        try:
-            await sync_to_async(control.status_publish)(status)
-            if layer is not None:
-                await layer.group_send(
-                    control.DASHBOARD_GROUP, {"type": control.DASHBOARD_STATUS, "status": status}
-                )
-            failing = False
-        except Exception:
-            if not failing:  # say it once, not every second
-                logger.warning("could not publish the engine status", exc_info=True)
-            failing = True
-        await asyncio.sleep(STATUS_INTERVAL_S)
+def start_control(engine: Engine) -> None:
+    """Listen for control messages and reconcile the engine with the database (ADM-3).
+
+    Pinned aliases load now (unless MLXHOST_PRELOAD=false); a failed load is logged and shown in
+    /readyz, not fatal.
+    """
+    actions = actions_for(engine)
+    # A load that found an alias's folder changed registers the new weights (REG-3): the reload
+    # action computes the fingerprint again, gets a new instance id and swaps to it.
+    engine.on_weights_changed = actions.weights_changed
+    lifecycle.spawn(run_control_listener(engine, actions), name="engine-control")
+    load_pinned = lifecycle.runtime_settings().preload
+    lifecycle.spawn(reconcile(engine, load_pinned=load_pinned), name="engine-reconcile")
+
+
+lifecycle.on_start(start_control)

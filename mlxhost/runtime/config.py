@@ -1,0 +1,75 @@
+"""The serving process's runtime settings: `MLXHOST_*` variables parsed once into frozen dataclasses.
+
+The defaults live here (and in `EngineConfig`) and nowhere else. `mlxhost/settings.py` calls
+`runtime_settings_from(os.environ)` once, after it has read `.env`, and keeps the result as
+`settings.MLXHOST_RUNTIME`; code reads it through `runtime_settings()`. Tests swap it with
+`dataclasses.replace` on the pytest-django `settings` fixture. Pure Python: no Django import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from mlxhost.engine import EngineConfig
+
+# django-environ's truthy words, so these variables parse like every other setting.
+TRUE_WORDS = frozenset({"true", "on", "ok", "y", "yes", "1"})
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSettings:
+    """What the serving process needs beyond the engine's own configuration."""
+
+    # False for a process that only serves the admin and dashboard: no engine, no model, and the
+    # generation endpoints answer 503 (another process's engine serves them, ADM-3).
+    run_engine: bool = True
+    # Load pinned aliases when the server starts (ADM-3).
+    preload: bool = True
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name)
+    return default if raw is None else raw.strip().lower() in TRUE_WORDS
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    return float(raw) if raw else default
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    return int(raw) if raw else default
+
+
+def _limit(env: Mapping[str, str], name: str) -> int | None:
+    return _int(env, name, 0) or None  # unset or 0: no limit
+
+
+def engine_config_from(env: Mapping[str, str]) -> EngineConfig:
+    """An `EngineConfig` from `MLXHOST_*` variables; each one unset keeps the dataclass default."""
+    base = EngineConfig()
+    return EngineConfig(
+        backend=env.get("MLXHOST_ENGINE_BACKEND", "").strip() or base.backend,
+        max_sessions=_int(env, "MLXHOST_MAX_SESSIONS", base.max_sessions),
+        max_session_bytes=_int(env, "MLXHOST_MAX_SESSION_BYTES", base.max_session_bytes),
+        session_ttl_s=_float(env, "MLXHOST_SESSION_TTL_S", base.session_ttl_s),
+        shutdown_timeout_s=_float(env, "MLXHOST_SHUTDOWN_TIMEOUT_S", base.shutdown_timeout_s),
+        drain_timeout_s=_float(env, "MLXHOST_DRAIN_TIMEOUT_S", base.drain_timeout_s),
+        housekeeping_interval_s=_float(env, "MLXHOST_HOUSEKEEPING_INTERVAL_S", base.housekeeping_interval_s),
+        memory_budget_bytes=_limit(env, "MLXHOST_MEMORY_BUDGET_BYTES"),
+        burst_wait_s=_float(env, "MLXHOST_BURST_WAIT_MS", base.burst_wait_s * 1000) / 1000,
+        max_request_kv_bytes=_limit(env, "MLXHOST_MAX_REQUEST_KV_BYTES"),
+    )
+
+
+def runtime_settings_from(env: Mapping[str, str]) -> RuntimeSettings:
+    """`RuntimeSettings` from `env` (the process environment, or a test's mapping)."""
+    base = RuntimeSettings()
+    return RuntimeSettings(
+        run_engine=_bool(env, "MLXHOST_RUN_ENGINE", base.run_engine),
+        preload=_bool(env, "MLXHOST_PRELOAD", base.preload),
+        engine=engine_config_from(env),
+    )

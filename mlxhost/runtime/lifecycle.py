@@ -1,0 +1,207 @@
+"""This process's engine and its lifecycle: built lazily, started and stopped with registered hooks.
+
+The lifecycle knows nothing of what runs beside the engine. Each part registers itself:
+`mlxhost.runtime.persistence` (write-behind store), `mlxhost.runtime.control` (reconcile, the
+control listener), `mlxhost.runtime.status` (the status publisher), and `api.consumers` (socket
+shutdown). Start hooks run in registration order once the server's loop runs; stop hooks run
+after the drain, by stage and then in registration order (OPS-5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+
+from mlxhost.engine import Engine, EngineClosedError
+
+if TYPE_CHECKING:
+    from mlxhost.runtime.config import RuntimeSettings
+
+logger = logging.getLogger(__name__)
+
+# Identifies this process's lifetime on every stored response (REG-4).
+BOOT_ID = uuid.uuid4().hex
+
+# Shutdown (OPS-5): beyond the drain, how long the workers may take, and the bound each stop
+# stage's hooks get when they have no timeout of their own.
+STOP_GRACE_S = 5.0
+
+StartHook = Callable[[Engine], None]
+StopHook = Callable[[], Awaitable[None]]
+
+
+class StopStage(IntEnum):
+    """When a stop hook runs, after the engine has drained (OPS-5)."""
+
+    FLUSH = 1  # write what the drained turns left behind (stored responses)
+    CLOSE = 2  # then close what clients still hold open (WebSockets)
+
+
+_engine: Engine | None = None
+_start_hooks: list[StartHook] = []
+_shutdown_hooks: list[Callable[[], None]] = []
+_stop_hooks: list[tuple[StopStage, StopHook]] = []
+_start_tasks: set[asyncio.Task[Any]] = set()
+_stop_task: asyncio.Task[None] | None = None
+
+
+# The engine ---------------------------------------------------------------------------------------
+
+
+def runtime_settings() -> RuntimeSettings:
+    """This process's runtime settings (`settings.MLXHOST_RUNTIME`, parsed once at startup)."""
+    value: RuntimeSettings = settings.MLXHOST_RUNTIME
+    return value
+
+
+def get_engine() -> Engine:
+    """This process's engine, built on first use (never in AppConfig.ready, which runs for migrate too).
+
+    Raises:
+        EngineClosedError: this process serves no models (`MLXHOST_RUN_ENGINE=false`).
+    """
+    global _engine
+    if _engine is None:
+        config = runtime_settings()
+        if not config.run_engine:
+            raise EngineClosedError("This process does not serve models (MLXHOST_RUN_ENGINE=false).")
+        _engine = Engine(config.engine)
+    return _engine
+
+
+def engine_if_started() -> Engine | None:
+    """The engine if something already built it; probes use this so they never load models."""
+    return _engine
+
+
+def set_engine(engine: Engine | None) -> None:
+    """Swap the process engine (tests install one with a fake backend or a fresh loop)."""
+    global _engine
+    _engine = engine
+
+
+# Hooks --------------------------------------------------------------------------------------------
+
+
+def on_start(hook: StartHook) -> StartHook:
+    """Run `hook(engine)` when the engine starts, on the server's loop; it starts background work
+    with `spawn` and returns at once. Usable as a decorator."""
+    _start_hooks.append(hook)
+    return hook
+
+
+def on_shutdown_begin(hook: Callable[[], None]) -> Callable[[], None]:
+    """Run `hook()` the moment shutdown begins, before the server cancels its connections."""
+    _shutdown_hooks.append(hook)
+    return hook
+
+
+def on_stop(hook: StopHook, *, stage: StopStage) -> StopHook:
+    """Await `hook()` after the engine has drained, in `stage` (OPS-5); a failing hook is logged."""
+    _stop_hooks.append((stage, hook))
+    return hook
+
+
+def spawn(coro: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task[Any]:
+    """Run `coro` in the background until it ends or the engine stops (which cancels it)."""
+    task = asyncio.get_running_loop().create_task(coro, name=name)
+    _start_tasks.add(task)  # keep a reference until done, or the task may be collected
+    task.add_done_callback(_start_tasks.discard)
+    return task
+
+
+# Start and stop -----------------------------------------------------------------------------------
+
+
+async def engine_start() -> None:
+    """Build the engine, start its housekeeping, then run every start hook in order (ADM-3)."""
+    engine = get_engine()
+    spawn(engine.housekeeping(), name="engine-housekeeping")
+    for hook in list(_start_hooks):
+        hook(engine)
+    # What is imported by now lives as long as the process: keep it out of the cyclic collector,
+    # whose full passes over it stalled the loop for ~100 ms (refusals in a burst, RELIABILITY.md).
+    # Before the models load (the start hooks only scheduled that), so an unloaded model's
+    # objects stay collectable.
+    gc.freeze()
+
+
+async def engine_stop() -> None:
+    """Drain and stop this process's engine, then run the stop hooks (OPS-5, LANE-7).
+
+    New requests get 503 `draining`, queued ones too; running streams get SHUTDOWN_TIMEOUT_S
+    to finish, then are aborted, and each still ends with its terminal event. Bounded: a wedged
+    load or hook is logged and left behind, never waited for without end.
+    """
+    started = list(_start_tasks)
+    for task in started:  # control messages, status, housekeeping: nothing new starts
+        task.cancel()
+    if started:
+        await asyncio.wait(started, timeout=STOP_GRACE_S)
+    if (engine := engine_if_started()) is not None:
+        timeout = engine.config.shutdown_timeout_s
+        logger.info("draining the engine (up to %.0fs)", timeout)
+        try:
+            await asyncio.wait_for(engine.shutdown(), 2 * timeout + STOP_GRACE_S)
+        except TimeoutError:
+            logger.error("the engine did not stop in time; exiting anyway")
+        except Exception:  # the process exits either way; say why it was not clean
+            logger.exception("draining the engine failed")
+    for _stage, hook in sorted(_stop_hooks, key=lambda item: item[0]):  # stable: registration order
+        try:
+            await hook()
+        except Exception:
+            logger.exception("stop hook %s failed", getattr(hook, "__qualname__", hook))
+    logger.info("engine stopped")
+
+
+# Daphne -------------------------------------------------------------------------------------------
+
+
+def schedule_engine_start() -> None:
+    """Called from asgi.py: start the engine once daphne's reactor (and its asyncio loop) runs,
+    and drain it before the reactor shuts down (OPS-5).
+
+    Daphne imports the application before it sets its loop as current, so the start is
+    deferred with the reactor's `callWhenRunning`. Under other ASGI servers models load on
+    their first request instead.
+    """
+    if "twisted.internet.reactor" not in sys.modules or not runtime_settings().run_engine:
+        return
+    from twisted.internet import reactor
+
+    # callWhenRunning fires as the reactor starts, before asyncio's loop is "running";
+    # call_soon defers once more so create_task sees a running loop.
+    reactor.callWhenRunning(lambda: asyncio.get_event_loop().call_soon(_start_on_running_loop))
+    # SIGTERM/SIGINT stop the reactor; it waits for this Deferred before it closes connections
+    # and the loop (OPS-5). Daphne's own before-shutdown trigger cancels each request's ASGI
+    # task at the same moment, but Django runs the view and its streaming response in a task of
+    # its own that outlives that cancel, so streams still end with their terminal event
+    # (tests/e2e/test_shutdown.py proves it with a real daphne).
+    reactor.addSystemEventTrigger("before", "shutdown", _drain_before_shutdown)
+
+
+def _start_on_running_loop() -> None:
+    spawn(engine_start(), name="engine-start")
+
+
+def _drain_before_shutdown() -> Any:
+    from twisted.internet.defer import Deferred
+
+    global _stop_task
+    if _stop_task is None:
+        for hook in list(_shutdown_hooks):  # before daphne's own trigger cancels the consumers' tasks
+            try:
+                hook()
+            except Exception:
+                logger.exception("shutdown hook %s failed", getattr(hook, "__qualname__", hook))
+        _stop_task = asyncio.ensure_future(engine_stop())
+    return Deferred.fromFuture(_stop_task)
