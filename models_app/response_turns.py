@@ -138,7 +138,7 @@ class ResponseHooks(TurnHooks):
         system = [t["content"] for t in self.data["turns"] if t["role"] == "system"]
         instructions = "\n".join([self.instructions, *system] if self.instructions else system)
         head = (Message(role="system", content=instructions),) if instructions else ()
-        return head + tuple(Message(role=t["role"], content=t["content"]) for t in self.conversation)
+        return head + tuple(Message(role=t["role"], content=t["content"]) for t in self.conversation)  # type: ignore[arg-type,operator]
 
     async def prepare(
         self, engine: Engine, alias: ModelAlias, permit: Permit, turn: TurnRequest
@@ -182,7 +182,7 @@ class ResponseHooks(TurnHooks):
         return persistence().record(
             self._record(result, retention),
             on_settled=retention.release,
-            on_force_release=retention.retire,
+            on_force_release=lambda: None if retention.retire() else None,
             on_late_landing=retention.settle_late,
         )
 

@@ -112,13 +112,13 @@ class MessagesInput(PromptInput, SamplingInput):
     stream = StrictBooleanField(required=False, default=False)
     service_tier = serializers.CharField(required=False, allow_null=True)  # accepted, ignored
     # Not Anthropic parameters: the wire names stay unknown (ignored), as Anthropic's API has them.
-    stop = None
-    min_p = None
-    repetition_penalty = None
-    presence_penalty = None
-    frequency_penalty = None
-    seed = None
-    logit_bias = None
+    stop = None  # type: ignore[assignment]
+    min_p = None  # type: ignore[assignment]
+    repetition_penalty = None  # type: ignore[assignment]
+    presence_penalty = None  # type: ignore[assignment]
+    frequency_penalty = None  # type: ignore[assignment]
+    seed = None  # type: ignore[assignment]
+    logit_bias = None  # type: ignore[assignment]
 
 
 class CountTokensInput(PromptInput):

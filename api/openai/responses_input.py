@@ -92,9 +92,9 @@ class ResponsesInput(SamplingInput):
     )
     # mlxhost extensions (send with the SDK's extra_body): the chat-completions sampling knobs,
     # less the penalties; `max_output_tokens` is Responses' name for `max_tokens`.
-    max_tokens = None
-    presence_penalty = None
-    frequency_penalty = None
+    max_tokens = None  # type: ignore[assignment]
+    presence_penalty = None  # type: ignore[assignment]
+    frequency_penalty = None  # type: ignore[assignment]
 
     def validate_input(self, value: Any) -> Any:
         input_turns(value)
