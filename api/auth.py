@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
@@ -17,6 +18,51 @@ from models_app.apikeys import key_hash
 from models_app.selectors import KeyIdentity
 
 AsyncView = Callable[..., Awaitable[HttpResponse]]
+# The one attribute this module sets on a request: its typed `RequestContext`.
+CONTEXT_ATTR = "mlxhost_context"
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who makes a request: the tenant that owns its data (PER-6, SES-3) and how it proved it."""
+
+    owner_id: int
+    key_id: int | None  # None for a browser session (the WebSocket)
+    auth: Literal["api_key", "session"]
+
+    @classmethod
+    def of_key(cls, key: KeyIdentity) -> Caller:
+        return cls(owner_id=key.owner_id, key_id=key.key_id, auth="api_key")
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """What the API layer learned about a request: its caller (None on a public endpoint) and the
+    model it named, for a 404 that names it even when the body fails validation later."""
+
+    caller: Caller | None = None
+    requested_model: str | None = None
+
+
+def request_context(request: HttpRequest) -> RequestContext:
+    """The request's context, made on first use (the only accessor; never read the attribute)."""
+    context = getattr(request, CONTEXT_ATTR, None)
+    if context is None:
+        context = RequestContext()
+        setattr(request, CONTEXT_ATTR, context)
+    return context
+
+
+def caller_of(request: HttpRequest) -> Caller:
+    """The authenticated caller of a request that passed `api_endpoint`'s key check.
+
+    Raises:
+        RuntimeError: the view is public (no key was checked), a programming error.
+    """
+    caller = request_context(request).caller
+    if caller is None:
+        raise RuntimeError("caller_of() on a public endpoint: no API key was checked.")
+    return caller
 
 
 def presented_key(request: HttpRequest) -> str:
@@ -85,7 +131,9 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
     """
     body = loads_object(read_body(request))
     # Named in a 404 for an unknown model, even when the body fails validation later.
-    request.requested_model = body.get("model") if isinstance(body.get("model"), str) else None  # type: ignore[attr-defined]
+    request_context(request).requested_model = (
+        body.get("model") if isinstance(body.get("model"), str) else None
+    )
     return body
 
 
@@ -94,7 +142,7 @@ def api_endpoint(
 ) -> Callable[[AsyncView], AsyncView]:
     """Wrap an async API view: method check, API key auth (unless public), errors in the surface's envelope.
 
-    The view reads the caller from `request.api_key` and `request.tenant_id`.
+    The view reads the caller with `caller_of(request)`.
     """
 
     def decorate(view: AsyncView) -> AsyncView:
@@ -106,13 +154,11 @@ def api_endpoint(
                         405, f"Method {request.method} is not allowed here.", code="method_not_allowed"
                     )
                 if not public:
-                    key = await authenticate(request)
-                    request.api_key = key  # type: ignore[attr-defined]
-                    request.tenant_id = key.owner_id  # type: ignore[attr-defined]
+                    request_context(request).caller = Caller.of_key(await authenticate(request))
                 return await view(request, *args, **kwargs)
             except Exception as exc:  # every failure leaves in the surface's envelope
                 return error_response(
-                    as_api_error(exc, model=getattr(request, "requested_model", None)), dialect
+                    as_api_error(exc, model=request_context(request).requested_model), dialect
                 )
 
         wrapper.csrf_exempt = True  # type: ignore[attr-defined]  # API keys, not cookies

@@ -1,7 +1,7 @@
 """WebSocket surfaces: `/ws/v1/responses` (API-3) and the dashboard's live status (ADM-2).
 
-Consumers stay thin: a Responses turn runs through the very code of `POST /v1/responses`
-(`api.openai.responses_run`), and the frames are the same event objects as its SSE stream.
+Consumers stay thin: a Responses turn runs through the very service of `POST /v1/responses`
+(`models_app.response_turns`), and the frames are the same event objects as its SSE stream.
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from api.auth import authenticate_raw
+from api.auth import Caller, authenticate_raw
 from api.errors import ApiError, as_api_error, error_body
-from api.openai.responses import response_events
+from api.openai.responses import response_events, response_shape
 from api.openai.responses_input import ResponsesInput
-from api.openai.responses_run import response_start
 from api.openai.views import validated
 from api.parsing import loads_object
+from api.sampling import sampling_overrides
 from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
+from models_app.response_turns import response_start
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ class ResponsesConsumer(_TrackedConsumer):
     MLXHOST_WS_MAX_TURNS at once; closing the socket cancels them.
     """
 
-    tenant: int | None = None
+    caller: Caller | None = None
 
     async def connect(self) -> None:
         self.turns: dict[str, asyncio.Task[None]] = {}
@@ -209,16 +210,16 @@ class ResponsesConsumer(_TrackedConsumer):
             if key is None:
                 await self.close(code=CLOSE_UNAUTHENTICATED)
                 return
-            self.tenant = key.owner_id
+            self.caller = Caller.of_key(key)
             await self.watch_credentials(key_id=key.key_id)
         elif (user := session_user(self.scope)) is not None:
-            self.tenant = user.pk
+            self.caller = Caller(owner_id=user.pk, key_id=None, auth="session")
             await self.watch_credentials(user_id=user.pk)
         elif "first-frame" not in parse_qs(self.scope.get("query_string", b"").decode()).get("auth", []):
             await self.close(code=CLOSE_UNAUTHENTICATED)
             return
         await self.accept()
-        if self.tenant is None:
+        if self.caller is None:
             self._auth_deadline = asyncio.get_running_loop().call_later(
                 AUTH_FRAME_TIMEOUT_S, self._auth_expired
             )
@@ -228,7 +229,7 @@ class ResponsesConsumer(_TrackedConsumer):
         await self.disconnect(CLOSE_UNAUTHENTICATED)  # stop the turns now, not at the client's reply
 
     def _auth_expired(self) -> None:
-        if self.tenant is None and not self.closed:
+        if self.caller is None and not self.closed:
             asyncio.ensure_future(self.close(code=CLOSE_UNAUTHENTICATED))
 
     async def disconnect(self, code: int) -> None:
@@ -254,7 +255,7 @@ class ResponsesConsumer(_TrackedConsumer):
 
     async def _dispatch(self, frame: dict[str, Any]) -> None:
         kind = frame.get("type")
-        if self.tenant is None:
+        if self.caller is None:
             if kind != "auth" or not isinstance(frame.get("api_key"), str):
                 await self.close(code=CLOSE_UNAUTHENTICATED)
                 return
@@ -262,7 +263,7 @@ class ResponsesConsumer(_TrackedConsumer):
             if key is None:
                 await self.close(code=CLOSE_UNAUTHENTICATED)
                 return
-            self.tenant = key.owner_id
+            self.caller = Caller.of_key(key)
             await self.watch_credentials(key_id=key.key_id)
             await self.send_json({"type": "auth.ok"})
             return
@@ -306,17 +307,25 @@ class ResponsesConsumer(_TrackedConsumer):
                 {"type": "response.queued", "response_id": response_id, "position": position}
             )
 
+        assert self.caller is not None, "turns start only after auth"
         try:
-            started = await response_start(data, self.tenant, response_id=response_id, on_queued=on_queued)  # type: ignore[arg-type]
+            started = await response_start(
+                data,
+                self.caller.owner_id,
+                sampling_overrides(data),
+                response_id=response_id,
+                on_queued=on_queued,
+            )
         except Exception as exc:
             self.turns.pop(response_id, None)  # before the client hears: its next turn may start
             await self.send_error(as_api_error(exc, model=data.get("model")), response_id=response_id)
             return
-        events = response_events(started.response, started.generation, started.on_end)
+        generation = started.turn.generation
+        events = response_events(response_shape(data, started), started.turn)
         try:
             async for event in events:
                 if event["type"] == "response.created":
-                    event["session_cache"] = started.generation.session_outcome  # what the HTTP header says
+                    event["session_cache"] = generation.session_outcome  # what the HTTP header says
                 elif event["type"] in TERMINAL_EVENTS:
                     # Turns run back to back (API-3): a create sent the moment this event arrives
                     # must not find the socket's turn still taken.
@@ -325,8 +334,8 @@ class ResponsesConsumer(_TrackedConsumer):
         finally:
             # A send that failed (the socket closed) leaves the event generator unfinished; its
             # generation must stop now, not when the generator is collected (LANE-6).
-            started.generation.cancel()
-            await events.aclose()  # runs its `on_end` now: the turn is stored as cancelled
+            generation.cancel()
+            await events.aclose()  # the turn service records it now: stored as cancelled
 
     async def send_json(self, payload: dict[str, Any]) -> None:
         if not self.closed:

@@ -200,29 +200,13 @@ def test_no_import_cycle_between_modules(graph: Graph) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="api/openai/responses_run.py imports mlxhost.engine.instance.Instance; another helper "
-    "removes it (issue 11, item 4): drop this mark after that merge.",
-)
-def test_api_never_imports_engine_internals(graph: Graph) -> None:
-    """Issue 11: `api/` uses `mlxhost.engine`'s public names, never its instance, registry or lane."""
+def test_api_and_models_app_never_import_engine_internals(graph: Graph) -> None:
+    """Issue 11: `api/` and `models_app/` use `mlxhost.engine`'s public names, never its instance,
+    registry or lane."""
     bad = [
         f"{item.source}:{item.line} imports {item.target} ({item.kind})"
         for item in graph.imports
-        if item.source.split(".")[0] == "api" and item.target.startswith(ENGINE_PRIVATE)
-    ]
-    assert not bad, "\n".join(bad)
-
-
-def test_api_engine_internals_only_from_responses_run(graph: Graph) -> None:
-    """Until the strict xfail above flips: no module of `api/` besides responses_run reaches in."""
-    bad = [
-        f"{item.source}:{item.line} imports {item.target}"
-        for item in graph.imports
-        if item.source.split(".")[0] == "api"
-        and item.target.startswith(ENGINE_PRIVATE)
-        and item.source != "api.openai.responses_run"
+        if item.source.split(".")[0] in ("api", "models_app") and item.target.startswith(ENGINE_PRIVATE)
     ]
     assert not bad, "\n".join(bad)
 

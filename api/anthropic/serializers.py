@@ -6,7 +6,8 @@ from typing import Any
 
 from rest_framework import serializers
 
-from api.openai.serializers import MAX_TOP_K, StrictBooleanField
+from api.openai.serializers import StrictBooleanField
+from api.sampling import SamplingInput, optional_float, stop_list_field
 
 MAX_STOP_SEQUENCES = 16
 # Text blocks are joined with a blank line, and so are consecutive turns of one role,
@@ -101,22 +102,23 @@ class PromptInput(serializers.Serializer):
         return attrs
 
 
-class MessagesInput(PromptInput):
+class MessagesInput(PromptInput, SamplingInput):
     """POST /v1/messages. Sampling ranges follow Anthropic's API (temperature 0..1)."""
 
     max_tokens = serializers.IntegerField(min_value=1)
-    stop_sequences = serializers.ListField(
-        child=serializers.CharField(min_length=1, trim_whitespace=False),
-        required=False,
-        allow_null=True,
-        max_length=MAX_STOP_SEQUENCES,
-    )
-    temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_K)
+    stop_sequences = stop_list_field(MAX_STOP_SEQUENCES, source="stop")
+    temperature = optional_float(0.0, 1.0)
     metadata = MetadataInput(required=False, allow_null=True)
     stream = StrictBooleanField(required=False, default=False)
     service_tier = serializers.CharField(required=False, allow_null=True)  # accepted, ignored
+    # Not Anthropic parameters: the wire names stay unknown (ignored), as Anthropic's API has them.
+    stop = None  # type: ignore[assignment]
+    min_p = None  # type: ignore[assignment]
+    repetition_penalty = None  # type: ignore[assignment]
+    presence_penalty = None  # type: ignore[assignment]
+    frequency_penalty = None  # type: ignore[assignment]
+    seed = None  # type: ignore[assignment]
+    logit_bias = None  # type: ignore[assignment]
 
 
 class CountTokensInput(PromptInput):

@@ -9,18 +9,16 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse
 from rest_framework import serializers
 
-from api import lookups
-from api.auth import api_endpoint, json_body
+from api.auth import Caller, api_endpoint, caller_of, json_body
 from api.collect import collect_text
 from api.errors import cut_short_error, error_body, failed_error
 from api.openai.chat import FINISH_REASONS, ChatTurn, usage_body
-from api.openai.serializers import MAX_TOP_K, ChatCompletionInput, StreamOptionsInput, StrictBooleanField
+from api.openai.serializers import StreamOptionsInput, StrictBooleanField, TextSamplingInput
 from api.openai.views import chat_shaped_response, validated
+from api.sampling import sampling_overrides
 from api.sse import SSE_DONE, sse_event
-from mlxhost.engine import Delta, Done, Engine, Failed, Generation, GenerationRequest
-from mlxhost.runtime.control import engine_for
-from models_app import selectors
-from models_app.models import ModelAlias
+from mlxhost.engine import Delta, Done, Failed, Generation
+from models_app.turns import CacheScope, TurnRequest, turn_start
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint, not the alias's
 OBJECT = "text_completion"
@@ -31,28 +29,12 @@ UNSUPPORTED = {
 }
 
 
-class CompletionInput(serializers.Serializer):
-    model = serializers.CharField(max_length=64)
+class CompletionInput(TextSamplingInput):
     prompt = serializers.JSONField()
     stream = StrictBooleanField(required=False, default=False)
     stream_options = StreamOptionsInput(required=False, allow_null=True)
-    max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=2.0)
-    top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_K)
-    min_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    repetition_penalty = serializers.FloatField(
-        required=False, allow_null=True, min_value=0.01, max_value=10.0
-    )
-    presence_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
-    frequency_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
-    stop = serializers.JSONField(required=False, allow_null=True)
-    seed = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=2**63 - 1)
     n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
     best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
-    logit_bias = serializers.DictField(
-        child=serializers.FloatField(min_value=-100, max_value=100), required=False, allow_null=True
-    )
     user = serializers.CharField(required=False, allow_blank=True, max_length=256)
     # Warm-session scoping (SES-2/3), as on chat completions: only fingerprints are kept.
     prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
@@ -69,10 +51,6 @@ class CompletionInput(serializers.Serializer):
             raise serializers.ValidationError("prompt must not be empty.")
         return value
 
-    # The same rules as on chat completions.
-    validate_stop = ChatCompletionInput.validate_stop
-    validate_logit_bias = ChatCompletionInput.validate_logit_bias
-
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         for name, message in UNSUPPORTED.items():
             if self.initial_data.get(name):  # echo=false, suffix="" and logprobs=0 are no-ops
@@ -82,20 +60,11 @@ class CompletionInput(serializers.Serializer):
         return attrs
 
 
-def _completion_request(
-    alias: ModelAlias, data: dict[str, Any], request_id: str, tenant: str, engine: Engine
-) -> GenerationRequest:
+def _completion_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
     # The raw prompt is encoded without a chat template; prefix reuse works on its tokens (SES-8).
-    session = engine.scoper.query(
-        tenant=tenant, salt=data.get("cache_salt"), prompt_cache_key=data.get("prompt_cache_key")
-    )
-    return GenerationRequest(
-        request_id=request_id,
-        sampling=selectors.sampling_params_for(alias=alias, overrides=data),
-        prompt=data["prompt"],
-        binding=alias.name,
-        max_input_tokens=alias.max_input_tokens,
-        session=session,
+    cache = CacheScope(salt=data.get("cache_salt"), prompt_cache_key=data.get("prompt_cache_key"))
+    return TurnRequest(
+        data["model"], caller.owner_id, sampling_overrides(data), prompt=data["prompt"], cache=cache
     )
 
 
@@ -142,14 +111,9 @@ async def completion_collect(turn: ChatTurn, generation: Generation) -> dict[str
 @api_endpoint(dialect="openai", methods=("POST",))
 async def completions(request: HttpRequest) -> HttpResponse:
     """POST /v1/completions (OpenAI legacy text completion; SSE when `stream` is true)."""
-    body = json_body(request)
-    data = validated(CompletionInput, body)
-    alias = await lookups.alias_resolve(data["model"])
-    request_id = f"cmpl-{secrets.token_hex(12)}"
-    engine = await engine_for(alias.name)
-    tenant = str(request.tenant_id)  # type: ignore[attr-defined]
-    generation = await engine.submit(_completion_request(alias, data, request_id, tenant, engine))
-    await generation.admitted()  # a queue timeout or drain is a status code, before any header
-    return await chat_shaped_response(
-        data, alias, request_id, generation, stream=completion_sse, collect=completion_collect
+    data = validated(CompletionInput, json_body(request))
+    # Admitted before any header goes out: a queue timeout or drain is a status code.
+    turn = await turn_start(
+        _completion_turn(data, caller_of(request)), request_id=f"cmpl-{secrets.token_hex(12)}"
     )
+    return await chat_shaped_response(data, turn, stream=completion_sse, collect=completion_collect)

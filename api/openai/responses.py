@@ -2,40 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from api.errors import failed_error
 from api.sse import sse_event
-from mlxhost.engine import Delta, Done, Failed, Generation, Usage
-
-# What storing a turn returns: awaited before the terminal event, so the record is durable first.
-Handoff = asyncio.Future[None]
-OnEnd = Callable[["ResponseTurn"], Handoff | None]
-
-# Engine finish reasons -> (response status, incomplete reason).
-STATUS = {
-    "stop": ("completed", None),
-    "length": ("incomplete", "max_output_tokens"),
-    "cancelled": ("cancelled", None),
-    # Cut short by a drain timeout (unload, reload, shutdown): incomplete, and why.
-    "aborted": ("incomplete", "draining"),
-}
-
-
-def usage_body(usage: Usage | None) -> dict[str, Any] | None:
-    if usage is None:
-        return None
-    return {
-        "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage.total_tokens,
-    }
+from mlxhost.engine import Delta, Done, Failed, Usage
+from models_app.response_turns import STATUS, StartedResponse, output_message, usage_body
+from models_app.turns import StartedTurn
 
 
 @dataclass
@@ -64,14 +40,14 @@ class ResponseTurn:
         return "msg_" + self.id.removeprefix("resp_")
 
     def message_item(self, *, done: bool) -> dict[str, Any]:
-        status = "in_progress" if not done else ("completed" if self.status == "completed" else "incomplete")
-        content = [self.text_part()] if done else []
+        if done:
+            return output_message(self.id, self.text, self.status)
         return {
             "type": "message",
             "id": self.message_id,
-            "status": status,
+            "status": "in_progress",
             "role": "assistant",
-            "content": content,
+            "content": [],
         }
 
     def text_part(self) -> dict[str, Any]:
@@ -119,83 +95,85 @@ class ResponseTurn:
         return payload
 
 
-async def response_sse(turn: ResponseTurn, generation: Generation, on_end: OnEnd) -> AsyncIterator[bytes]:
+def response_shape(data: dict[str, Any], started: StartedResponse) -> ResponseTurn:
+    """The `response` object an admitted turn of a validated `ResponsesInput` body builds up."""
+    return ResponseTurn(
+        id=started.turn.request_id,
+        model=started.turn.model,
+        instructions=started.instructions,
+        previous_response_id=data.get("previous_response_id"),
+        store=data["store"],
+        max_output_tokens=data.get("max_tokens"),
+        temperature=data.get("temperature"),
+        top_p=data.get("top_p"),
+        metadata=data.get("metadata") or {},
+        created_at=started.turn.created_at,
+    )
+
+
+async def response_sse(response: ResponseTurn, turn: StartedTurn) -> AsyncIterator[bytes]:
     """The Responses events as server-sent events, each named by its type."""
-    async for event in response_events(turn, generation, on_end):
+    async for event in response_events(response, turn):
         yield sse_event(event, event=event["type"])
 
 
-async def response_events(
-    turn: ResponseTurn, generation: Generation, on_end: OnEnd
-) -> AsyncIterator[dict[str, Any]]:
-    """Stream a generation as Responses event objects, ending with completed / incomplete / failed.
+async def response_events(response: ResponseTurn, turn: StartedTurn) -> AsyncIterator[dict[str, Any]]:
+    """Stream a turn as Responses event objects, ending with completed / incomplete / failed.
 
-    The SSE stream and the WebSocket send these same objects. `on_end` runs once the turn is
-    over, and its handoff is awaited BEFORE the terminal event goes out: a client that saw the
-    final event has a turn that survives the process dying right after (PER-1). When the client
-    hung up, `on_end` still runs (from `finally`) so the turn is stored with its true status,
-    but nothing waits for it.
+    The SSE stream and the WebSocket send these same objects. The turn service records the
+    turn before it passes on the generation's last event, so a client that saw the terminal
+    event has a turn that survives the process dying right after (PER-1); closing this
+    iterator early closes the turn's, which records it as cancelled.
     """
-    item = {"item_id": turn.message_id, "output_index": 0}
-    ended = False
+    item = {"item_id": response.message_id, "output_index": 0}
+    events = turn.events()
     try:
-        yield turn.event("response.created", response=turn.body())
-        yield turn.event("response.in_progress", response=turn.body())
-        yield turn.event("response.output_item.added", output_index=0, item=turn.message_item(done=False))
-        yield turn.event("response.content_part.added", **item, content_index=0, part=_empty_part())
-        async for event in generation.stream():
+        yield response.event("response.created", response=response.body())
+        yield response.event("response.in_progress", response=response.body())
+        yield response.event(
+            "response.output_item.added", output_index=0, item=response.message_item(done=False)
+        )
+        yield response.event("response.content_part.added", **item, content_index=0, part=_empty_part())
+        async for event in events:
             if isinstance(event, Delta) and event.text:
-                turn.text += event.text
-                yield turn.event(
+                response.text += event.text
+                yield response.event(
                     "response.output_text.delta", **item, content_index=0, delta=event.text, logprobs=[]
                 )
             elif isinstance(event, Done | Failed):
-                turn.finish(event)
-        if turn.status != "failed":
-            yield turn.event(
-                "response.output_text.done", **item, content_index=0, text=turn.text, logprobs=[]
+                response.finish(event)
+        if response.status != "failed":
+            yield response.event(
+                "response.output_text.done", **item, content_index=0, text=response.text, logprobs=[]
             )
-            yield turn.event("response.content_part.done", **item, content_index=0, part=turn.text_part())
-            yield turn.event("response.output_item.done", output_index=0, item=turn.message_item(done=True))
+            part = response.text_part()
+            yield response.event("response.content_part.done", **item, content_index=0, part=part)
+            done_item = response.message_item(done=True)
+            yield response.event("response.output_item.done", output_index=0, item=done_item)
         terminal = {"completed": "response.completed", "failed": "response.failed"}.get(
-            turn.status, "response.incomplete"
+            response.status, "response.incomplete"
         )
-        ended = True
-        await _handed_off(on_end(turn))
-        yield turn.event(terminal, response=turn.body())
+        yield response.event(terminal, response=response.body())
     finally:
-        if not ended:
-            if turn.status == "in_progress":  # the client hung up: the turn was cancelled
-                turn.status = "cancelled"
-            on_end(turn)  # stored in the background; nobody is left to tell
+        if response.status == "in_progress":  # the client hung up: the turn was cancelled
+            response.status = "cancelled"
+        await events.aclose()  # the service records a turn cut short (PER-1)
 
 
-async def response_collect(turn: ResponseTurn, generation: Generation, on_end: OnEnd) -> dict[str, Any]:
-    """Run a generation to its end and return the `response` object, stored durably first (PER-1)."""
-    ended = False
+async def response_collect(response: ResponseTurn, turn: StartedTurn) -> dict[str, Any]:
+    """Run a turn to its end and return the `response` object, stored durably first (PER-1)."""
+    events = turn.events()
     try:
-        async for event in generation.stream():
+        async for event in events:
             if isinstance(event, Delta):
-                turn.text += event.text
+                response.text += event.text
             elif isinstance(event, Done | Failed):
-                turn.finish(event)
-        if turn.status == "in_progress":  # the stream ended without a Done: report it as cut short
-            turn.status = "cancelled"
-        ended = True
-        await _handed_off(on_end(turn))
+                response.finish(event)
     finally:
-        if not ended:
-            if turn.status == "in_progress":
-                turn.status = "cancelled"
-            on_end(turn)
-    return turn.body()
-
-
-async def _handed_off(handoff: Handoff | None) -> None:
-    # The handoff never raises (failures are logged and left to the breaker); a cancelled waiter
-    # leaves the shielded write running.
-    if handoff is not None:
-        await handoff
+        if response.status == "in_progress":  # the stream ended without a Done: it was cut short
+            response.status = "cancelled"
+        await events.aclose()
+    return response.body()
 
 
 def _empty_part() -> dict[str, Any]:

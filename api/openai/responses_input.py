@@ -6,7 +6,8 @@ from typing import Any
 
 from rest_framework import serializers
 
-from api.openai.serializers import MAX_STOP_SEQUENCES, MAX_TOP_K, StrictBooleanField, logit_bias_tokens
+from api.openai.serializers import StrictBooleanField
+from api.sampling import SamplingInput, max_tokens_field
 
 INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PART_TYPES = {"input_text", "output_text", "text"}
@@ -68,8 +69,7 @@ class TextConfigInput(serializers.Serializer):
         return value
 
 
-class ResponsesInput(serializers.Serializer):
-    model = serializers.CharField(max_length=64)
+class ResponsesInput(SamplingInput):
     input = serializers.JSONField()
     instructions = serializers.CharField(
         required=False, allow_null=True, allow_blank=True, trim_whitespace=False
@@ -77,9 +77,7 @@ class ResponsesInput(serializers.Serializer):
     previous_response_id = serializers.CharField(required=False, allow_null=True, max_length=64)
     store = StrictBooleanField(required=False, default=True)
     stream = StrictBooleanField(required=False, default=False)
-    max_output_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=2.0)
-    top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
+    max_output_tokens = max_tokens_field(source="max_tokens")
     metadata = serializers.DictField(
         child=serializers.CharField(max_length=512, allow_blank=True), required=False, allow_null=True
     )
@@ -89,32 +87,18 @@ class ResponsesInput(serializers.Serializer):
     truncation = serializers.ChoiceField(choices=["disabled"], required=False, allow_null=True)
     parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True)
     user = serializers.CharField(required=False, allow_blank=True, max_length=256)
-    # mlxhost extensions (send with the SDK's extra_body): the chat-completions sampling knobs.
-    stop = serializers.ListField(
-        child=serializers.CharField(min_length=1, trim_whitespace=False),
-        required=False,
-        allow_null=True,
-        max_length=MAX_STOP_SEQUENCES,
-    )
-    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_K)
-    min_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    repetition_penalty = serializers.FloatField(
-        required=False, allow_null=True, min_value=0.01, max_value=10.0
-    )
-    seed = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=2**63 - 1)
-    logit_bias = serializers.DictField(
-        child=serializers.FloatField(min_value=-100, max_value=100), required=False, allow_null=True
-    )
     retention_s = serializers.IntegerField(
         required=False, allow_null=True, min_value=60, max_value=30 * 86400
     )
+    # mlxhost extensions (send with the SDK's extra_body): the chat-completions sampling knobs,
+    # less the penalties; `max_output_tokens` is Responses' name for `max_tokens`.
+    max_tokens = None  # type: ignore[assignment]
+    presence_penalty = None  # type: ignore[assignment]
+    frequency_penalty = None  # type: ignore[assignment]
 
     def validate_input(self, value: Any) -> Any:
         input_turns(value)
         return value
-
-    def validate_logit_bias(self, value: dict[str, float] | None) -> dict[int, float]:
-        return logit_bias_tokens(value)
 
     def validate_metadata(self, value: dict[str, str] | None) -> dict[str, str]:
         if value and len(value) > MAX_METADATA_KEYS:
@@ -126,5 +110,4 @@ class ResponsesInput(serializers.Serializer):
             if self.initial_data.get(name):
                 raise serializers.ValidationError({name: message})
         attrs["turns"] = input_turns(attrs["input"])
-        attrs["max_tokens"] = attrs.get("max_output_tokens")
         return attrs

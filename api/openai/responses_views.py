@@ -7,31 +7,31 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
-from api.auth import api_endpoint, json_body
-from api.openai.responses import ResponseTurn, response_collect, response_sse
+from api.auth import api_endpoint, caller_of, json_body
+from api.openai.responses import ResponseTurn, response_collect, response_shape, response_sse
 from api.openai.responses_input import ResponsesInput
-from api.openai.responses_run import live_owner, not_found, response_start
 from api.openai.views import SSE_HEADERS, validated
+from api.sampling import sampling_overrides
 from mlxhost.engine import Usage
 from mlxhost.runtime import get_engine
 from models_app import services
 from models_app.models import StoredResponse
 from models_app.persistence import persistence
+from models_app.response_turns import live_owner, not_found, response_start
 
 
 @api_endpoint(dialect="openai", methods=("POST",))
 async def responses_create(request: HttpRequest) -> HttpResponse:
     """POST /v1/responses (OpenAI-compatible; continues a stored chain by `previous_response_id`)."""
-    body = json_body(request)
-    data = validated(ResponsesInput, body)
-    started = await response_start(data, request.tenant_id)  # type: ignore[attr-defined]
+    data = validated(ResponsesInput, json_body(request))
+    started = await response_start(data, caller_of(request).owner_id, sampling_overrides(data))
+    response = response_shape(data, started)
     if data["stream"]:
-        stream = response_sse(started.response, started.generation, started.on_end)
+        stream = response_sse(response, started.turn)
         return StreamingHttpResponse(
-            stream, content_type="text/event-stream", headers={**SSE_HEADERS, **started.headers}
+            stream, content_type="text/event-stream", headers={**SSE_HEADERS, **started.turn.headers}
         )
-    body = await response_collect(started.response, started.generation, started.on_end)
-    return JsonResponse(body, headers=started.headers)
+    return JsonResponse(await response_collect(response, started.turn), headers=started.turn.headers)
 
 
 def _stored_body(row: StoredResponse) -> dict[str, Any]:
@@ -66,7 +66,7 @@ def _stored_body(row: StoredResponse) -> dict[str, Any]:
 
 async def _owned(request: HttpRequest, public_id: str) -> StoredResponse:
     try:
-        return await persistence().fetch(public_id=public_id, owner_id=request.tenant_id)  # type: ignore[attr-defined]
+        return await persistence().fetch(public_id=public_id, owner_id=caller_of(request).owner_id)
     except StoredResponse.DoesNotExist:
         raise not_found() from None
 
@@ -84,7 +84,7 @@ async def response_detail(request: HttpRequest, public_id: str) -> HttpResponse:
 @api_endpoint(dialect="openai", methods=("POST",))
 async def response_cancel(request: HttpRequest, public_id: str) -> HttpResponse:
     """POST /v1/responses/{id}/cancel: stop a queued or running response of the caller's (LANE-6)."""
-    if live_owner(public_id) == request.tenant_id:  # type: ignore[attr-defined]
+    if live_owner(public_id) == caller_of(request).owner_id:
         get_engine().cancel(public_id)
         return JsonResponse({"id": public_id, "object": "response", "status": "cancelled"})
     return JsonResponse(_stored_body(await _owned(request, public_id)))

@@ -6,12 +6,8 @@ from typing import Any
 
 from rest_framework import serializers
 
-MAX_STOP_SEQUENCES = 4
-# The engine checks ids against the loaded vocabulary (mlxhost/engine/limits.py); these bounds
-# refuse what no model could use before any work, as OpenAI does.
-MAX_LOGIT_BIAS = 300
-MAX_TOKEN_ID = 2**31 - 1
-MAX_TOP_K = 2**31 - 1
+from api.sampling import MAX_STOP_SEQUENCES, SamplingInput
+
 ROLE_ALIASES = {"developer": "system"}
 UNSUPPORTED_OPTIONS = {
     "tools": "Tool calling is not supported by this server.",
@@ -64,33 +60,10 @@ class StrictBooleanField(serializers.BooleanField):
         return data
 
 
-class ChatCompletionInput(serializers.Serializer):
-    model = serializers.CharField(max_length=64)
-    messages = MessageInput(many=True, allow_empty=False)
-    stream = StrictBooleanField(required=False, default=False)
-    stream_options = StreamOptionsInput(required=False, allow_null=True)
-    temperature = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=2.0)
-    top_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_K)
-    min_p = serializers.FloatField(required=False, allow_null=True, min_value=0.0, max_value=1.0)
-    repetition_penalty = serializers.FloatField(
-        required=False, allow_null=True, min_value=0.01, max_value=10.0
-    )
-    presence_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
-    frequency_penalty = serializers.FloatField(required=False, allow_null=True, min_value=-2.0, max_value=2.0)
-    max_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    max_completion_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+class TextSamplingInput(SamplingInput):
+    """Chat and text completions: `stop` may also be one string."""
+
     stop = serializers.JSONField(required=False, allow_null=True)
-    seed = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=2**63 - 1)
-    n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
-    logit_bias = serializers.DictField(
-        child=serializers.FloatField(min_value=-100, max_value=100), required=False, allow_null=True
-    )
-    logprobs = StrictBooleanField(required=False, allow_null=True)
-    user = serializers.CharField(required=False, allow_blank=True, max_length=256)
-    # Warm-session scoping (SES-2/3): only HMAC fingerprints of these are kept.
-    prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
-    cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)
 
     def validate_stop(self, value: Any) -> list[str]:
         stops = [value] if isinstance(value, str) else value
@@ -102,8 +75,18 @@ class ChatCompletionInput(serializers.Serializer):
             raise serializers.ValidationError(f"At most {MAX_STOP_SEQUENCES} stop sequences.")
         return stops
 
-    def validate_logit_bias(self, value: dict[str, float] | None) -> dict[int, float]:
-        return logit_bias_tokens(value)
+
+class ChatCompletionInput(TextSamplingInput):
+    messages = MessageInput(many=True, allow_empty=False)
+    stream = StrictBooleanField(required=False, default=False)
+    stream_options = StreamOptionsInput(required=False, allow_null=True)
+    max_completion_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
+    logprobs = StrictBooleanField(required=False, allow_null=True)
+    user = serializers.CharField(required=False, allow_blank=True, max_length=256)
+    # Warm-session scoping (SES-2/3): only HMAC fingerprints of these are kept.
+    prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
+    cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)
 
     def validate_logprobs(self, value: bool | None) -> bool | None:
         if value:
@@ -116,20 +99,6 @@ class ChatCompletionInput(serializers.Serializer):
                 raise serializers.ValidationError({name: message})
         attrs["max_tokens"] = attrs.get("max_completion_tokens") or attrs.get("max_tokens")
         return attrs
-
-
-def logit_bias_tokens(value: dict[str, float] | None) -> dict[int, float]:
-    """`logit_bias` with integer token ids: at most MAX_LOGIT_BIAS of them, none negative."""
-    value = value or {}
-    if len(value) > MAX_LOGIT_BIAS:
-        raise serializers.ValidationError(f"At most {MAX_LOGIT_BIAS} token ids.")
-    try:
-        tokens = {int(token): bias for token, bias in value.items()}
-    except ValueError:
-        raise serializers.ValidationError("logit_bias keys must be token ids.") from None
-    if any(not 0 <= token <= MAX_TOKEN_ID for token in tokens):
-        raise serializers.ValidationError("logit_bias keys must be token ids from 0 up.")
-    return tokens
 
 
 def first_error(errors: Any, path: str = "") -> tuple[str, str]:

@@ -9,16 +9,16 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 
-from api import lookups
-from api.auth import api_endpoint, json_body
+from api.auth import Caller, api_endpoint, caller_of, json_body, request_context
 from api.errors import ApiError
 from api.openai.chat import ChatTurn, chat_complete, chat_sse
 from api.openai.serializers import ChatCompletionInput, first_error
-from mlxhost.engine import Engine, Generation, GenerationRequest, Message
+from api.sampling import sampling_overrides
+from mlxhost.engine import Generation, Message
 from mlxhost.runtime import engine_if_started
-from mlxhost.runtime.control import engine_for
 from models_app import selectors
 from models_app.models import ModelAlias
+from models_app.turns import CacheScope, StartedTurn, TurnRequest, turn_start
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -34,66 +34,51 @@ def validated(serializer_class: type, body: dict[str, Any]) -> dict[str, Any]:
     return serializer.validated_data
 
 
-def _chat_request(
-    alias: ModelAlias, data: dict[str, Any], request_id: str, tenant: str, engine: Engine
-) -> GenerationRequest:
-    # No database access: alias_resolve already joined the instance, so this runs on the loop.
+def _chat_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
     messages = tuple(Message(role=m["role"], content=m["content"]) for m in data["messages"])
     # Stateless: no previous id, so the engine reuses the longest cached prefix in this
     # tenant's (and salt's) cache domain (SES-8), or the prompt_cache_key's session (SES-2).
-    session = engine.scoper.query(
-        tenant=tenant,
+    cache = CacheScope(
         salt=data.get("cache_salt"),
-        instructions="\n".join(m.content for m in messages if m.role == "system"),
         prompt_cache_key=data.get("prompt_cache_key"),
+        instructions="\n".join(m.content for m in messages if m.role == "system"),
     )
-    return GenerationRequest(
-        request_id=request_id,
-        sampling=selectors.sampling_params_for(alias=alias, overrides=data),
-        messages=messages,
-        binding=alias.name,
-        max_input_tokens=alias.max_input_tokens,
-        session=session,
+    return TurnRequest(
+        data["model"], caller.owner_id, sampling_overrides(data), messages=messages, cache=cache
     )
 
 
 @api_endpoint(dialect="openai", methods=("POST",))
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     """POST /v1/chat/completions (OpenAI-compatible; SSE when `stream` is true)."""
-    body = json_body(request)
-    data = validated(ChatCompletionInput, body)
-    alias = await lookups.alias_resolve(data["model"])
-    request_id = f"chatcmpl-{secrets.token_hex(12)}"
-    engine = await engine_for(alias.name)
-    tenant = str(request.tenant_id)  # type: ignore[attr-defined]
-    generation = await engine.submit(_chat_request(alias, data, request_id, tenant, engine))
-    # Wait for a slot before any header goes out, so a queue timeout or drain is a 503 (LANE-7/8).
-    await generation.admitted()
-    return await chat_shaped_response(
-        data, alias, request_id, generation, stream=chat_sse, collect=chat_complete
+    data = validated(ChatCompletionInput, json_body(request))
+    # Admitted before any header goes out, so a queue timeout or drain is a 503 (LANE-7/8).
+    turn = await turn_start(
+        _chat_turn(data, caller_of(request)), request_id=f"chatcmpl-{secrets.token_hex(12)}"
     )
+    return await chat_shaped_response(data, turn, stream=chat_sse, collect=chat_complete)
 
 
 async def chat_shaped_response(
     data: dict[str, Any],
-    alias: ModelAlias,
-    request_id: str,
-    generation: Generation,
+    turn: StartedTurn,
     *,
     stream: Callable[[ChatTurn, Generation], AsyncIterator[bytes]],
     collect: Callable[[ChatTurn, Generation], Awaitable[dict[str, Any]]],
 ) -> HttpResponse:
     """The answer of an admitted chat or text completion: SSE chunks, or one JSON body."""
     include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
-    turn = ChatTurn(
-        id=request_id, model=alias.name, instance_id=generation.instance_id, include_usage=include_usage
+    generation = turn.generation
+    shape = ChatTurn(
+        id=turn.request_id, model=turn.model, instance_id=generation.instance_id, include_usage=include_usage
     )
-    headers = {"X-Session-Cache": generation.session_outcome, "X-Request-Id": request_id}
     if data["stream"]:
         return StreamingHttpResponse(
-            stream(turn, generation), content_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+            stream(shape, generation),
+            content_type="text/event-stream",
+            headers={**SSE_HEADERS, **turn.headers},
         )
-    return JsonResponse(await collect(turn, generation), headers=headers)
+    return JsonResponse(await collect(shape, generation), headers=turn.headers)
 
 
 def _engine_states() -> dict[int, str]:
@@ -126,7 +111,7 @@ async def models_list(request: HttpRequest) -> HttpResponse:
 @api_endpoint(dialect="openai", methods=("GET",))
 async def model_retrieve(request: HttpRequest, name: str) -> HttpResponse:
     """GET /v1/models/{name}."""
-    request.requested_model = name  # type: ignore[attr-defined]
+    request_context(request).requested_model = name
     for item in await sync_to_async(_model_list)(_engine_states()):
         if item["id"] == name:
             return JsonResponse(item)

@@ -22,6 +22,7 @@ from mlxhost.engine.errors import (
     WeightsChangedError,
 )
 from mlxhost.engine.generation import Generation
+from mlxhost.engine.retention import Retention
 from mlxhost.engine.sessions import SessionQuery, SessionScoper
 from mlxhost.engine.types import (
     Delta,
@@ -66,6 +67,7 @@ __all__ = [
     "Queued",
     "RequestCancelledError",
     "RequestTooLargeError",
+    "Retention",
     "SamplingParams",
     "SessionQuery",
     "SessionScoper",

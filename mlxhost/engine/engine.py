@@ -26,6 +26,7 @@ from mlxhost.engine.generation import Generation
 from mlxhost.engine.instance import Instance
 from mlxhost.engine.registry import Registry
 from mlxhost.engine.residency import Residency
+from mlxhost.engine.retention import Retention
 from mlxhost.engine.sessions import SessionScoper
 from mlxhost.engine.stats import REJECTIONS, EngineStats
 from mlxhost.engine.types import Done, Failed, Timings, Usage
@@ -166,6 +167,16 @@ class Engine:
     def get(self, instance_id: int) -> Instance:
         return self.registry.get(instance_id)
 
+    def retain(self, instance_id: int) -> Retention:
+        """Hold the live instance `instance_id` until a response it produced is stored (REG-6).
+
+        Raises:
+            UnknownModelError: no live instance has that id.
+        """
+        instance = self.get(instance_id)
+        self.registry.retain(instance)
+        return Retention(self.registry, instance)
+
     async def load(self, spec: ModelSpec, *, name: str = "") -> Instance:
         """Bind (by `name`, or by instance id) and load `spec`; returns once the weights are resident.
 
@@ -203,6 +214,10 @@ class Engine:
 
     def bound(self, name: str) -> bool:
         return name in self.registry.names()
+
+    def bound_names(self) -> list[str]:
+        """Every name bound now (aliases, and internal names such as "reload:<model>")."""
+        return self.registry.names()
 
     def hosts(self, instance_id: int) -> bool:
         """Whether an instance with this id is registered here (bound, leased or retained)."""

@@ -48,7 +48,7 @@ async def reconcile(engine: Engine, *, load_pinned: bool = True) -> None:
 
     Only control binds (this, `bind_on_demand` and the admin actions); requests resolve."""
     desired = await sync_to_async(_desired)()
-    bound = set(engine.registry.names())
+    bound = set(engine.bound_names())
     for name in bound:
         if is_alias(name) and name not in desired:
             logger.info("alias %s is gone or disabled: unbinding it", name)

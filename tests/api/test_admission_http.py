@@ -31,9 +31,7 @@ async def post_chat(api_key: str, **fields):
 async def set_lane(alias, **fields) -> None:
     """Edit the lane of the alias's model, as the admin does, and reconcile this process's engine,
     as its control listener does on the `models.changed` message."""
-    from api.engine_client import engine_if_started
-
-    from api import control
+    from mlxhost.runtime import control, engine_if_started
     from models_app import services
 
     def save() -> None:

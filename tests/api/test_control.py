@@ -54,7 +54,14 @@ def reload_folder(tiny_model_dir):
 
 
 async def save(alias: ModelAlias, **fields) -> ModelAlias:
+    """Edit the alias, and its model for model fields (lane, memory, weights), as the admin does."""
+
     def write() -> ModelAlias:
+        model_fields = {k: fields.pop(k) for k in list(fields) if k in services.MODEL_ONLY_FIELDS}
+        if model_fields:
+            for name, value in model_fields.items():
+                setattr(alias.model, name, value)
+            services.model_save(model=alias.model)
         for name, value in fields.items():
             setattr(alias, name, value)
         return services.alias_save(alias=alias)
@@ -62,28 +69,99 @@ async def save(alias: ModelAlias, **fields) -> ModelAlias:
     return await sync_to_async(write)()
 
 
+def capacity_of(engine, instance_id: int) -> int:
+    [lane] = [snap["lane"]["capacity"] for snap in engine.snapshot() if snap["instance_id"] == instance_id]
+    return lane
+
+
+async def act(alias: ModelAlias, action: str) -> None:
+    """The admin's load / unload / reload button on the alias's model."""
+    await sync_to_async(services.model_request_action)(model=alias.model, action=action)
+
+
 async def test_an_action_sent_on_commit_loads_and_unloads_through_the_writer_path(
     tiny_alias, mlx_engine, listening
 ):
     """ADM-1, ADM-3: a load request reaches the engine as a channel-layer message; unload frees it."""
-    await sync_to_async(services.alias_request_action)(alias=tiny_alias, action="load")
+    await act(tiny_alias, "load")
     await until(lambda: settled(listening, "tiny", "load"))
     instance = mlx_engine.registry.resolve("tiny")
     assert instance.state == "ready"
     assert listening.results["tiny"]["instance_id"] == instance.instance_id
 
-    await sync_to_async(services.alias_request_action)(alias=tiny_alias, action="unload")
+    await act(tiny_alias, "unload")
     await until(lambda: instance.state == "unloaded")
     assert listening.results["tiny"]["action"] == "unload"
 
 
-async def test_a_disabled_alias_cannot_be_loaded(tiny_alias):
-    """ADM-1: loading needs an enabled alias; the service says why."""
-    from django.core.exceptions import ValidationError
+async def test_loading_a_model_serves_every_enabled_alias_of_it_from_one_lane(
+    tiny_alias, mlx_engine, listening
+):
+    """ADM-1, REG-2, issue 11: one load of the model binds each enabled alias to the same instance;
+    a disabled alias of it is not served."""
+    other = await sync_to_async(services.alias_register)(
+        name="tiny-hot", local_path="tiny-llama", temperature=1.0
+    )
+    off = await sync_to_async(services.alias_register)(
+        name="tiny-off", local_path="tiny-llama", enabled=False
+    )
+    assert other.model_id == off.model_id == tiny_alias.model_id
+    await act(tiny_alias, "load")
+    await until(lambda: settled(listening, "tiny", "load"))
+    assert listening.results["tiny"]["state"] == "done", listening.results
+    assert mlx_engine.resolve("tiny") == mlx_engine.resolve("tiny-hot") == tiny_alias.instance_id
+    assert not mlx_engine.bound("tiny-off")
 
-    await save(tiny_alias, enabled=False)
-    with pytest.raises(ValidationError, match="disabled"):
-        await sync_to_async(services.alias_request_action)(alias=tiny_alias, action="load")
+
+async def test_two_aliases_of_one_model_never_change_its_capacity(tiny_alias, api_key, mlx_engine):
+    """LANE-1, issue 11: the lane belongs to the model. Requests and token counts through either
+    alias, each with its own sampling defaults, leave the capacity where the model sets it."""
+    from django.test import AsyncClient
+
+    await save(tiny_alias, concurrency=2)
+    await sync_to_async(services.alias_register)(name="tiny-hot", local_path="tiny-llama", temperature=1.0)
+    capacities = []
+    for name in ("tiny", "tiny-hot", "tiny", "tiny-hot"):
+        response = await AsyncClient().post(
+            "/v1/messages/count_tokens",
+            data=f'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hi"}}]}}',
+            content_type="application/json",
+            headers={"x-api-key": api_key},
+        )
+        assert response.status_code == 200, response.content
+        capacities.append(capacity_of(mlx_engine, mlx_engine.resolve(name)))
+    assert capacities == [2, 2, 2, 2]
+    assert mlx_engine.resolve("tiny") == mlx_engine.resolve("tiny-hot")
+
+
+async def test_a_request_that_read_the_old_row_cannot_undo_a_swap(tiny_alias, reload_folder, mlx_engine):
+    """REG-5, issue 11: only control binds. A request holding the alias row from before an admin
+    moved the alias to other weights resolves the name to the new binding; the old weights are
+    never bound again."""
+    from models_app import turns
+    from models_app.turns import TurnRequest
+
+    stale = await sync_to_async(selectors.alias_resolve)(name="tiny")  # read before the swap
+    old_id = stale.instance_id
+    await engine_control.bind_on_demand(mlx_engine, "tiny")
+    assert mlx_engine.resolve("tiny") == old_id
+    moved = await sync_to_async(services.alias_register)(name="tiny", local_path="tiny-reload")
+    assert moved.instance_id != old_id
+    await engine_control.reconcile(mlx_engine, load_pinned=False)  # what the listener does on commit
+    assert mlx_engine.resolve("tiny") == moved.instance_id
+
+    # The stale request builds its engine request from the old row and submits it.
+    from mlxhost.engine import Message
+
+    turn = TurnRequest("tiny", 1, {"max_tokens": 1}, messages=(Message("user", "Hi"),))
+    request = turns.generation_request(stale, turn, "stale", mlx_engine)
+    generation = await mlx_engine.submit(request)
+    async for _event in generation.stream():
+        pass
+    assert generation.instance_id == moved.instance_id
+    assert mlx_engine.resolve("tiny") == moved.instance_id  # still the new weights
+    await engine_control.bind_on_demand(mlx_engine, "tiny")  # a no-op for a bound name
+    assert mlx_engine.resolve("tiny") == moved.instance_id
 
 
 async def test_alias_edits_reach_the_engine_without_a_request(tiny_alias, mlx_engine, listening):
@@ -98,7 +176,7 @@ async def test_alias_edits_reach_the_engine_without_a_request(tiny_alias, mlx_en
 
 
 async def test_reconcile_loads_pinned_aliases_and_drops_deleted_ones(tiny_alias, mlx_engine):
-    """ADM-3, OPS-3: on start the engine loads pinned aliases; a deleted alias is unbound."""
+    """ADM-3, OPS-3: on start the engine loads pinned models' aliases; a deleted alias is unbound."""
     await save(tiny_alias, pinned=True)
     await engine_control.reconcile(mlx_engine)
     assert mlx_engine.registry.resolve("tiny").state == "ready"
@@ -116,14 +194,14 @@ async def test_a_reload_with_new_weights_swaps_and_a_failed_one_keeps_the_old_in
         name="swappy", source_kind="local", local_path="tiny-reload", temperature=0.0
     )
     old_id = alias.instance_id
-    await sync_to_async(services.alias_request_action)(alias=alias, action="load")
+    await act(alias, "load")
     await until(lambda: settled(listening, "swappy", "load"))
 
     build_tiny_model(reload_folder, seed=1)  # new weights in the same folder
-    await sync_to_async(services.alias_request_action)(alias=alias, action="reload")
+    await act(alias, "reload")
     await until(lambda: settled(listening, "swappy", "reload"))
     assert listening.results["swappy"]["state"] == "done", listening.results
-    alias = await ModelAlias.objects.select_related("instance").aget(pk=alias.pk)
+    alias = await ModelAlias.objects.select_related("model__instance").aget(pk=alias.pk)
     new_id = alias.instance_id
     assert new_id != old_id
     assert mlx_engine.registry.resolve("swappy").instance_id == new_id
@@ -131,12 +209,12 @@ async def test_a_reload_with_new_weights_swaps_and_a_failed_one_keeps_the_old_in
     assert "reload:swappy" not in mlx_engine.registry.names()
 
     (reload_folder / "model.safetensors").write_bytes(b"not safetensors at all")
-    await sync_to_async(services.alias_request_action)(alias=alias, action="reload")
+    await act(alias, "reload")
     listening.results.pop("swappy")
     await until(lambda: settled(listening, "swappy", "reload"), timeout=60)
     assert listening.results["swappy"]["state"] == "failed"
     assert listening.results["swappy"]["error"]
-    alias = await ModelAlias.objects.aget(pk=alias.pk)
+    alias = await ModelAlias.objects.select_related("model").aget(pk=alias.pk)
     assert alias.instance_id == new_id  # the database still points at the working weights
     kept = mlx_engine.registry.resolve("swappy")
     assert (kept.instance_id, kept.state) == (new_id, "ready")

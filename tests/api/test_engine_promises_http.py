@@ -180,7 +180,7 @@ async def test_weights_changed_on_disk_are_registered_anew_not_stamped_with_the_
 
     await until(lambda: settled(actions, "changing", "reload"))
     assert actions.results["changing"]["state"] == "done", actions.results["changing"]
-    fresh = await ModelAlias.objects.select_related("instance").aget(name="changing")
+    fresh = await ModelAlias.objects.select_related("model__instance").aget(name="changing")
     assert fresh.instance_id != old_id
     served = await post(api_key, "/v1/chat/completions", body)
     assert served.status_code == 200
@@ -226,17 +226,26 @@ async def test_an_aborted_responses_stream_ends_incomplete_and_says_why():
     status `incomplete` and reason `draining`, never `response.completed`."""
     from api.openai.responses import ResponseTurn, response_events
     from mlxhost.engine import Delta, Done, Started, Timings, Usage
+    from models_app.turns import StartedTurn, TurnHooks
     from tests.api.test_messages import ScriptedGeneration
+
+    class Recorded(TurnHooks):
+        def __init__(self) -> None:
+            self.results = []
+
+        def ended(self, result):
+            self.results.append(result)
 
     done = Done(finish_reason="aborted", usage=Usage(3, 1), timings=Timings(0, 0, 0, 0))
     generation = ScriptedGeneration(Started(prompt_tokens=3), Delta(text="Hi"), done)
+    hooks = Recorded()
     turn = ResponseTurn("resp_x", "tiny", None, None, False, None, None, None, {})
-    ended = []
-    events = [event async for event in response_events(turn, generation, ended.append)]
+    started = StartedTurn("resp_x", "tiny", generation, hooks)
+    events = [event async for event in response_events(turn, started)]
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["status"] == "incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "draining"}
-    assert ended == [turn]
+    assert [(r.text, r.event) for r in hooks.results] == [("Hi", done)]  # the service recorded it once
 
 
 async def test_a_turn_whose_caller_gives_up_while_queued_is_cancelled_not_left_to_run(
@@ -244,7 +253,7 @@ async def test_a_turn_whose_caller_gives_up_while_queued_is_cancelled_not_left_t
 ):
     """LANE-6: when the queue-position callback fails (the socket closed under it), the queued
     turn is cancelled; before, it stayed queued and later ran its whole answer for nobody."""
-    from api.openai.responses_run import response_start
+    from models_app.response_turns import response_start
 
     await set_lane(tiny_alias, concurrency=1, queue_depth=2)
     holder = await post_chat(api_key, stream=True, max_tokens=100_000, logit_bias={str(tiny_eos_id): -100})
@@ -256,7 +265,7 @@ async def test_a_turn_whose_caller_gives_up_while_queued_is_cancelled_not_left_t
     data = {"model": "tiny", "turns": [{"role": "user", "content": "hi"}], "store": False}
     try:
         with pytest.raises(ConnectionError):
-            await response_start(data, tenant, response_id="resp_gone", on_queued=socket_closed)
+            await response_start(data, tenant, {}, response_id="resp_gone", on_queued=socket_closed)
         assert mlx_engine.snapshot()[0]["lane"]["queued"] == 0  # out of the queue at once
         await until(lambda: "resp_gone" not in mlx_engine._live)  # and forgotten
     finally:

@@ -1,0 +1,251 @@
+"""The Responses use case: chain loading, the weights check, retention and the persist record.
+
+Shared by `POST /v1/responses` (SSE or JSON) and the `/ws/v1/responses` socket (API-1, API-3).
+It runs inside the turn service (`models_app.turns`) as that turn's `TurnHooks`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from api.errors import ApiError
+from mlxhost.engine import Done, Failed, Message, Usage
+from mlxhost.runtime import BOOT_ID
+from models_app import conversations
+from models_app.models import StoredResponse
+from models_app.persistence import ResponseRecord, persistence
+from models_app.turns import CacheScope, StartedTurn, TurnHooks, TurnRequest, TurnResult, turn_start
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from mlxhost.engine import Engine, Permit, Retention
+    from models_app.models import ModelAlias
+
+# The id is not echoed: a foreign id and a missing one answer the very same bytes (PER-6).
+NOT_FOUND = "No response found with that id."
+WEIGHTS_CHANGED = (
+    "The model {model!r} now serves different weights than the ones that produced {id!r}; "
+    "start a new conversation."
+)
+NOT_CONTINUABLE = "Response {id!r} failed, so it cannot be continued."
+# Engine finish reasons -> (response status, incomplete reason).
+STATUS = {
+    "stop": ("completed", None),
+    "length": ("incomplete", "max_output_tokens"),
+    "cancelled": ("cancelled", None),
+    # Cut short by a drain timeout (unload, reload, shutdown): incomplete, and why.
+    "aborted": ("incomplete", "draining"),
+}
+
+# Responses being generated in this process -> their tenant, so cancel is tenant-scoped too.
+_live_owners: dict[str, int] = {}
+
+
+def not_found() -> ApiError:
+    # Byte-identical for a missing id and another tenant's id (PER-6).
+    return ApiError(404, NOT_FOUND, code="response_not_found", param="response_id")
+
+
+def live_owner(response_id: str) -> int | None:
+    """The tenant of a response being generated in this process (for a tenant-scoped cancel)."""
+    return _live_owners.get(response_id)
+
+
+def response_status(event: Done | Failed | None) -> str:
+    """A turn's stored status from how it ended (None: the listener left, so it was cancelled)."""
+    if isinstance(event, Failed):
+        return "failed"
+    if event is None:
+        return "cancelled"
+    return STATUS.get(event.finish_reason, ("completed", None))[0]
+
+
+def output_message(response_id: str, text: str, status: str) -> dict[str, Any]:
+    """The finished assistant message item, as the answer shows it and the row stores it."""
+    return {
+        "type": "message",
+        "id": "msg_" + response_id.removeprefix("resp_"),
+        "status": "completed" if status == "completed" else "incomplete",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def usage_body(usage: Usage | None) -> dict[str, Any] | None:
+    """Responses' usage object (stored with the row as the answer shows it)."""
+    if usage is None:
+        return None
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+async def _parent(data: dict[str, Any], owner_id: int) -> StoredResponse | None:
+    public_id = data.get("previous_response_id")
+    if not public_id:
+        return None
+    try:
+        parent = await persistence().fetch(public_id=public_id, owner_id=owner_id)
+    except StoredResponse.DoesNotExist:
+        raise ApiError(404, NOT_FOUND, code="response_not_found", param="previous_response_id") from None
+    if parent.status not in conversations.CONTINUABLE:
+        raise ApiError(400, NOT_CONTINUABLE.format(id=public_id), param="previous_response_id")
+    return parent
+
+
+def _check_weights(parent: StoredResponse | None, alias: ModelAlias, live_instance_id: int) -> None:
+    if parent is None:
+        return
+    assert alias.instance is not None, "a resolved alias has its instance"
+    same = conversations.response_same_weights(
+        parent=parent,
+        live_instance_id=live_instance_id,
+        fingerprint=alias.instance.fingerprint,
+        boot_id=BOOT_ID,
+    )
+    if not same:
+        message = WEIGHTS_CHANGED.format(model=alias.name, id=parent.public_id)
+        raise ApiError(400, message, code="model_changed", param="previous_response_id")
+
+
+class ResponseHooks(TurnHooks):
+    """One Responses turn's steps: load the chain and retain the instance under the permit, and
+    store the turn when it ends (PER-1), letting the instance go once the row lands (REG-6/7)."""
+
+    def __init__(self, data: dict[str, Any], owner_id: int, response_id: str) -> None:
+        self.data = data
+        self.owner_id = owner_id
+        self.response_id = response_id
+        self.instructions: str | None = None
+        self.history: list[dict[str, str]] = []  # earlier turns, through the parent's answer
+        self.alias: ModelAlias | None = None
+        self.retention: Retention | None = None
+        self.created_at = 0
+
+    @property
+    def conversation(self) -> list[dict[str, str]]:
+        return [*self.history, *(t for t in self.data["turns"] if t["role"] != "system")]
+
+    def messages(self) -> tuple[Message, ...]:
+        system = [t["content"] for t in self.data["turns"] if t["role"] == "system"]
+        instructions = "\n".join([self.instructions, *system] if self.instructions else system)
+        head = (Message(role="system", content=instructions),) if instructions else ()
+        return head + tuple(Message(role=t["role"], content=t["content"]) for t in self.conversation)  # type: ignore[arg-type,operator]
+
+    async def prepare(
+        self, engine: Engine, alias: ModelAlias, permit: Permit, turn: TurnRequest
+    ) -> TurnRequest:
+        # The permit comes before the chain (LANE-3): loading it may wait up to 2 s for a pending
+        # write (PER-2), and a full lane answers 429 before any 404, 400 or 503 about the parent.
+        parent = await _parent(self.data, self.owner_id)
+        if parent is not None:
+            self.instructions, self.history = conversations.conversation_of(parent=parent)
+        if self.data.get("instructions") is not None:
+            self.instructions = self.data["instructions"]  # omitted: the chain's instructions carry over
+        _check_weights(parent, alias, permit.instance_id)
+        self.alias = alias
+        # Retained from now until the row lands, so the instance outlives its pending persist (REG-6).
+        self.retention = engine.retain(permit.instance_id)
+        _live_owners[self.response_id] = self.owner_id
+        cache = CacheScope(
+            salt=self.data.get("cache_salt"),
+            prompt_cache_key=self.data.get("prompt_cache_key"),
+            instructions=self.instructions or "",
+            previous_response_id=self.data.get("previous_response_id"),
+        )
+        return TurnRequest(turn.model, turn.owner_id, turn.sampling, messages=self.messages(), cache=cache)
+
+    def refused(self) -> None:
+        _live_owners.pop(self.response_id, None)
+        if self.retention is not None:
+            self.retention.release()
+
+    def ended(self, result: TurnResult) -> asyncio.Future[None] | None:
+        """Store the turn (when `store` is true) and let the instance go once the row lands.
+
+        Returns the persist handoff, which the turn awaits before its terminal event (PER-1).
+        """
+        _live_owners.pop(self.response_id, None)
+        retention = self.retention
+        assert retention is not None and self.alias is not None, "ended() after prepare()"
+        if not self.data["store"]:
+            retention.release()
+            return None
+        return persistence().record(
+            self._record(result, retention),
+            on_settled=retention.release,
+            on_force_release=lambda: None if retention.retire() else None,
+            on_late_landing=retention.settle_late,
+        )
+
+    def _record(self, result: TurnResult, retention: Retention) -> ResponseRecord:
+        data, alias = self.data, self.alias
+        assert alias is not None
+        status = response_status(result.event)
+        usage = result.event.usage if isinstance(result.event, Done) else None
+        return ResponseRecord(
+            public_id=self.response_id,
+            owner_id=self.owner_id,
+            alias_id=alias.pk,
+            alias_name=alias.name,
+            instance_id=retention.instance_id,
+            weights_fingerprint=retention.fingerprint,
+            weights_key=list(retention.weights_key),
+            boot_id=BOOT_ID,
+            previous_response_id=data.get("previous_response_id") or "",
+            request={
+                "input": data["turns"],
+                "instructions": self.instructions,
+                "conversation": self.conversation,
+                "metadata": data.get("metadata") or {},
+                "max_output_tokens": data.get("max_tokens"),
+                "temperature": data.get("temperature"),
+                "top_p": data.get("top_p"),
+            },
+            output=[output_message(self.response_id, result.text, status)] if status != "failed" else [],
+            output_text=result.text,
+            usage=usage_body(usage) or {},
+            status=status,
+            retention_s=data.get("retention_s") or 0,
+            created_at=float(self.created_at),
+        )
+
+
+@dataclass
+class StartedResponse:
+    """A Responses turn the lane admitted, with the instructions its chain resolved to."""
+
+    turn: StartedTurn
+    instructions: str | None
+
+
+async def response_start(
+    data: dict[str, Any],
+    owner_id: int,
+    sampling: dict[str, Any],
+    *,
+    response_id: str | None = None,
+    on_queued: Callable[[int], Awaitable[None]] | None = None,
+) -> StartedResponse:
+    """Start a Responses turn from a validated `ResponsesInput` body: take a lane permit, load
+    the stored chain, check the weights, retain the instance, submit, and wait for admission.
+
+    Raises:
+        ApiError: the parent is missing, failed, or came from other weights (REG-4).
+        EngineError: refused by the lane or the engine (429/503 via the error table).
+        ModelAlias.DoesNotExist: no enabled alias has that name.
+    """
+    response_id = response_id or f"resp_{secrets.token_hex(16)}"
+    hooks = ResponseHooks(data, owner_id, response_id)
+    turn = TurnRequest(model=data["model"], owner_id=owner_id, sampling=sampling)
+    started = await turn_start(turn, request_id=response_id, hooks=hooks, on_queued=on_queued)
+    hooks.created_at = started.created_at
+    return StartedResponse(started, hooks.instructions)

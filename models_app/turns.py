@@ -1,0 +1,207 @@
+"""The turn service: one validated request of any surface -> an admitted generation, and its end.
+
+Every generating surface (chat and text completions, Responses over HTTP and the WebSocket,
+Anthropic messages and count_tokens) starts its turn here, so the pre-stream sequence is
+written once: resolve the alias, build the model spec, take a lane permit, run the surface's
+pre-work under it (LANE-3), build the `GenerationRequest`, submit, wait for admission (LANE-7/8).
+A surface that must record its result (Responses, PER-1) passes `TurnHooks`; the service hands
+the result to `ended` before the terminal event reaches the encoder, never the encoder itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from api import lookups
+from mlxhost.engine import Delta, Done, Failed, Message
+from mlxhost.engine import GenerationRequest as EngineRequest
+from mlxhost.runtime.control import engine_for
+from models_app import selectors
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from mlxhost.engine import Engine, Event, Generation, Permit
+    from models_app.models import ModelAlias
+
+
+@dataclass(frozen=True, slots=True)
+class CacheScope:
+    """What picks the warm session a turn may reuse (SES-2/3/8); only fingerprints are kept."""
+
+    salt: str | None = None
+    prompt_cache_key: str | None = None
+    instructions: str = ""
+    previous_response_id: str | None = None
+    warm_any: bool = False  # any slot with the same instructions (clients that never name one)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRequest:
+    """One turn as a surface asks for it, validated and in the engine's terms."""
+
+    model: str  # the alias name
+    owner_id: int  # the caller's tenant: scopes warm sessions (SES-3)
+    sampling: Mapping[str, Any]  # overrides in the engine's names (`api.sampling.SAMPLING_KEYS`)
+    messages: tuple[Message, ...] = ()
+    prompt: str | None = None  # a raw text completion instead of a chat template
+    cache: CacheScope = field(default_factory=CacheScope)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnResult:
+    """How a turn ended, as `TurnHooks.ended` hears it."""
+
+    text: str
+    event: Done | Failed | None  # None: the listener stopped before the generation's end
+
+
+class TurnHooks:
+    """A surface's steps around the shared sequence; the base does nothing.
+
+    `prepare` runs under the lane permit and returns the turn to submit; `refused` runs when
+    the turn fails after `prepare` (submit or the wait for a slot); `ended` runs exactly once
+    when an admitted turn ends, and may return a handoff to await before the terminal event.
+    """
+
+    async def prepare(
+        self, engine: Engine, alias: ModelAlias, permit: Permit, turn: TurnRequest
+    ) -> TurnRequest:
+        return turn
+
+    def refused(self) -> None:
+        return None
+
+    def ended(self, result: TurnResult) -> asyncio.Future[None] | None:
+        return None
+
+
+@dataclass
+class StartedTurn:
+    """A turn the lane admitted: its identity, its generation, and its end hook."""
+
+    request_id: str
+    model: str  # the alias name, as the answer names it
+    generation: Generation
+    hooks: TurnHooks = field(default_factory=TurnHooks)
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Session-Cache": self.generation.session_outcome, "X-Request-Id": self.request_id}
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The generation's events. Before the terminal one is yielded, `hooks.ended` runs and its
+        handoff is awaited (PER-1); a listener that stops early (closes this iterator) still gets
+        the turn recorded, in the background, as cut short.
+        """
+        parts: list[str] = []
+        ended = False
+        try:
+            async for event in self.generation.stream():
+                if isinstance(event, Delta):
+                    parts.append(event.text)
+                elif isinstance(event, Done | Failed) and not ended:
+                    ended = True
+                    await _handed_off(self.hooks.ended(TurnResult("".join(parts), event)))
+                yield event
+        finally:
+            if not ended:
+                self.hooks.ended(TurnResult("".join(parts), None))  # nobody is left to wait
+
+
+def generation_request(
+    alias: ModelAlias, turn: TurnRequest, request_id: str, engine: Engine
+) -> EngineRequest:
+    """The engine request of `turn` (every surface's one builder). No database access: the alias
+    was resolved with its model, so this runs on the loop. It names the alias and carries its
+    limits; which weights serve it is the engine's binding, which only control changes."""
+    cache = turn.cache
+    session = engine.scoper.query(
+        tenant=str(turn.owner_id),
+        salt=cache.salt,
+        instructions=cache.instructions,
+        previous_response_id=cache.previous_response_id,
+        prompt_cache_key=cache.prompt_cache_key,
+        warm_any=cache.warm_any,
+    )
+    return EngineRequest(
+        request_id=request_id,
+        binding=alias.name,
+        sampling=selectors.sampling_params_for(alias=alias, overrides=turn.sampling),
+        messages=turn.messages,
+        prompt=turn.prompt,
+        session=session,
+        max_input_tokens=alias.max_input_tokens,
+    )
+
+
+async def turn_start(
+    turn: TurnRequest,
+    *,
+    request_id: str,
+    hooks: TurnHooks | None = None,
+    on_queued: Callable[[int], Awaitable[None]] | None = None,
+) -> StartedTurn:
+    """Start `turn`: resolve its alias, take a lane permit, run `hooks.prepare` under it, submit,
+    and wait for a slot, so every refusal comes before any header or frame (LANE-7/8).
+
+    `on_queued` hears each queue position while the turn waits (the WebSocket shows them);
+    without it the wait is silent. A caller that gives up while it waits cancels the turn, or
+    the waiter would later run its whole answer for nobody (LANE-6).
+
+    Raises:
+        ModelAlias.DoesNotExist: no enabled alias has that name.
+        EngineError: refused by the lane or the engine (429/503 via the error table).
+        Exception: whatever `hooks.prepare` raises (the permit goes back first).
+    """
+    hooks = hooks or TurnHooks()
+    alias = await lookups.alias_resolve(turn.model)
+    engine = await engine_for(alias.name)
+    permit = engine.reserve(request_id, alias.name)
+    try:
+        turn = await hooks.prepare(engine, alias, permit, turn)
+        request = generation_request(alias, turn, request_id, engine)
+    except BaseException:
+        permit.release()  # idempotent; the place goes back to the lane (LANE-3)
+        raise
+    generation: Generation | None = None
+    try:
+        generation = await engine.submit(request, permit)
+        await _admitted(generation, on_queued)
+    except BaseException:
+        if generation is not None:
+            generation.cancel()
+        hooks.refused()
+        raise
+    return StartedTurn(request_id, alias.name, generation, hooks)
+
+
+async def turn_count_tokens(turn: TurnRequest) -> int:
+    """The prompt tokens `turn` would feed its model, without generating or queueing (API-2).
+
+    Raises:
+        ModelAlias.DoesNotExist: no enabled alias has that name.
+        ModelLoadError: the model could not be loaded.
+    """
+    alias = await lookups.alias_resolve(turn.model)
+    engine = await engine_for(alias.name)
+    return await engine.count_tokens(generation_request(alias, turn, "count", engine))
+
+
+async def _admitted(generation: Generation, on_queued: Callable[[int], Awaitable[None]] | None) -> None:
+    if on_queued is None:
+        await generation.admitted()
+        return
+    async for position in generation.queue_positions():
+        await on_queued(position)
+
+
+async def _handed_off(handoff: asyncio.Future[None] | None) -> None:
+    # The handoff never raises (failures are logged and left to the breaker); a cancelled waiter
+    # leaves the shielded write running.
+    if handoff is not None:
+        await handoff
