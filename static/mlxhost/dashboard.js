@@ -314,7 +314,7 @@
       names.map(function (name) {
         var action = actions[name];
         var when = new Date(action.at * 1000).toLocaleTimeString();
-        return el("li", { "data-alias": name, className: "action-" + action.state }, [
+        return el("li", { "data-model": name, className: "action-" + action.state }, [
           el("strong", { text: action.action }),
           " " + name + ": " + action.state + " at " + when,
           action.error ? el("span", { className: "error-text", text: " " + action.error }) : null,

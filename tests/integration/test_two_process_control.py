@@ -13,13 +13,17 @@ import redis
 from django.test import Client
 
 from models_app import control, services
-from models_app.admin import ALIAS_FORM_FIELDS
+from models_app.admin import ALIAS_FORM_FIELDS, MODEL_FORM_FIELDS
 from models_app.models import ModelAlias
 from tests.e2e.conftest import database_url, running_daphne
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(240), pytest.mark.celery]
 
 CHANGELIST = "/admin/models_app/modelalias/"
+MODELS = "/admin/models_app/model/"
+NO_INLINE_ALIASES = {
+    f"aliases-{k}": "0" for k in ("TOTAL_FORMS", "INITIAL_FORMS", "MIN_NUM_FORMS", "MAX_NUM_FORMS")
+}
 
 
 def wait_for(what: str, probe: Callable[[], object], timeout: float = 60.0) -> object:
@@ -59,17 +63,28 @@ def shared_prefix(redis_url: str, settings) -> Iterator[str]:
     client.close()
 
 
-def admin_edit(client: Client, alias: ModelAlias, **changes) -> None:
-    """Save the alias through the admin's change form, as staff would."""
+def _form(row, fields, changes) -> dict:
     data = {}
-    for field in ALIAS_FORM_FIELDS:
-        value = changes.get(field, getattr(alias, field))
+    for field in fields:
+        value = changes.get(field, getattr(row, f"{field}_id" if field == "model" else field))
         if isinstance(value, bool):
             if value:
                 data[field] = "on"
             continue
         data[field] = "" if value is None else value
-    response = client.post(f"{CHANGELIST}{alias.pk}/change/", data)
+    return data
+
+
+def admin_edit(client: Client, alias: ModelAlias, **changes) -> None:
+    """Save the alias through the admin's change form, as staff would."""
+    response = client.post(f"{CHANGELIST}{alias.pk}/change/", _form(alias, ALIAS_FORM_FIELDS, changes))
+    assert response.status_code == 302, response.content.decode()[:2000]
+
+
+def admin_edit_model(client: Client, alias: ModelAlias, **changes) -> None:
+    """Save the alias's model (lane, memory, weights) through its admin change form."""
+    data = {**_form(alias.model, MODEL_FORM_FIELDS, changes), **NO_INLINE_ALIASES}
+    response = client.post(f"{MODELS}{alias.model_id}/change/", data)
     assert response.status_code == 302, response.content.decode()[:2000]
 
 
@@ -103,7 +118,7 @@ def test_the_admin_here_drives_the_engine_in_another_process(
         # Longer than Redis clients' default socket timeout (5 s): the idle listener must survive it.
         time.sleep(6)
 
-        response = admin.post(CHANGELIST, {"action": "load", "_selected_action": [alias.pk]})
+        response = admin.post(MODELS, {"action": "load", "_selected_action": [alias.model_id]})
         assert response.status_code == 302
         wait_for("the load", lambda: [i for i in readyz() if i["state"] == "ready"])
         view = wait_for(
@@ -111,12 +126,12 @@ def test_the_admin_here_drives_the_engine_in_another_process(
             lambda: (v := engine_view()) and v["state"] == "ready" and v,
         )
         assert view["aliases"] == ["tiny"]
-        assert admin.get(CHANGELIST).status_code == 200
+        assert admin.get(CHANGELIST).status_code == 200 and admin.get(MODELS).status_code == 200
 
-        admin_edit(admin, alias, concurrency=3)
+        admin_edit_model(admin, alias, concurrency=3)
         wait_for("the new lane capacity", lambda: readyz()[0]["lane"]["capacity"] == 3)
 
-        response = admin.post(CHANGELIST, {"action": "unload", "_selected_action": [alias.pk]})
+        response = admin.post(MODELS, {"action": "unload", "_selected_action": [alias.model_id]})
         assert response.status_code == 302
         wait_for("the unload", lambda: readyz()[0]["state"] == "unloaded")
 
