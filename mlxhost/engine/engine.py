@@ -24,6 +24,7 @@ from mlxhost.engine.errors import (
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.instance import Instance
+from mlxhost.engine.lane import TicketHooks
 from mlxhost.engine.registry import Registry
 from mlxhost.engine.residency import Residency
 from mlxhost.engine.retention import Retention
@@ -132,7 +133,7 @@ class Engine:
         self._finished_ids: OrderedDict[str, float] = OrderedDict()  # id -> remembered until
         # Told the aliases of an instance whose folder no longer matches its fingerprint (REG-3),
         # so the service layer registers the new weights under a new instance id.
-        self.on_weights_changed: Callable[[list[str]], None] | None = None
+        self._weights_listeners: list[Callable[[list[str]], None]] = []
         self._teardowns: set[asyncio.Task[None]] = set()
         self.stats = EngineStats()
         self.residency = Residency(self.registry, self.config.memory_budget_bytes, self.stats)
@@ -153,6 +154,11 @@ class Engine:
         instance = self.registry.bind(name, spec)
         self.residency.bound(name, spec)
         return instance
+
+    def on_weights_changed(self, listener: Callable[[list[str]], None]) -> None:
+        """Call `listener` with the bound names of an instance whose local folder no longer
+        matches its fingerprint at load (REG-3), so control registers the new weights."""
+        self._weights_listeners.append(listener)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -389,23 +395,25 @@ class Engine:
         self,
         instance: Instance,
         ticket: Ticket,
-        generation: Generation,
+        generation: _CountedGeneration,
         prompt_ids: list[int],
         sampling: SamplingParams,
     ) -> None:
         entered_at = self._clock()
-        ticket.on_admit = lambda _t: self._dispatch(
-            instance, ticket, generation, prompt_ids, sampling, entered_at
+        hooks = TicketHooks(
+            on_admit=lambda _t: self._dispatch(
+                instance, ticket, generation, prompt_ids, sampling, entered_at
+            ),
+            on_position=generation.queued,
+            on_abort=generation.abort,
         )
-        ticket.on_position = generation.queued
-        ticket.on_abort = generation.abort  # type: ignore[attr-defined]  # a _CountedGeneration
 
         def cancel() -> None:
             instance.lane.cancel(generation.request_id)
 
         generation.on_cancel(cancel)
         ticket.admitted.add_done_callback(lambda f: self._left_queue(instance, ticket, generation, f))
-        instance.lane.enter(ticket)
+        instance.lane.enter(ticket, hooks)
 
     def _left_queue(
         self, instance: Instance, ticket: Ticket, generation: Generation, future: asyncio.Future[None]
@@ -506,15 +514,15 @@ class Engine:
     # Lifecycle ----------------------------------------------------------------------------
 
     def _create_instance(self, spec: ModelSpec) -> Instance:
-        instance = Instance(spec, self.backend, self.config, self._clock)
-        instance.on_weights_changed = self._weights_changed
-        return instance
+        return Instance(
+            spec, self.backend, self.config, self._clock, on_weights_changed=self._weights_changed
+        )
 
     def _weights_changed(self, instance: Instance) -> None:
         names = self.registry.names_of(instance)
         logger.warning("instance %s: its weights changed on disk since registration", instance.instance_id)
-        if self.on_weights_changed is not None:
-            self.on_weights_changed(names)
+        for listener in self._weights_listeners:
+            listener(names)
 
     def _schedule_teardown(self, instance: Instance) -> None:
         # The registry already forgot it; free memory and the thread without blocking the caller.

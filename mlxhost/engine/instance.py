@@ -44,6 +44,8 @@ class Instance:
         backend: Backend,
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        on_weights_changed: Callable[[Instance], None] | None = None,
     ) -> None:
         self.instance_id = spec.instance_id
         self.spec = spec
@@ -63,16 +65,20 @@ class Instance:
             clock=clock,
             dispose=self._dispose_kv,
         )
-        self._worker = InstanceWorker(str(spec.instance_id), clock, getattr(backend, "thread_exit", None))
-        self._worker.reload = self._reload_on_worker
         # The lane's capacity is the batch's sequence capacity (LANE-1); the worker reads it per job.
-        self._worker.batch_capacity = spec.lane.capacity
-        self._worker.arrivals = lambda: self.lane.permits
-        self._worker.burst_wait_s = config.burst_wait_s
-        self._worker.reload_after_faults = config.reload_after_faults
+        self._worker = InstanceWorker(
+            str(spec.instance_id),
+            clock,
+            getattr(backend, "thread_exit", None),
+            reload=self._reload_on_worker,
+            batch_capacity=spec.lane.capacity,
+            arrivals=lambda: self.lane.permits,
+            burst_wait_s=config.burst_wait_s,
+            reload_after_faults=config.reload_after_faults,
+        )
         self._loading: asyncio.Future[None] | None = None
         # Called on the loop when a load found the folder changed since registration (REG-3).
-        self.on_weights_changed: Callable[[Instance], None] | None = None
+        self.on_weights_changed = on_weights_changed
 
     @property
     def model(self) -> LoadedModel | None:
@@ -90,7 +96,7 @@ class Instance:
             spec = replace(spec, instance_id=self.instance_id)
         if spec.lane != self.spec.lane:
             self._configure_lane(spec)
-            self._worker.batch_capacity = spec.lane.capacity
+            self._worker.set_batch_capacity(spec.lane.capacity)
         self.spec = spec
 
     async def ensure_loaded(self) -> None:

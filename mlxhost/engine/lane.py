@@ -19,7 +19,8 @@ from mlxhost.engine.errors import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable
+    from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 
 TicketState = Literal["permit", "queued", "active", "done"]
 
@@ -46,6 +47,19 @@ def _mark_retrieved(future: asyncio.Future[None]) -> None:
         future.exception()
 
 
+@dataclass(frozen=True, slots=True)
+class TicketHooks:
+    """What a lane tells a ticket's owner: admitted (a slot is its), a new queue position, and an
+    abort (a drain ran out of time, LANE-7). Handed in with the permit by `Lane.enter`."""
+
+    on_admit: Callable[[Ticket], None] | None = None
+    on_position: Callable[[int], None] | None = None
+    on_abort: Callable[[], None] | None = None
+
+
+NO_HOOKS = TicketHooks()
+
+
 class Ticket:
     """One request's place in a lane: a permit, then queued or active, then done."""
 
@@ -54,9 +68,7 @@ class Ticket:
         self.state: TicketState = "permit"
         self.position = 0
         self.admitted = admitted
-        self.on_admit: Callable[[Ticket], None] | None = None
-        self.on_position: Callable[[int], None] | None = None
-        self.on_abort: Callable[[], None] | None = None
+        self.hooks = NO_HOOKS
         self.cancelled = False
         self._timer: asyncio.TimerHandle | None = None
         self._admitted_at = 0.0
@@ -174,8 +186,9 @@ class Lane:
         self._permits += 1
         return ticket
 
-    def enter(self, ticket: Ticket) -> None:
-        """Hand a permit into the lane: active at once, or queued behind earlier waiters.
+    def enter(self, ticket: Ticket, hooks: TicketHooks = NO_HOOKS) -> None:
+        """Hand a permit into the lane with its `hooks`: active at once, or queued behind earlier
+        waiters.
 
         Raises:
             RuntimeError: the ticket was already entered or released.
@@ -184,6 +197,7 @@ class Lane:
         """
         if ticket.state != "permit" or self._live.get(ticket.request_id) is not ticket:
             raise RuntimeError(f"{ticket!r} is not an outstanding permit of this lane.")
+        ticket.hooks = hooks
         if self._draining:
             self.release(ticket)
             raise DrainingError()
@@ -308,8 +322,8 @@ class Lane:
         if self.queue_timeout_s is not None:
             loop = asyncio.get_running_loop()
             ticket._timer = loop.call_later(self.queue_timeout_s, self._expire, ticket)
-        if ticket.on_position is not None:
-            ticket.on_position(ticket.position)
+        if ticket.hooks.on_position is not None:
+            ticket.hooks.on_position(ticket.position)
 
     def _activate(self, ticket: Ticket) -> None:
         self._leave_permit(ticket)
@@ -319,8 +333,8 @@ class Lane:
         ticket._admitted_at = self._clock()
         self._active[ticket.request_id] = ticket
         self._idle.clear()
-        if ticket.on_admit is not None:
-            ticket.on_admit(ticket)
+        if ticket.hooks.on_admit is not None:
+            ticket.hooks.on_admit(ticket)
         _resolve(ticket.admitted)
 
     def _drop_queued(self, ticket: Ticket) -> None:
@@ -379,8 +393,8 @@ class Lane:
                 position += 1
                 if entry.position != position:
                     entry.position = position
-                    if entry.on_position is not None:
-                        entry.on_position(position)
+                    if entry.hooks.on_position is not None:
+                        entry.hooks.on_position(position)
 
     def _sync_idle(self) -> None:
         if self._active or self._writer_running:
@@ -400,8 +414,8 @@ class Lane:
         if ticket._aborted:
             return
         ticket._aborted = True
-        if ticket.on_abort is not None:
-            ticket.on_abort()
+        if ticket.hooks.on_abort is not None:
+            ticket.hooks.on_abort()
 
     def _abort_active(self) -> None:
         for ticket in list(self._active.values()):

@@ -48,14 +48,21 @@ class InstanceWorker:
         name: str,
         clock: Callable[[], float] = time.monotonic,
         on_exit: Callable[[], None] | None = None,
+        *,
+        reload: Callable[[], LoadedModel] | None = None,
+        batch_capacity: int = 1,
+        arrivals: Callable[[], int] = lambda: 0,
+        burst_wait_s: float = 0.0,
+        reload_after_faults: int = 3,
     ) -> None:
         self.model: LoadedModel | None = None
-        self.reload: Callable[[], LoadedModel] | None = None  # set by the instance
-        self.batch_capacity = 1  # the lane's capacity, set by the instance (LANE-1)
+        self.reload = reload  # loads the model afresh after repeated faults (the instance's)
+        # The lane's capacity (LANE-1); the instance changes it through `set_batch_capacity`.
+        self.batch_capacity = batch_capacity
         # Requests still preparing (lane permits) and how long a new batch may wait for them.
-        self.arrivals: Callable[[], int] = lambda: 0
-        self.burst_wait_s = 0.0
-        self.reload_after_faults = 3  # unattributed failures in a row before the model is reloaded
+        self.arrivals = arrivals
+        self.burst_wait_s = burst_wait_s
+        self.reload_after_faults = reload_after_faults  # unattributed failures in a row before a reload
         self.stats = WorkerStats()
         self._clock = clock
         self._jobs: queue.Queue[GenerateJob | CallJob | _Shutdown] = queue.Queue()
@@ -65,6 +72,10 @@ class InstanceWorker:
         self._on_exit = on_exit  # the backend's per-thread cleanup, run as the thread ends
         self._thread = threading.Thread(target=self._run, name=f"mlxhost-worker-{name}", daemon=True)
         self._thread.start()
+
+    def set_batch_capacity(self, capacity: int) -> None:
+        """The lane's new capacity; the worker reads it per job (LANE-1)."""
+        self.batch_capacity = capacity
 
     def submit(self, job: GenerateJob | CallJob) -> None:
         self._jobs.put(job)

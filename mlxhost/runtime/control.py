@@ -323,7 +323,7 @@ def start_control(engine: Engine) -> None:
     actions = actions_for(engine)
     # A load that found an alias's folder changed registers the new weights (REG-3): the reload
     # action computes the fingerprint again, gets a new instance id and swaps to it.
-    engine.on_weights_changed = actions.weights_changed
+    engine.on_weights_changed(actions.weights_changed)
     lifecycle.spawn(run_control_listener(engine, actions), name="engine-control")
     load_pinned = lifecycle.runtime_settings().preload
     lifecycle.spawn(reconcile(engine, load_pinned=load_pinned), name="engine-reconcile")

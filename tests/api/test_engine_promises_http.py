@@ -169,7 +169,7 @@ async def test_weights_changed_on_disk_are_registered_anew_not_stamped_with_the_
     for weights in tiny_model_b_dir.glob("*.safetensors"):  # same shapes, other values
         shutil.copyfile(weights, changing_folder / weights.name)
     actions = engine_control.Actions(mlx_engine)
-    mlx_engine.on_weights_changed = actions.weights_changed
+    mlx_engine.on_weights_changed(actions.weights_changed)
 
     body = {"model": "changing", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
     failed = await post(api_key, "/v1/chat/completions", body)

@@ -13,7 +13,7 @@ from mlxhost.engine.errors import (
     QueueTimeoutError,
     RequestCancelledError,
 )
-from mlxhost.engine.lane import Lane, Ticket
+from mlxhost.engine.lane import Lane, Ticket, TicketHooks
 
 
 class FakeClock:
@@ -29,12 +29,12 @@ def within_budget(lane: Lane) -> bool:
     return probe.limit is None or probe.active + probe.queued + probe.permits <= probe.limit
 
 
-def admit(lane: Lane, request_id: str, order: list[str] | None = None) -> Ticket:
+def admit(lane: Lane, request_id: str, order: list[str] | None = None, **hooks) -> Ticket:
     """Reserve and enter in one go, recording admission order through on_admit."""
     ticket = lane.reserve(request_id)
     if order is not None:
-        ticket.on_admit = lambda t: order.append(t.request_id)
-    lane.enter(ticket)
+        hooks["on_admit"] = lambda t: order.append(t.request_id)
+    lane.enter(ticket, TicketHooks(**hooks))
     assert within_budget(lane)
     return ticket
 
@@ -106,11 +106,9 @@ async def test_admitted_future_resolves_after_on_admit():
     first = admit(lane, "a")
     second = lane.reserve("b")  # reserved before c but entered after it: entry order decides
     positions: list[int] = []
-    second.on_position = positions.append
-    third = admit(lane, "c")
     seen_done: list[bool] = []
-    third.on_admit = lambda t: seen_done.append(t.admitted.done())
-    lane.enter(second)
+    third = admit(lane, "c", on_admit=lambda t: seen_done.append(t.admitted.done()))
+    lane.enter(second, TicketHooks(on_position=positions.append))
     assert (third.position, second.position) == (1, 2)
     lane.release(first)
     await asyncio.wait_for(third.admitted, 1)
@@ -172,9 +170,8 @@ async def test_cancel_queued_frees_its_place_and_admits_the_next():
 async def test_cancel_running_aborts_once_and_frees_the_slot_on_release():
     """LANE-6: cancelling an active ticket calls on_abort once; the slot frees only on release."""
     lane = Lane(capacity=1)
-    running = admit(lane, "a")
     aborts: list[str] = []
-    running.on_abort = lambda: aborts.append("a")
+    running = admit(lane, "a", on_abort=lambda: aborts.append("a"))
     waiter = admit(lane, "b")
     assert lane.cancel("a") is True
     assert lane.cancel("a") is True
@@ -313,9 +310,8 @@ async def _hold(lane: Lane) -> None:
 async def test_drain_wait_refuses_fails_waiters_and_waits_for_the_running():
     """LANE-7: drain("wait") refuses at once, fails the queue, returns after the running one ends."""
     lane = Lane(capacity=1)
-    running = admit(lane, "a")
     aborts: list[str] = []
-    running.on_abort = lambda: aborts.append("a")
+    running = admit(lane, "a", on_abort=lambda: aborts.append("a"))
     queued = [admit(lane, "b"), admit(lane, "c")]
     permit = lane.reserve("d")
     drain = asyncio.create_task(lane.drain("wait"))
@@ -357,9 +353,7 @@ async def test_drain_abort_aborts_running_at_once():
     """LANE-7: drain("abort") calls on_abort on every running ticket immediately."""
     lane = Lane(capacity=2)
     aborts: list[str] = []
-    tickets = [admit(lane, "a"), admit(lane, "b")]
-    for ticket in tickets:
-        ticket.on_abort = lambda rid=ticket.request_id: aborts.append(rid)
+    tickets = [admit(lane, rid, on_abort=lambda rid=rid: aborts.append(rid)) for rid in ("a", "b")]
     drain = asyncio.create_task(lane.drain("abort"))
     await settle()
     assert sorted(aborts) == ["a", "b"]
@@ -373,14 +367,13 @@ async def test_drain_abort_aborts_running_at_once():
 async def test_drain_wait_aborts_the_rest_at_the_timeout():
     """LANE-7: drain("wait", timeout) lets work finish, then aborts what still runs."""
     lane = Lane(capacity=1)
-    running = admit(lane, "a")
     aborts: list[str] = []
 
     def abort() -> None:
         aborts.append("a")
         lane.release(running)  # the worker notices the stop flag and lets go
 
-    running.on_abort = abort
+    running = admit(lane, "a", on_abort=abort)
     await asyncio.wait_for(lane.drain("wait", timeout=0.02), 1)
     assert aborts == ["a"]
     assert lane.active == 0
