@@ -11,10 +11,10 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
 
 from api.errors import INVALID_KEY_MESSAGE, ApiError, Dialect, as_api_error, error_response
-from api.lookups import single_flight
 from api.parsing import loads_object, read_body
 from models_app import hotcache, selectors, services
 from models_app.apikeys import key_hash
+from models_app.lookups import single_flight
 from models_app.selectors import KeyIdentity
 
 AsyncView = Callable[..., Awaitable[HttpResponse]]

@@ -30,6 +30,7 @@ from mlxhost.engine.errors import (
 )
 from models_app.models import ModelAlias
 from models_app.persistence import StorageTimeoutError
+from models_app.response_turns import ChainError
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
     """Map any exception to an ApiError; unknown ones become a bare 500 with nothing leaked."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, ChainError):
+        return ApiError(exc.status, exc.message, code=exc.code, param=exc.param)
     if isinstance(exc, ModelAlias.DoesNotExist):
         return ApiError(
             404, UNKNOWN_MODEL_MESSAGE.format(name=model or ""), code="model_not_found", param="model"

@@ -11,7 +11,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from api.errors import ApiError
 from mlxhost.engine import Done, Failed, Message, Usage
 from mlxhost.runtime import BOOT_ID
 from models_app import conversations
@@ -45,9 +44,20 @@ STATUS = {
 _live_owners: dict[str, int] = {}
 
 
-def not_found() -> ApiError:
+class ChainError(Exception):
+    """A stored response that cannot be read or continued, with what a client may be told: the
+    API layer maps it to its surface's error envelope."""
+
+    def __init__(
+        self, status: int, message: str, *, code: str | None = None, param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+
+def not_found() -> ChainError:
     # Byte-identical for a missing id and another tenant's id (PER-6).
-    return ApiError(404, NOT_FOUND, code="response_not_found", param="response_id")
+    return ChainError(404, NOT_FOUND, code="response_not_found", param="response_id")
 
 
 def live_owner(response_id: str) -> int | None:
@@ -95,25 +105,26 @@ async def _parent(data: dict[str, Any], owner_id: int) -> StoredResponse | None:
     try:
         parent = await persistence().fetch(public_id=public_id, owner_id=owner_id)
     except StoredResponse.DoesNotExist:
-        raise ApiError(404, NOT_FOUND, code="response_not_found", param="previous_response_id") from None
+        raise ChainError(404, NOT_FOUND, code="response_not_found", param="previous_response_id") from None
     if parent.status not in conversations.CONTINUABLE:
-        raise ApiError(400, NOT_CONTINUABLE.format(id=public_id), param="previous_response_id")
+        raise ChainError(400, NOT_CONTINUABLE.format(id=public_id), param="previous_response_id")
     return parent
 
 
-def _check_weights(parent: StoredResponse | None, alias: ModelAlias, live_instance_id: int) -> None:
+def _check_weights(parent: StoredResponse | None, alias_name: str, retention: Retention) -> None:
+    # The weights the engine serves the name from now (REG-4), never the alias row's: a row
+    # read before a swap would name the old ones.
     if parent is None:
         return
-    assert alias.instance is not None, "a resolved alias has its instance"
     same = conversations.response_same_weights(
         parent=parent,
-        live_instance_id=live_instance_id,
-        fingerprint=alias.instance.fingerprint,
+        live_instance_id=retention.instance_id,
+        fingerprint=retention.fingerprint,
         boot_id=BOOT_ID,
     )
     if not same:
-        message = WEIGHTS_CHANGED.format(model=alias.name, id=parent.public_id)
-        raise ApiError(400, message, code="model_changed", param="previous_response_id")
+        message = WEIGHTS_CHANGED.format(model=alias_name, id=parent.public_id)
+        raise ChainError(400, message, code="model_changed", param="previous_response_id")
 
 
 class ResponseHooks(TurnHooks):
@@ -150,10 +161,14 @@ class ResponseHooks(TurnHooks):
             self.instructions, self.history = conversations.conversation_of(parent=parent)
         if self.data.get("instructions") is not None:
             self.instructions = self.data["instructions"]  # omitted: the chain's instructions carry over
-        _check_weights(parent, alias, permit.instance_id)
-        self.alias = alias
         # Retained from now until the row lands, so the instance outlives its pending persist (REG-6).
-        self.retention = engine.retain(permit.instance_id)
+        retention = engine.retain(permit.instance_id)
+        try:
+            _check_weights(parent, alias.name, retention)
+        except ChainError:
+            retention.release()
+            raise
+        self.alias, self.retention = alias, retention
         _live_owners[self.response_id] = self.owner_id
         cache = CacheScope(
             salt=self.data.get("cache_salt"),
@@ -239,7 +254,7 @@ async def response_start(
     the stored chain, check the weights, retain the instance, submit, and wait for admission.
 
     Raises:
-        ApiError: the parent is missing, failed, or came from other weights (REG-4).
+        ChainError: the parent is missing, failed, or came from other weights (REG-4).
         EngineError: refused by the lane or the engine (429/503 via the error table).
         ModelAlias.DoesNotExist: no enabled alias has that name.
     """

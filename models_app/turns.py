@@ -15,11 +15,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from api import lookups
 from mlxhost.engine import Delta, Done, Failed, Message
 from mlxhost.engine import GenerationRequest as EngineRequest
 from mlxhost.runtime.control import engine_for
-from models_app import selectors
+from models_app import lookups, selectors
 
 if TYPE_CHECKING:
     import asyncio

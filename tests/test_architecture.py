@@ -211,6 +211,17 @@ def test_api_and_models_app_never_import_engine_internals(graph: Graph) -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_models_app_never_imports_the_api(graph: Graph) -> None:
+    """Use cases sit below the HTTP layer: `models_app` raises its own errors, which `api.errors`
+    maps to each surface's envelope."""
+    bad = [
+        f"{item.source}:{item.line} imports {item.target}"
+        for item in graph.imports
+        if item.source.split(".")[0] == "models_app" and item.target.split(".")[0] == "api"
+    ]
+    assert not bad, "\n".join(bad)
+
+
 def test_runtime_never_imports_the_api(graph: Graph) -> None:
     """The runtime serves the API layer, not the other way round: api registers its own hooks
     (socket shutdown) and gets the engine from `mlxhost.runtime.get_engine()`."""
