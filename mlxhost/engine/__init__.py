@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mlxhost.engine.config import EngineConfig
-from mlxhost.engine.engine import Engine, Permit
+from mlxhost.engine.engine import Engine, Permit, is_internal_name
 from mlxhost.engine.errors import (
     DrainingError,
     DuplicateRequestError,
@@ -76,4 +76,5 @@ __all__ = [
     "Usage",
     "UnknownModelError",
     "WeightsChangedError",
+    "is_internal_name",
 ]

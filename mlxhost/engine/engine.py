@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Literal
 
@@ -192,6 +192,54 @@ class Engine:
         instance = self.bind(name or _default_name(spec), spec)
         await self.residency.ensure_loaded(instance)
         return instance
+
+    async def serve(self, names: Sequence[str], spec: ModelSpec) -> Instance:
+        """Bind every name in `names` to `spec`'s weights and load them (an admin's load).
+        Without names the weights are bound by instance id, resident for aliases to come.
+
+        Raises:
+            ModelLoadError: the weights could not be loaded.
+        """
+        for name in names[1:]:
+            self.bind(name, spec)
+        return await self.load(spec, name=names[0] if names else "")
+
+    async def reload(
+        self,
+        names: Sequence[str],
+        spec: ModelSpec,
+        *,
+        on_resident: Callable[[], Awaitable[None]] | None = None,
+    ) -> int:
+        """Load `spec` again for `names` (OPS-4) and return the instance id now serving them.
+
+        The same weights as now: drain (LANE-7) and load them in place. Other weights: load them
+        beside the old instance under a staging binding, run `on_resident` (control records the
+        switch), then move every name at once; the old instance ends after its requests (REG-6).
+        A failed load raises and leaves every name on the old instance.
+
+        Raises:
+            ModelLoadError: the new weights could not be loaded.
+        """
+        current = {self.registry.resolve(name) for name in names if self.bound(name)}
+        if any(instance.spec.weights_key == spec.weights_key for instance in current) or (
+            not names and self.hosts(spec.instance_id)
+        ):
+            for name in names or [_default_name(spec)]:
+                instance = self.bind(name, spec)  # in place: new settings apply (REG-5)
+            await self.drain(instance.instance_id, "wait", self.config.drain_timeout_s)
+            await self.residency.ensure_loaded(instance)
+            return instance.instance_id
+        staging = _staging_name(spec)
+        try:
+            instance = await self.load(spec, name=staging)
+            if on_resident is not None:
+                await on_resident()
+            for name in names:
+                self.bind(name, spec)  # the hot swap
+        finally:
+            self.unbind(staging)
+        return instance.instance_id
 
     async def unload(self, instance_id: int) -> None:
         """Free an instance's memory once its lane is empty; it stays registered (REG-3)."""
@@ -613,8 +661,22 @@ def _expire(remembered: OrderedDict[str, float], now: float) -> None:
         remembered.popitem(last=False)
 
 
+# Names the engine binds for itself, beside aliases: weights loaded by instance id, and new
+# weights loading beside the old ones during a reload. An alias (a slug) never has a colon.
+INTERNAL_NAME_MARK = ":"
+
+
 def _default_name(spec: ModelSpec) -> str:
     return f"instance:{spec.instance_id}"
+
+
+def _staging_name(spec: ModelSpec) -> str:
+    return f"reload:{spec.instance_id}"
+
+
+def is_internal_name(name: str) -> bool:
+    """Whether a bound name is one of the engine's own (by instance id, a reload's staging)."""
+    return INTERNAL_NAME_MARK in name
 
 
 def _cancelled_done(_messages: int) -> Done:

@@ -19,7 +19,7 @@ from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 from django.core.exceptions import ValidationError
 
-from mlxhost.engine import Engine, EngineError, ModelSpec, UnknownModelError
+from mlxhost.engine import Engine, EngineError, ModelSpec, UnknownModelError, is_internal_name
 from mlxhost.runtime import lifecycle
 from models_app import control, hotcache, selectors, services
 from models_app.models import Model, ModelAlias
@@ -99,9 +99,8 @@ def _spec_of_alias(name: str) -> ModelSpec:
 
 
 def is_alias(name: str) -> bool:
-    """Whether a bound name is an alias, not an internal name of the engine."""
-    # The engine also binds internal names ("instance:7" for bare specs, "reload:x" while reloading).
-    return ":" not in name
+    """Whether a bound name is an alias, not one of the engine's internal names."""
+    return not is_internal_name(name)
 
 
 async def _load_logged(engine: Engine, name: str, spec: ModelSpec) -> None:
@@ -177,16 +176,12 @@ class Actions:
 
     async def _load(self, model: Model, spec: ModelSpec) -> int:
         """Bind every enabled alias of the model to `spec` and load it (a model without one
-        loads under an internal name, so it is resident for the aliases to come)."""
-        names = self._serving(model) or [_model_binding(model)]
-        for name in names[1:]:
-            self.engine.bind(name, spec)
-        return (await self.engine.load(spec, name=names[0])).instance_id
+        loads by instance id, resident for the aliases to come)."""
+        return (await self.engine.serve(self._serving(model), spec)).instance_id
 
     async def _unload(self, model: Model) -> int | None:
         engine = self.engine
-        names = [name for name in (*self._serving(model), _model_binding(model)) if engine.bound(name)]
-        ids = {engine.resolve(name) for name in names}
+        ids = {engine.resolve(name) for name in self._serving(model) if engine.bound(name)}
         if model.instance_id is not None and engine.hosts(model.instance_id):
             ids.add(model.instance_id)
         for instance_id in sorted(ids):
@@ -196,27 +191,14 @@ class Actions:
     async def _reload(self, model: Model) -> int:
         """Read the model's weights again. New weights load beside the old instance, which keeps
         serving until they are resident and is kept if they fail (OPS-4)."""
-        engine = self.engine
         fresh = await sync_to_async(services.model_fresh_instance)(model=model)
-        if fresh.pk == model.instance_id:  # the same weights: reload them in place
-            spec = selectors.model_spec_for(model=model)
-            names = self._serving(model) or [_model_binding(model)]
-            instance_id = 0
-            for name in names:
-                instance_id = engine.bind(name, spec).instance_id
-            await self._drain(instance_id)
-            await engine.load(spec, name=names[0])
-            return instance_id
-        staging = f"reload:{model.name}"
         spec = selectors.model_spec_for(model=model, instance=fresh)
-        try:
-            await engine.load(spec, name=staging)
-            await sync_to_async(services.model_switch_instance)(model=model, instance=fresh)
-            for name in self._serving(model) or [_model_binding(model)]:
-                engine.bind(name, spec)  # the hot swap: the old instance ends after its requests
-        finally:
-            engine.unbind(staging)
-        return fresh.pk
+
+        async def switch() -> None:
+            if fresh.pk != model.instance_id:
+                await sync_to_async(services.model_switch_instance)(model=model, instance=fresh)
+
+        return await self.engine.reload(self._serving(model), spec, on_resident=switch)
 
     async def _drain(self, instance_id: int) -> None:
         """Drain and free an instance (LANE-7): arrivals get 503/529 `draining` at once, queued
@@ -244,11 +226,6 @@ def _model_named(name: str) -> Model:
 
 def _model_names_of(aliases: list[str]) -> list[str]:
     return sorted(set(ModelAlias.objects.filter(name__in=aliases).values_list("model__name", flat=True)))
-
-
-def _model_binding(model: Model) -> str:
-    # A model loaded by an admin action before any alias serves it.
-    return f"model:{model.name}"
 
 
 def _reason(exc: BaseException) -> str:

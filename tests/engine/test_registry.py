@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from mlxhost.engine import Done, LaneSettings, PromptTooLongError, Started, UnknownModelError
+from mlxhost.engine import Done, LaneSettings, ModelLoadError, PromptTooLongError, Started, UnknownModelError
 from tests.engine.conftest import collect, lane_idle, lane_of, next_event, request, spec, until
 
 X = spec(1)  # weights /models/fake-1
@@ -242,3 +242,32 @@ async def test_a_torn_down_instance_cannot_be_retained_after_its_id_was_inherite
     registry.unretain(old)  # a stale release is a no-op for the heir
     assert registry.holds(heir).bindings == 1
     assert registry.holds(heir).retentions == 0
+
+
+async def test_a_reload_to_new_weights_moves_every_name_only_once_they_are_resident(engine, backend):
+    """OPS-4, REG-6: `reload` loads new weights beside the old instance under a staging name,
+    runs `on_resident`, then moves every alias at once; a failed load leaves them all in place."""
+    old = await engine.serve(["a", "b"], X)
+    moved: list[int] = []
+
+    async def on_resident() -> None:
+        moved.append(engine.resolve("a"))  # still the old instance while control records the switch
+
+    new_id = await engine.reload(["a", "b"], spec(2), on_resident=on_resident)
+    assert moved == [old.instance_id]
+    assert engine.resolve("a") == engine.resolve("b") == new_id == 2
+    assert engine.bound_names() == ["a", "b"]  # the staging name is gone
+
+    backend.load_failures = 1
+    with pytest.raises(ModelLoadError):
+        await engine.reload(["a", "b"], spec(3))
+    assert engine.resolve("a") == engine.resolve("b") == 2
+    assert engine.bound_names() == ["a", "b"]
+
+
+async def test_a_reload_of_the_same_weights_drains_and_loads_them_in_place(engine, backend):
+    """OPS-4, LANE-7: the same weights reload under the same instance id, after a drain."""
+    instance = await engine.serve(["a"], X)
+    assert await engine.reload(["a"], X) == instance.instance_id
+    assert backend.loads == [1, 1]
+    assert engine.resolve("a") == instance.instance_id and instance.state == "ready"
