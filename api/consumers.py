@@ -33,6 +33,7 @@ from models_app import control, selectors
 from models_app.response_turns import response_start
 
 logger = logging.getLogger(__name__)
+_closing: set[asyncio.Future[None]] = set()  # closes started by a timer, kept until done
 
 # Close codes: 4401/4403 mirror HTTP 401/403; 1009 is the protocol's "message too big".
 CLOSE_UNAUTHENTICATED = 4401
@@ -230,7 +231,9 @@ class ResponsesConsumer(_TrackedConsumer):
 
     def _auth_expired(self) -> None:
         if self.caller is None and not self.closed:
-            asyncio.ensure_future(self.close(code=CLOSE_UNAUTHENTICATED))
+            task = asyncio.ensure_future(self.close(code=CLOSE_UNAUTHENTICATED))
+            _closing.add(task)  # keep a reference until it is done, or it may be collected
+            task.add_done_callback(_closing.discard)
 
     async def disconnect(self, code: int) -> None:
         self.closed = True

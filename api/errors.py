@@ -6,13 +6,12 @@ import json
 import logging
 import secrets
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.views import defaults
 
-from mlxhost.engine import Done, Failed
 from mlxhost.engine.errors import (
     DrainingError,
     DuplicateRequestError,
@@ -31,6 +30,9 @@ from mlxhost.engine.errors import (
 from models_app.models import ModelAlias
 from models_app.persistence import StorageTimeoutError
 from models_app.response_turns import ChainError
+
+if TYPE_CHECKING:
+    from mlxhost.engine import Done, Failed
 
 logger = logging.getLogger(__name__)
 

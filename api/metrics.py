@@ -7,7 +7,6 @@ globally and a scrape never builds the engine or the persistence layer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -27,6 +26,8 @@ from mlxhost.runtime import engine_if_started
 from models_app.persistence import persistence_if_started
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from mlxhost.engine import Engine
     from mlxhost.engine.stats import Histogram, RequestStats
     from models_app.persistence import Persistence

@@ -10,9 +10,8 @@ written twice, and `tests/api/test_openapi.py` fails when a /v1 route has no ent
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import URLPattern, URLResolver, get_resolver, path
@@ -27,6 +26,9 @@ from api.auth import api_endpoint
 from api.openai.completions import CompletionInput
 from api.openai.responses_input import ResponsesInput
 from api.openai.serializers import ChatCompletionInput
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 TITLE = "mlxhost API"
 VERSION = "1"

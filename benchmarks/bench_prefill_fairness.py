@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def measure(model, tokenizer, args, prefill_step: int, prefill_step_alone: int) 
             else:
                 during[step.handle].append(now)
     batch.close()
-    gaps = [b - a for t in during.values() for a, b in zip(t, t[1:], strict=False)]
+    gaps = [b - a for t in during.values() for a, b in itertools.pairwise(t)]
     return {
         "prefill_step": prefill_step,
         "prefill_step_alone": prefill_step_alone,

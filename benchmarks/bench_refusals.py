@@ -134,7 +134,7 @@ async def ws_burst(base: str, key: str, body: dict, burst: int) -> tuple[int, li
     sockets = [await websockets.connect(url, additional_headers=headers) for _ in range(burst)]
     refused: list[float] = []
 
-    async def one(socket) -> None:  # noqa: ANN001
+    async def one(socket) -> None:
         started = time.perf_counter()
         await socket.send(json.dumps({"type": "response.create", "model": ALIAS, **body}))
         frame = json.loads(await socket.recv())

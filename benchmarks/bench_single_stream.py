@@ -115,7 +115,7 @@ def conversation(nonce: str, replies: list[str]) -> list[dict[str, str]]:
     messages = [{"role": "system", "content": f"[conversation {nonce}] {SYSTEM}"}]
     for user, reply in zip(USER_TURNS, replies, strict=False):
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
-    return messages + [{"role": "user", "content": USER_TURNS[len(replies)]}]
+    return [*messages, {"role": "user", "content": USER_TURNS[len(replies)]}]
 
 
 def http_turn5(client: httpx.Client, reply_tokens: int, eos_bias: dict) -> dict[str, dict]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from django.http import HttpRequest, HttpResponse
 
 # Scripts and styles from this site only, no inline code, no framing. The Django admin has no

@@ -3,26 +3,29 @@ through services."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied, ValidationError
-from django.db.models import QuerySet
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
-from django.utils.safestring import SafeString
 
 from models_app import control, selectors, services
 from models_app.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
 from models_app.forms import MODEL_FORM_FIELDS as MODEL_FORM_FIELDS
 from models_app.forms import ApiKeyCreateForm, ModelAliasForm, ModelForm
 from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from django import forms
+    from django.db.models import QuerySet
+    from django.utils.safestring import SafeString
 
 ACTION_REQUESTED = "{action} requested for {names}; progress shows here and on the dashboard."
 NEW_KEY_SHOWN_ONCE = "New API key (shown once, copy it now): {raw}"

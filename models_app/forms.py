@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.utils.html import format_html, format_html_join
-from django.utils.safestring import SafeString
 
 from models_app import selectors, services
 from models_app.models import ApiKey, Model, ModelAlias
+
+if TYPE_CHECKING:
+    from django.utils.safestring import SafeString
 
 MODEL_FORM_FIELDS = (
     "name", "description", "pinned",

@@ -12,8 +12,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 # A key revoked (or an owner deactivated) in another process is refused within this many seconds;
 # in this process, at once. Keep it <= 5 s.

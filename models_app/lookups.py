@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
 
 from models_app import hotcache, selectors
 from models_app.models import ModelAlias
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
 
 _inflight: dict[tuple[str, Any], asyncio.Future[Any]] = {}
 

@@ -7,7 +7,6 @@ It runs inside the turn service (`models_app.turns`) as that turn's `TurnHooks`.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ from models_app.turns import CacheScope, StartedTurn, TurnHooks, TurnRequest, Tu
 
 if TYPE_CHECKING:
     import asyncio
+    from collections.abc import Awaitable, Callable
 
     from mlxhost.engine import Engine, Permit, Retention
     from models_app.models import ModelAlias
@@ -197,7 +197,7 @@ class ResponseHooks(TurnHooks):
         return persistence().record(
             self._record(result, retention),
             on_settled=retention.release,
-            on_force_release=lambda: None if retention.retire() else None,
+            on_force_release=retention.retire,
             on_late_landing=retention.settle_late,
         )
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
-from django.db.models import QuerySet
 from django.utils import timezone
 
 from mlxhost.engine import LaneSettings, ModelSpec, SamplingParams
@@ -17,6 +16,9 @@ from mlxhost.engine.weights import resolve_under
 from models_app import control
 from models_app.apikeys import key_matches, key_prefix
 from models_app.models import ApiKey, Model, ModelAlias, ModelInstance, StoredResponse
+
+if TYPE_CHECKING:
+    from django.db.models import QuerySet
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 REQUEST_ONLY_FIELDS = ("presence_penalty", "frequency_penalty", "seed")

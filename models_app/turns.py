@@ -11,7 +11,6 @@ the result to `ended` before the terminal event reaches the encoder, never the e
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +21,7 @@ from models_app import lookups, selectors
 
 if TYPE_CHECKING:
     import asyncio
+    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
     from mlxhost.engine import Engine, Event, Generation, Permit
     from models_app.models import ModelAlias

@@ -9,11 +9,15 @@ module, else `a.b`); executing a parent package's `__init__` does not count as a
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("api", "models_app", "mlxhost")
@@ -172,7 +176,7 @@ def _cycle_in(component: set[str], edges: dict[str, set[str]]) -> list[str]:
 
 def _describe(cycle: list[str], graph: Graph) -> str:
     steps = []
-    for source, target in zip(cycle, cycle[1:], strict=False):
+    for source, target in itertools.pairwise(cycle):
         line, kind = next(
             (i.line, i.kind)
             for i in graph.imports

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.collect import NO_RESULT, collect_text
 from api.errors import ApiError, cut_short_error, error_body, failed_error
 from api.sse import sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, Started, Usage
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 # The engine says "stop" for EOS and for a stop sequence alike; see `MessageTurn.stop_fields`.
 # A cancelled or aborted answer ends with an `error` event instead, never with "end_turn".

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.collect import collect_text
 from api.errors import cut_short_error, error_body, failed_error
 from api.sse import SSE_DONE, sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, Usage
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 # Complete or length-limited answers only: "cancelled" and "aborted" end the stream with an error
 # event instead (the openai SDK raises APIError on it), never with a finish_reason that reads

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from django.http import HttpRequest, HttpResponse
 from rest_framework import serializers
 
 from api.auth import Caller, api_endpoint, caller_of, json_body
@@ -19,6 +17,11 @@ from api.sampling import sampling_overrides
 from api.sse import SSE_DONE, sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation
 from models_app.turns import CacheScope, TurnRequest, turn_start
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from django.http import HttpRequest, HttpResponse
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint, not the alias's
 OBJECT = "text_completion"

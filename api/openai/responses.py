@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from api.errors import failed_error
 from api.sse import sse_event
 from mlxhost.engine import Delta, Done, Failed, Usage
 from models_app.response_turns import STATUS, StartedResponse, output_message, usage_body
-from models_app.turns import StartedTurn
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from models_app.turns import StartedTurn
 
 
 @dataclass

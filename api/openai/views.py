@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
@@ -19,6 +18,9 @@ from mlxhost.runtime import engine_if_started
 from models_app import selectors
 from models_app.models import ModelAlias
 from models_app.turns import CacheScope, StartedTurn, TurnRequest, turn_start
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Literal
 
@@ -34,6 +33,8 @@ from mlxhost.engine.types import Done, Failed, Timings, Usage
 from mlxhost.engine.worker import GenerateJob, JobResult
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Sequence
+
     from mlxhost.engine.backends.base import Backend
     from mlxhost.engine.lane import Ticket
     from mlxhost.engine.residency import MemoryPolicy

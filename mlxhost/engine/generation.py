@@ -6,13 +6,14 @@ import asyncio
 import threading
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.errors import RequestCancelledError
 from mlxhost.engine.types import Delta, Done, Event, Failed, Queued
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable
+
     from mlxhost.engine.sessions import Outcome
     from mlxhost.engine.types import GenerationRequest
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -16,6 +15,8 @@ from mlxhost.engine.weights import folder_fingerprint
 from mlxhost.engine.worker import CallJob, GenerateJob, InstanceWorker
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from mlxhost.engine.backends.base import Backend, LoadedModel
     from mlxhost.engine.config import EngineConfig
     from mlxhost.engine.types import ModelSpec

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.types import Done, Timings, Usage
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from mlxhost.engine.generation import Generation
     from mlxhost.engine.types import SamplingParams
 

@@ -19,8 +19,7 @@ from mlxhost.engine.errors import (
 )
 
 if TYPE_CHECKING:
-    from dataclasses import dataclass
-from collections.abc import AsyncIterator, Callable
+    from collections.abc import AsyncIterator, Callable
 
 TicketState = Literal["permit", "queued", "active", "done"]
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.errors import UnknownModelError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from mlxhost.engine.instance import Instance
     from mlxhost.engine.types import ModelSpec
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from mlxhost.engine.instance import Instance
     from mlxhost.engine.registry import Registry, WeightsKey
     from mlxhost.engine.stats import EngineStats

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 from pathlib import Path
 
@@ -114,7 +113,7 @@ def resolve_under(root: Path, relative: str) -> Path:
     Raises:
         InvalidModelFolderError: the path leaves `root`.
     """
-    if not relative or os.path.isabs(relative):
+    if not relative or Path(relative).is_absolute():
         raise InvalidModelFolderError("The folder must be a path relative to MODELS_ROOT.")
     root = root.resolve()
     target = (root / relative).resolve()

@@ -7,7 +7,6 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.backends.base import StepEnd
@@ -17,6 +16,8 @@ from mlxhost.engine.stops import StopMatcher
 from mlxhost.engine.types import Delta, Failed, Started
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from mlxhost.engine.backends.base import LoadedModel
 
 # The job types live in jobs.py, shared with the batched scheduler; callers import them from here.

@@ -8,10 +8,13 @@ The defaults live here (and in `EngineConfig`) and nowhere else. `mlxhost/settin
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mlxhost.engine import EngineConfig
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 # django-environ's truthy words, so these variables parse like every other setting.
 TRUE_WORDS = frozenset({"true", "on", "ok", "y", "yes", "1"})

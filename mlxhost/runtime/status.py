@@ -15,15 +15,17 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 
-from mlxhost.engine import Engine
 from mlxhost.runtime import lifecycle
 from mlxhost.runtime.control import Actions, actions_for, is_alias
 from models_app import control
+
+if TYPE_CHECKING:
+    from mlxhost.engine import Engine
 
 logger = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ async def test_a_continuation_on_a_full_lane_is_refused_429_before_its_parent_is
     holder = await post_chat(api_key, stream=True, max_tokens=100_000, logit_bias={str(tiny_eos_id): -100})
     fetched = []
 
-    async def fetch(self, **kwargs):  # noqa: ANN001
+    async def fetch(self, **kwargs):
         fetched.append(kwargs)
         raise AssertionError("the parent was read before admission")
 

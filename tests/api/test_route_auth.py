@@ -7,7 +7,7 @@ fails this test until it authenticates or is added to the allowlist on purpose.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 from channels.testing import WebsocketCommunicator
@@ -15,6 +15,9 @@ from django.test import AsyncClient
 from django.urls import URLPattern, URLResolver, get_resolver, resolve
 
 from api.routing import websocket_urlpatterns
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 

@@ -9,13 +9,16 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 from django.db import connection
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,8 +147,19 @@ def celery_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
     """`celery -A mlxhost.celery worker` on the server's queue, started and ready."""
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "mlxhost.celery", "worker", "--pool=solo"]
-            + ["--without-gossip", "--without-mingle", "--without-heartbeat", "--loglevel=INFO"],
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "mlxhost.celery",
+                "worker",
+                "--pool=solo",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "--loglevel=INFO",
+            ],
             cwd=ROOT,
             env=env,
             stdout=sink,

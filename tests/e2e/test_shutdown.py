@@ -6,12 +6,15 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from tests.e2e.conftest import Server, database_url, running_daphne
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 

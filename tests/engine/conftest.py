@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -20,6 +20,9 @@ from mlxhost.engine import (
     SessionQuery,
 )
 from mlxhost.engine.backends.fake import FakeBackend
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 class FakeClock:

@@ -150,7 +150,7 @@ async def test_a_cancelled_turn_is_not_adopted(engine, backend):
 
 async def test_a_truncated_turn_is_not_adopted(engine, backend):
     """SES-1: a turn that ends with "length" is disposed, never kept as a warm session."""
-    generation, events = await turn(engine, "t", TURN_1, query(engine), max_tokens=2)
+    _generation, events = await turn(engine, "t", TURN_1, query(engine), max_tokens=2)
     assert events[-1].finish_reason == "length"
     assert sessions(engine)["entries"] == 0
     assert backend.dispose_calls == 1

@@ -14,7 +14,7 @@ import time
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mlxhost.settings")
 
-import django  # noqa: E402
+import django
 
 django.setup()
 

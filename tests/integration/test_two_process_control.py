@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -14,8 +14,12 @@ from django.test import Client
 
 from models_app import control, services
 from models_app.admin import ALIAS_FORM_FIELDS, MODEL_FORM_FIELDS
-from models_app.models import ModelAlias
 from tests.e2e.conftest import database_url, running_daphne
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+    from models_app.models import ModelAlias
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(240), pytest.mark.celery]
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.backends.base import BatchStep, ProgressCallback, SequenceCache, StepEnd, TokenStep
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator, Sequence
+
     from mlxhost.engine.types import Message, ModelSpec, SamplingParams
 
 DEFAULT_WORD = "tok "

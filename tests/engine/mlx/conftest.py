@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from mlxhost.engine import Engine, EngineConfig, LaneSettings, ModelSpec
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import pytest
@@ -13,6 +13,9 @@ from mlxhost.engine.backends.base import StepEnd, TokenStep
 from mlxhost.engine.backends.mlx.backend import MlxBackend
 from tests.engine.conftest import collect
 from tests.engine.mlx.test_batching import chat, outcome, run_together
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -29,6 +28,8 @@ READ_CHUNK = 16 * 1024 * 1024
 atexit.register(mx.clear_streams)
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
     from mlxhost.engine.types import Message, ModelSpec, SamplingParams
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
@@ -14,6 +13,8 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from mlxhost.engine.backends.base import BatchStep, SequenceCache
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     from mlxhost.engine.types import SamplingParams
 
 # Sequences prefilled together; more would make a long prompt's arrival stall every stream longer.

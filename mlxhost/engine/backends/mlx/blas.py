@@ -6,6 +6,7 @@ import ctypes
 import logging
 import os
 import sys
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ def preload_openblas() -> str:
     override = os.environ.get("MLXHOST_OPENBLAS")
     candidates = (override,) if override else OPENBLAS_CANDIDATES
     for path in candidates:
-        if path and os.path.exists(path):
+        if path and Path(path).exists():
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             return f"openblas:{path}"
     logger.warning(

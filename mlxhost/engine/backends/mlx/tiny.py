@@ -250,14 +250,14 @@ def _swap_in(tmp: Path, dest: Path) -> None:
     old = dest.with_name(f".{dest.name}.old-{uuid.uuid4().hex}")
     moved = False
     if dest.exists():
-        os.rename(dest, old)
+        dest.rename(old)
         moved = True
     try:
-        os.rename(tmp, dest)
+        tmp.rename(dest)
     except OSError:
         if not dest.is_dir():  # not a lost race with a concurrent builder: put the old one back
             if moved:
-                os.rename(old, dest)
+                old.rename(dest)
             raise
     finally:
         if moved and old.exists():
