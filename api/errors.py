@@ -12,7 +12,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.views import defaults
 
-from mlxhost.engine.errors import (
+from mlxhost.engine import (
     DrainingError,
     DuplicateRequestError,
     EngineClosedError,

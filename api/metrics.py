@@ -28,8 +28,7 @@ from models_app.persistence import persistence_if_started
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from mlxhost.engine import Engine
-    from mlxhost.engine.stats import Histogram, RequestStats
+    from mlxhost.engine import Engine, Histogram, RequestStats
     from models_app.persistence import Persistence
 
 REQUEST_LABELS = ["model", "instance"]

@@ -10,9 +10,7 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 from django.utils import timezone
 
-from mlxhost.engine import LaneSettings, ModelSpec, SamplingParams
-from mlxhost.engine.errors import InvalidModelFolderError
-from mlxhost.engine.weights import resolve_under
+from mlxhost.engine import InvalidModelFolderError, LaneSettings, ModelSpec, SamplingParams, resolve_under
 from models_app import control
 from models_app.apikeys import key_matches, key_prefix
 from models_app.models import ApiKey, Model, ModelAlias, ModelInstance, StoredResponse

@@ -14,8 +14,13 @@ from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
 from django.utils import timezone
 
-from mlxhost.engine.errors import InvalidModelFolderError
-from mlxhost.engine.weights import folder_fingerprint, hub_fingerprint, resolve_under, validate_model_folder
+from mlxhost.engine import (
+    InvalidModelFolderError,
+    folder_fingerprint,
+    hub_fingerprint,
+    resolve_under,
+    validate_model_folder,
+)
 from models_app import control, hotcache
 from models_app.apikeys import key_generate, key_hash, key_prefix
 from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse

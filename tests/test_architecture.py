@@ -215,6 +215,23 @@ def test_api_and_models_app_never_import_engine_internals(graph: Graph) -> None:
     assert not bad, "\n".join(bad)
 
 
+# Offline tools that build model folders (the tiny test model, the demo's GGUF conversion).
+ENGINE_TOOLS = ("mlxhost.engine.backends.mlx.tiny", "mlxhost.engine.backends.mlx.gguf")
+
+
+def test_outside_the_engine_only_its_public_names_are_imported(graph: Graph) -> None:
+    """Issue 11: `api/`, `models_app/` and the runtime import `mlxhost.engine` itself (its
+    `__all__`), never a module inside it; the management commands may use the offline tools."""
+    bad = [
+        f"{item.source}:{item.line} imports {item.target}"
+        for item in graph.imports
+        if item.source.split(".")[0] in ("api", "models_app")
+        or item.source.startswith("mlxhost.runtime")
+        if item.target.startswith("mlxhost.engine.") and not item.target.startswith(ENGINE_TOOLS)
+    ]
+    assert not bad, "\n".join(bad)
+
+
 def test_models_app_never_imports_the_api(graph: Graph) -> None:
     """Use cases sit below the HTTP layer: `models_app` raises its own errors, which `api.errors`
     maps to each surface's envelope."""

