@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 from mlxhost.engine import limits
@@ -74,6 +74,25 @@ class _CountedGeneration(Generation):
             on_end, self._on_end = self._on_end, None
             on_end(event)
         super().post(event)
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """A request after its pre-work: the prompt's token ids and its checked, fitted sampling."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class _Admission:
+    """One request entering its lane: where, which generation, what to run, and since when."""
+
+    instance: Instance
+    ticket: Ticket
+    generation: _CountedGeneration
+    prepared: _Prepared
+    entered_at: float
 
 
 class Permit:
@@ -344,10 +363,10 @@ class Engine:
         try:
             if self._take_early_cancel(request_id):
                 raise RequestCancelledError("The request was cancelled before it started.")
-            prompt_ids, sampling = await self._prepare(instance, request)
+            prepared = await self._prepare(instance, request)
             if generation.cancelled:
                 raise RequestCancelledError("The request was cancelled before it started.")
-            self._enter(instance, ticket, generation, prompt_ids, sampling)
+            self._enter(_Admission(instance, ticket, generation, prepared, self._clock()))
         except BaseException as exc:
             instance.lane.release(ticket)
             self._forget(instance, generation)
@@ -404,9 +423,7 @@ class Engine:
             self._early_cancels.popitem(last=False)
         return False
 
-    async def _prepare(
-        self, instance: Instance, request: GenerationRequest
-    ) -> tuple[list[int], SamplingParams]:
+    async def _prepare(self, instance: Instance, request: GenerationRequest) -> _Prepared:
         # A keep-alive reload (or a budget eviction) waits here, under the permit (LANE-3).
         await self.residency.ensure_loaded(instance)
         model = instance.model
@@ -430,7 +447,7 @@ class Engine:
             bytes_per_token=model.kv_bytes_per_token,
             budget_bytes=self._kv_budget(model.memory_bytes()),
         )
-        return prompt_ids, sampling
+        return _Prepared(prompt_ids, sampling)
 
     def _kv_budget(self, weights_bytes: int) -> int | None:
         """The most KV cache one request may need: the configured cap, else what the memory
@@ -440,19 +457,10 @@ class Engine:
         total = self.config.memory_budget_bytes or self._ram_bytes
         return max(total - weights_bytes, 0) if total else None
 
-    def _enter(
-        self,
-        instance: Instance,
-        ticket: Ticket,
-        generation: _CountedGeneration,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-    ) -> None:
-        entered_at = self._clock()
+    def _enter(self, admission: _Admission) -> None:
+        instance, ticket, generation = admission.instance, admission.ticket, admission.generation
         hooks = TicketHooks(
-            on_admit=lambda _t: self._dispatch(
-                instance, ticket, generation, prompt_ids, sampling, entered_at
-            ),
+            on_admit=lambda _t: self._dispatch(admission),
             on_position=generation.queued,
             on_abort=generation.abort,
         )
@@ -484,15 +492,9 @@ class Engine:
         instance.lane.release(ticket)
         self._forget(instance, generation)
 
-    def _dispatch(
-        self,
-        instance: Instance,
-        ticket: Ticket,
-        generation: Generation,
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        entered_at: float,
-    ) -> None:
+    def _dispatch(self, admission: _Admission) -> None:
+        instance, ticket, generation = admission.instance, admission.ticket, admission.generation
+        prompt_ids, sampling = admission.prepared.prompt_ids, admission.prepared.sampling
         query = generation.request.session
         lease = None
         if query is not None:
@@ -503,7 +505,7 @@ class Engine:
         def on_end(result: JobResult) -> None:
             loop.call_soon_threadsafe(self._finished, instance, ticket, generation, lease, result)
 
-        job = GenerateJob(generation, prompt_ids, entered_at, on_end, sampling)
+        job = GenerateJob(generation, prompt_ids, admission.entered_at, on_end, sampling)
         if lease is not None:
             job.session_kv, job.session_tokens = lease.entry.kv, lease.entry.tokens
             job.reuse_tokens = lease.reuse_tokens
