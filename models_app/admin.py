@@ -154,7 +154,7 @@ class ModelAdmin(admin.ModelAdmin):
     """Weights, their admission lane and memory policy, and the load / unload / reload actions."""
 
     form = ModelForm
-    list_display = ("name", "source_label", "served_as", "pinned", "concurrency", "updated_at")
+    list_display = ("name", "served_as", "weights", "pinned", "concurrency")
     list_filter = ("pinned", "source_kind")
     search_fields = ("name", "local_path", "hf_repo", "description", "aliases__name")
     readonly_fields = ("instance", "created_at", "updated_at")
@@ -178,9 +178,13 @@ class ModelAdmin(admin.ModelAdmin):
     def served_as(self, obj: Model) -> str:
         return ", ".join(alias.name for alias in obj.aliases.all()) or DASH
 
+    @admin.display(description="weights")
+    def weights(self, obj: Model) -> str:
+        return obj.source_label
+
     def get_list_display(self, request: HttpRequest) -> tuple[Any, ...]:
-        name, source, *rest = self.list_display
-        return (name, source, *_live_columns(request).columns(), *rest)
+        name, aliases, weights, *rest = self.list_display
+        return (name, aliases, weights, *_live_columns(request).columns(), *rest)
 
     @admin.action(description="Load selected models", permissions=["change"])
     def load(self, request: HttpRequest, queryset: QuerySet[Model]) -> None:
@@ -249,7 +253,10 @@ class ModelAdmin(admin.ModelAdmin):
         if obj is not None and obj.pk is not None:
             views, actions = selectors.live_views()
             live = selectors.model_live_state(model=obj, views=views, actions=actions)
-            context.update(_live_context(live), model_actions=self._action_buttons(request, obj))
+            add_alias = reverse("admin:models_app_modelalias_add") + f"?model={obj.pk}"
+            context.update(
+                _live_context(live), model_actions=self._action_buttons(request, obj), add_alias_url=add_alias
+            )
         return super().render_change_form(request, context, add, change, form_url, obj)
 
     def _action_buttons(self, request: HttpRequest, model: Model) -> list[dict[str, Any]]:

@@ -58,6 +58,10 @@ def test_admin_registers_a_model_and_an_alias_of_it(admin_client, tiny_model_dir
     assert alias.max_output_tokens == 1024
     page = admin_client.get(f"{MODELS_URL}{model.pk}/change/").content.decode()
     assert "tiny-chat" in page  # the model page lists the aliases it serves
+    add_url = f"/admin/models_app/modelalias/add/?model={model.pk}"
+    assert add_url in page  # and offers another alias of it, the model chosen already
+    form = admin_client.get(add_url).content.decode()
+    assert f'<option value="{model.pk}" selected>' in form
 
 
 def test_the_alias_form_has_no_lane_or_weights_fields(admin_client, tiny_alias):
