@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.cache import cache
 
@@ -14,28 +15,19 @@ from api import control as engine_control
 from mlxhost.engine.backends.mlx.tiny import build_tiny_model
 from models_app import control, selectors, services
 from models_app.models import ModelAlias
+from tests.api.support import set_lane, settled
+from tests.support import eventually, watch_group_joins
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 
-async def until(predicate, timeout: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
-def settled(actions: engine_control.Actions, alias: str, action: str) -> bool:
-    result = actions.results.get(alias, {})
-    return result.get("action") == action and result.get("state") in ("done", "failed")
-
-
 @pytest.fixture
-async def listening(mlx_engine):
+async def listening(mlx_engine, monkeypatch):
     """The engine's control listener running on the test loop (the in-memory channel layer)."""
     actions = engine_control.Actions(mlx_engine)
+    joined = watch_group_joins(monkeypatch, get_channel_layer(), control.ENGINE_GROUP)
     task = asyncio.create_task(engine_control.run_control_listener(mlx_engine, actions))
-    await asyncio.sleep(0.05)  # let it join the group
+    await asyncio.wait_for(joined.wait(), 10)  # messages sent before it joins would be lost
     yield actions
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -52,12 +44,7 @@ def reload_folder(tiny_model_dir):
 
 
 async def save(alias: ModelAlias, **fields) -> ModelAlias:
-    def write() -> ModelAlias:
-        for name, value in fields.items():
-            setattr(alias, name, value)
-        return services.alias_save(alias=alias)
-
-    return await sync_to_async(write)()
+    return await set_lane(alias, **fields)
 
 
 async def test_an_action_sent_on_commit_loads_and_unloads_through_the_writer_path(
@@ -65,13 +52,13 @@ async def test_an_action_sent_on_commit_loads_and_unloads_through_the_writer_pat
 ):
     """ADM-1, ADM-3: a load request reaches the engine as a channel-layer message; unload frees it."""
     await sync_to_async(services.alias_request_action)(alias=tiny_alias, action="load")
-    await until(lambda: settled(listening, "tiny", "load"))
+    await eventually(lambda: settled(listening, "tiny", "load"), timeout=30)
     instance = mlx_engine.registry.resolve("tiny")
     assert instance.state == "ready"
     assert listening.results["tiny"]["instance_id"] == instance.instance_id
 
     await sync_to_async(services.alias_request_action)(alias=tiny_alias, action="unload")
-    await until(lambda: instance.state == "unloaded")
+    await eventually(lambda: instance.state == "unloaded", timeout=30)
     assert listening.results["tiny"]["action"] == "unload"
 
 
@@ -90,9 +77,9 @@ async def test_alias_edits_reach_the_engine_without_a_request(tiny_alias, mlx_en
     instance = mlx_engine.registry.resolve("tiny")
     assert instance.lane.probe().capacity == 1
     await save(tiny_alias, concurrency=3)
-    await until(lambda: instance.lane.probe().capacity == 3)
+    await eventually(lambda: instance.lane.probe().capacity == 3, timeout=30)
     await save(tiny_alias, enabled=False)
-    await until(lambda: "tiny" not in mlx_engine.registry.names())
+    await eventually(lambda: "tiny" not in mlx_engine.registry.names(), timeout=30)
 
 
 async def test_reconcile_loads_pinned_aliases_and_drops_deleted_ones(tiny_alias, mlx_engine):
@@ -115,11 +102,11 @@ async def test_a_reload_with_new_weights_swaps_and_a_failed_one_keeps_the_old_in
     )
     old_id = alias.instance_id
     await sync_to_async(services.alias_request_action)(alias=alias, action="load")
-    await until(lambda: settled(listening, "swappy", "load"))
+    await eventually(lambda: settled(listening, "swappy", "load"), timeout=30)
 
     build_tiny_model(reload_folder, seed=1)  # new weights in the same folder
     await sync_to_async(services.alias_request_action)(alias=alias, action="reload")
-    await until(lambda: settled(listening, "swappy", "reload"))
+    await eventually(lambda: settled(listening, "swappy", "reload"), timeout=30)
     assert listening.results["swappy"]["state"] == "done", listening.results
     alias = await ModelAlias.objects.select_related("instance").aget(pk=alias.pk)
     new_id = alias.instance_id
@@ -131,7 +118,7 @@ async def test_a_reload_with_new_weights_swaps_and_a_failed_one_keeps_the_old_in
     (reload_folder / "model.safetensors").write_bytes(b"not safetensors at all")
     await sync_to_async(services.alias_request_action)(alias=alias, action="reload")
     listening.results.pop("swappy")
-    await until(lambda: settled(listening, "swappy", "reload"), timeout=60)
+    await eventually(lambda: settled(listening, "swappy", "reload"), timeout=60)
     assert listening.results["swappy"]["state"] == "failed"
     assert listening.results["swappy"]["error"]
     alias = await ModelAlias.objects.aget(pk=alias.pk)

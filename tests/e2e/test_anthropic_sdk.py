@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import anthropic
 import httpx
 import pytest
 
-from tests.e2e.test_openai_sdk import instance_snapshot
+from tests.e2e.conftest import instance_snapshot
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -115,7 +114,8 @@ def test_sdk_raises_overloaded_error_for_a_full_lane(client, daphne_server, api_
         assert overloaded.value.status_code == 529
         assert overloaded.value.body["error"]["type"] == "overloaded_error"
         assert int(overloaded.value.response.headers["Retry-After"]) >= 1
-    deadline = time.monotonic() + 20  # the holder hung up; wait for its slot to free
-    while instance_snapshot(daphne_server, "tiny", api_key)["lane"]["active"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert instance_snapshot(daphne_server, "tiny", api_key)["lane"]["active"] == 0
+    wait_until(  # the holder hung up
+        lambda: instance_snapshot(daphne_server, "tiny", api_key)["lane"]["active"] == 0,
+        timeout=20,
+        what="the holder's slot to be freed",
+    )

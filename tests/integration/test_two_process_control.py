@@ -16,6 +16,7 @@ from models_app import control, services
 from models_app.admin import ALIAS_FORM_FIELDS
 from models_app.models import ModelAlias
 from tests.e2e.conftest import database_url, running_daphne
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(240), pytest.mark.celery]
 
@@ -23,13 +24,7 @@ CHANGELIST = "/admin/models_app/modelalias/"
 
 
 def wait_for(what: str, probe: Callable[[], object], timeout: float = 60.0) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(probe, timeout=timeout, interval=0.2, what=what)
 
 
 @pytest.fixture
@@ -100,7 +95,8 @@ def test_the_admin_here_drives_the_engine_in_another_process(
         statuses = wait_for("the engine's status in this process's cache", control.engine_statuses)
         assert [s["pid"] for s in statuses] == [server.process.pid]
         assert readyz() == []  # nothing loaded: the engine only knows what it was told
-        # Longer than Redis clients' default socket timeout (5 s): the idle listener must survive it.
+        # The thing under test: idle for longer than Redis clients' default socket timeout (5 s),
+        # which the idle listener must survive.
         time.sleep(6)
 
         response = admin.post(CHANGELIST, {"action": "load", "_selected_action": [alias.pk]})

@@ -8,7 +8,7 @@ import pytest
 
 from models_app.models import ApiKey, ModelAlias
 
-pytestmark = [pytest.mark.django_db]
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]
 
 ALIAS_FORM = {
     "name": "tiny-admin",
@@ -80,16 +80,6 @@ def test_admin_lists_tombstones_read_only(admin_client):
 # ADM-1 / OPS-4: live state, actions, model folders, keys and chains ---------------------------------
 
 ALIASES_URL = "/admin/models_app/modelalias/"
-
-
-@pytest.fixture(autouse=True)
-def _no_engine_status():
-    """Each test starts with no engine process reporting (the locmem cache outlives tests)."""
-    from django.core.cache import cache
-
-    cache.clear()
-    yield
-    cache.clear()
 
 
 @pytest.fixture

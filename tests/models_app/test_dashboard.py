@@ -6,20 +6,12 @@ import re
 import time
 
 import pytest
-from django.core.cache import cache
 
 from models_app import control, services
 
-pytestmark = [pytest.mark.django_db]
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]
 
 URL = "/dashboard/"
-
-
-@pytest.fixture(autouse=True)
-def _no_engine_status():
-    cache.clear()
-    yield
-    cache.clear()
 
 
 @pytest.fixture
