@@ -102,3 +102,11 @@ def user_with_key(django_user_model: Any, username: str, **user_fields: Any) -> 
     )
     _, raw = services.apikey_create(owner=user, name=username)
     return user, raw
+
+
+def register_alias(*, name: str, folder: str = "tiny-llama", **fields: Any) -> Any:
+    """Register alias `name` for the local model folder `folder` (under MODELS_ROOT), as the admin
+    does; `fields` are the alias's other settings. The one place tests create aliases."""
+    from models_app import services
+
+    return services.alias_register(name=name, source_kind="local", local_path=folder, **fields)

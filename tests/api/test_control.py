@@ -15,8 +15,8 @@ from api import control as engine_control
 from mlxhost.engine.backends.mlx.tiny import build_tiny_model
 from models_app import control, selectors, services
 from models_app.models import ModelAlias
-from tests.api.support import set_lane, settled
-from tests.support import eventually, watch_group_joins
+from tests.api.support import save_alias, set_lane, settled
+from tests.support import eventually, register_alias, watch_group_joins
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -43,10 +43,6 @@ def reload_folder(tiny_model_dir):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-async def save(alias: ModelAlias, **fields) -> ModelAlias:
-    return await set_lane(alias, **fields)
-
-
 async def test_an_action_sent_on_commit_loads_and_unloads_through_the_writer_path(
     tiny_alias, mlx_engine, listening
 ):
@@ -66,7 +62,7 @@ async def test_a_disabled_alias_cannot_be_loaded(tiny_alias):
     """ADM-1: loading needs an enabled alias; the service says why."""
     from django.core.exceptions import ValidationError
 
-    await save(tiny_alias, enabled=False)
+    await save_alias(tiny_alias, enabled=False)
     with pytest.raises(ValidationError, match="disabled"):
         await sync_to_async(services.alias_request_action)(alias=tiny_alias, action="load")
 
@@ -76,15 +72,15 @@ async def test_alias_edits_reach_the_engine_without_a_request(tiny_alias, mlx_en
     await mlx_engine.load(selectors.model_spec_for(alias=tiny_alias), name="tiny")
     instance = mlx_engine.registry.resolve("tiny")
     assert instance.lane.probe().capacity == 1
-    await save(tiny_alias, concurrency=3)
+    await set_lane(tiny_alias, concurrency=3)
     await eventually(lambda: instance.lane.probe().capacity == 3, timeout=30)
-    await save(tiny_alias, enabled=False)
+    await save_alias(tiny_alias, enabled=False)
     await eventually(lambda: "tiny" not in mlx_engine.registry.names(), timeout=30)
 
 
 async def test_reconcile_loads_pinned_aliases_and_drops_deleted_ones(tiny_alias, mlx_engine):
     """ADM-3, OPS-3: on start the engine loads pinned aliases; a deleted alias is unbound."""
-    await save(tiny_alias, pinned=True)
+    await save_alias(tiny_alias, pinned=True)
     await engine_control.reconcile(mlx_engine)
     assert mlx_engine.registry.resolve("tiny").state == "ready"
     await sync_to_async(services.alias_delete)(alias=tiny_alias)
@@ -97,9 +93,7 @@ async def test_a_reload_with_new_weights_swaps_and_a_failed_one_keeps_the_old_in
 ):
     """OPS-4, LANE-4: reload loads changed weights beside the old instance, then swaps; a reload
     whose weights fail to load leaves the alias on its previous, still serving, instance."""
-    alias = await sync_to_async(services.alias_register)(
-        name="swappy", source_kind="local", local_path="tiny-reload", temperature=0.0
-    )
+    alias = await sync_to_async(register_alias)(name="swappy", folder="tiny-reload", temperature=0.0)
     old_id = alias.instance_id
     await sync_to_async(services.alias_request_action)(alias=alias, action="load")
     await eventually(lambda: settled(listening, "swappy", "load"), timeout=30)

@@ -17,11 +17,10 @@ from api import control as engine_control
 from api import engine_client
 from api.errors import LOAD_FAILED_MESSAGE, as_api_error, failed_error
 from mlxhost.engine import Engine, EngineConfig, Failed, InvalidModelFolderError, ModelLoadError
-from models_app import services
 from models_app.models import ModelAlias
 from tests.api.support import ScriptedGeneration, StreamReader, every_auth, post_chat, set_lane, settled
 from tests.api.support import post_any as post
-from tests.support import eventually
+from tests.support import eventually, register_alias
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -153,9 +152,7 @@ async def test_weights_changed_on_disk_are_registered_anew_not_stamped_with_the_
     """REG-3, OPS-4: a load re-hashes the folder; when the files changed since the alias was
     saved, the client gets a fixed 503 with Retry-After (no path), and the new weights are
     registered under a new instance id, which then serves the alias."""
-    alias = await sync_to_async(services.alias_register)(
-        name="changing", source_kind="local", local_path="tiny-changing", temperature=0.0
-    )
+    alias = await sync_to_async(register_alias)(name="changing", folder="tiny-changing", temperature=0.0)
     old_id = alias.instance_id
     for weights in tiny_model_b_dir.glob("*.safetensors"):  # same shapes, other values
         shutil.copyfile(weights, changing_folder / weights.name)

@@ -9,7 +9,7 @@ from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
 from tests.api.support import StreamReader
-from tests.support import user_with_key
+from tests.support import register_alias, user_with_key
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -137,16 +137,15 @@ async def test_a_hot_swapped_alias_refuses_the_chain_and_an_alias_of_the_same_we
     tiny_alias, tiny_model_b_dir, alice, mlx_engine
 ):
     """REG-4: continuing on other weights is a 400; another alias of the same weights may continue."""
-    from models_app import services
 
     first = await alice.ok(input="hello", max_output_tokens=3)
-    await sync_to_async(services.alias_register)(name="twin", source_kind="local", local_path="tiny-llama")
+    await sync_to_async(register_alias)(name="twin", folder="tiny-llama")
     twin = await alice.create(
         model="twin", input="more", previous_response_id=first["id"], max_output_tokens=3
     )
     assert twin.status_code == 200
 
-    await sync_to_async(services.alias_register)(name="tiny", source_kind="local", local_path="tiny-llama-b")
+    await sync_to_async(register_alias)(name="tiny", folder="tiny-llama-b")
     swapped = await alice.create(input="more", previous_response_id=first["id"], max_output_tokens=3)
     assert swapped.status_code == 400
     assert swapped.json()["error"]["code"] == "model_changed"

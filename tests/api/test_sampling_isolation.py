@@ -14,7 +14,7 @@ import pytest
 from django.test import AsyncClient
 
 from tests.api.support import bearer, post_json
-from tests.support import user_with_key
+from tests.support import register_alias, user_with_key
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
 
@@ -57,12 +57,10 @@ SURFACES = {
 
 @pytest.fixture(params=[1, 4], ids=["exclusive", "batched"])
 def alias(request, tiny_model_dir):
-    from models_app import services
 
-    return services.alias_register(
+    return register_alias(
         name="tiny",
-        source_kind="local",
-        local_path=tiny_model_dir.name,
+        folder=tiny_model_dir.name,
         temperature=1.0,
         max_tokens=4,
         max_output_tokens=8,

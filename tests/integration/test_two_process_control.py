@@ -16,7 +16,7 @@ from models_app import control, services
 from models_app.admin import ALIAS_FORM_FIELDS
 from models_app.models import ModelAlias
 from tests.e2e.conftest import database_url, running_daphne
-from tests.support import wait_until
+from tests.support import register_alias, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(240), pytest.mark.celery]
 
@@ -75,9 +75,7 @@ def test_the_admin_here_drives_the_engine_in_another_process(
     daphne process over the channel layer, and its live state comes back through the cache."""
     staff = django_user_model.objects.create_superuser("root", "root@example.com", "pw-root-123")
     _, key = services.apikey_create(owner=staff, name="probe")
-    alias = services.alias_register(
-        name="tiny", source_kind="local", local_path="tiny-llama", temperature=0.0
-    )
+    alias = register_alias(name="tiny", folder="tiny-llama", temperature=0.0)
     admin = Client()
     admin.force_login(staff)
 

@@ -7,6 +7,7 @@ import re
 import pytest
 
 from models_app.models import ApiKey, ModelAlias
+from tests.support import register_alias
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]
 
@@ -262,10 +263,9 @@ def test_deleting_aliases_notifies_the_engines(
     admin_client, tiny_model_dir, sent, django_capture_on_commit_callbacks
 ):
     """ADM-1 / ADM-3: single and bulk deletes go through the service, which tells the engines."""
-    from models_app import services
 
-    one = services.alias_register(name="one", source_kind="local", local_path="tiny-llama")
-    two = services.alias_register(name="two", source_kind="local", local_path="tiny-llama")
+    one = register_alias(name="one", folder="tiny-llama")
+    two = register_alias(name="two", folder="tiny-llama")
     with django_capture_on_commit_callbacks(execute=True):
         admin_client.post(f"{ALIASES_URL}{one.pk}/delete/", {"post": "yes"})
     assert not ModelAlias.objects.filter(pk=one.pk).exists()
