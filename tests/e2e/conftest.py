@@ -64,6 +64,23 @@ def wait_until_up(server: Server, timeout: float = 60.0) -> None:
         raise RuntimeError(f"{timed_out}:\n{server.output()}") from None
 
 
+def endless(eos_id: int, **body: object) -> dict:
+    """A streamed request body for `tiny` that never says end-of-sequence: it runs until cancelled
+    (or its token budget, which `body` gives, runs out)."""
+    return {"model": "tiny", "stream": True, "logit_bias": {str(eos_id): -100}, **body}
+
+
+@contextlib.contextmanager
+def holding_stream(server: Server, api_key: str, path: str, body: dict) -> Iterator[httpx.Response]:
+    """A streaming POST to `path` that stays open for the block; on leaving it the client hangs up."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{server.url}{path}", json=body, headers=headers) as response,
+    ):
+        yield response
+
+
 def instance_snapshot(server: Server, alias: str, api_key: str) -> dict:
     """The `/readyz` view of the instance serving `alias`."""
     # By alias: the server process keeps its instance ids while the test database is rebuilt.

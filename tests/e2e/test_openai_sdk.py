@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import instance_snapshot
+from tests.e2e.conftest import endless, holding_stream, instance_snapshot
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -71,20 +70,8 @@ def test_sdk_raises_typed_errors(client, daphne_server, tiny_alias):
 
 def test_client_disconnect_mid_stream_stops_generation(daphne_server, api_key, tiny_alias, tiny_eos_id):
     """LANE-6: a client that hangs up mid-stream stops the worker; the slot is freed."""
-    body = {
-        "model": "tiny",
-        "messages": HELLO,
-        "stream": True,
-        "max_tokens": 100_000,
-        "logit_bias": {str(tiny_eos_id): -100},
-    }
-    headers = {"Authorization": f"Bearer {api_key}"}
-    with (
-        httpx.Client(timeout=30) as http,
-        http.stream(
-            "POST", f"{daphne_server.url}/v1/chat/completions", json=body, headers=headers
-        ) as response,
-    ):
+    body = endless(tiny_eos_id, messages=HELLO, max_tokens=100_000)
+    with holding_stream(daphne_server, api_key, "/v1/chat/completions", body) as response:
         assert response.status_code == 200
         seen = 0
         for line in response.iter_lines():
