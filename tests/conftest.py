@@ -11,6 +11,7 @@ from django.conf import settings
 
 from mlxhost import runtime
 from mlxhost.engine import Engine, EngineConfig
+from tests.support import register_alias
 
 TINY_FOLDER = "tiny-llama"
 
@@ -80,11 +81,8 @@ def api_key(user) -> str:
 
 @pytest.fixture
 def tiny_alias(tiny_model_dir):
-    from models_app import services
 
-    return services.alias_register(
-        name="tiny", source_kind="local", local_path=TINY_FOLDER, temperature=0.0, max_output_tokens=100_000
-    )
+    return register_alias(name="tiny", folder=TINY_FOLDER, temperature=0.0, max_output_tokens=100_000)
 
 
 @pytest.fixture

@@ -225,8 +225,7 @@ def test_outside_the_engine_only_its_public_names_are_imported(graph: Graph) -> 
     bad = [
         f"{item.source}:{item.line} imports {item.target}"
         for item in graph.imports
-        if item.source.split(".")[0] in ("api", "models_app")
-        or item.source.startswith("mlxhost.runtime")
+        if item.source.split(".")[0] in ("api", "models_app") or item.source.startswith("mlxhost.runtime")
         if item.target.startswith("mlxhost.engine.") and not item.target.startswith(ENGINE_TOOLS)
     ]
     assert not bad, "\n".join(bad)

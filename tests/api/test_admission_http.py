@@ -3,73 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 
 import pytest
-from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
+from tests.api.support import HELLO, StreamReader, post_chat, set_lane
+from tests.support import eventually
+
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(60)]
-
-HELLO = [{"role": "user", "content": "hello there"}]
-
-
-def chat_body(**fields) -> str:
-    return json.dumps({"model": "tiny", "messages": HELLO, **fields})
-
-
-async def post_chat(api_key: str, **fields):
-    return await AsyncClient().post(
-        "/v1/chat/completions",
-        data=chat_body(**fields),
-        content_type="application/json",
-        headers={"Authorization": f"Bearer {api_key}"},
-    )
-
-
-async def set_lane(alias, **fields) -> None:
-    """Edit the lane of the alias's model, as the admin does, and reconcile this process's engine,
-    as its control listener does on the `models.changed` message."""
-    from mlxhost.runtime import control, engine_if_started
-    from models_app import services
-
-    def save() -> None:
-        model = alias.model
-        for name, value in fields.items():
-            setattr(model, name, value)
-        services.model_save(model=model)
-
-    await sync_to_async(save)()
-    if (engine := engine_if_started()) is not None:
-        await control.reconcile(engine, load_pinned=False)
-
-
-class StreamReader:
-    """Reads an SSE response in a task, as the ASGI server would; `hang_up()` cancels that task.
-
-    Cancelling the reading task is what Django does when the client disconnects.
-    """
-
-    def __init__(self, response) -> None:
-        self.frames = 0
-        self._progress = asyncio.Event()
-        self._task = asyncio.create_task(self._read(response))
-
-    async def _read(self, response) -> None:
-        async for chunk in response.streaming_content:
-            self.frames += chunk.count(b"data: ")
-            self._progress.set()
-
-    async def wait_for(self, frames: int) -> None:
-        while self.frames < frames:
-            self._progress.clear()
-            await asyncio.wait_for(self._progress.wait(), timeout=30)
-
-    async def hang_up(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
 
 
 async def test_turn_two_reuses_the_cached_prefix_and_matches_a_cold_recompute(
@@ -126,8 +67,7 @@ async def test_a_disconnect_frees_the_slot_for_the_next_request_within_a_decode_
     first = StreamReader(await post_chat(api_key, stream=True, max_tokens=100_000, logit_bias=no_eos))
     await first.wait_for(10)
     waiting = asyncio.create_task(post_chat(api_key, max_tokens=3, logit_bias=no_eos))
-    while mlx_engine.snapshot()[0]["lane"]["queued"] == 0:
-        await asyncio.sleep(0.005)
+    await eventually(lambda: mlx_engine.snapshot()[0]["lane"]["queued"], what="the second request to queue")
     await first.hang_up()  # the stop flag is set when this returns
     produced_at_cancel = mlx_engine.snapshot()[0]["tokens_generated"]
     second = await waiting
@@ -148,8 +88,7 @@ async def test_a_draining_model_answers_503_with_retry_after(tiny_alias, api_key
     await running.wait_for(2)
     instance_id = mlx_engine.snapshot()[0]["instance_id"]
     drain = asyncio.create_task(mlx_engine.drain(instance_id, "wait", timeout=30))
-    while not mlx_engine.snapshot()[0]["lane"]["draining"]:
-        await asyncio.sleep(0.005)
+    await eventually(lambda: mlx_engine.snapshot()[0]["lane"]["draining"], what="the lane to drain")
     refused = await post_chat(api_key, max_tokens=2)
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "draining"

@@ -7,26 +7,16 @@ import json
 import pytest
 from django.test import AsyncClient
 
+from tests.api.support import bearer, post_json, sse_payloads
+
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
 URL = "/v1/chat/completions"
 HELLO = [{"role": "user", "content": "Hello there"}]
 
 
-def auth(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
 async def post(body: dict, key: str | None, **headers):
-    client = AsyncClient()
-    extra = {**(auth(key) if key else {}), **headers}
-    return await client.post(URL, data=json.dumps(body), content_type="application/json", headers=extra)
-
-
-async def sse_payloads(response) -> list:
-    raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
-    frames = [line[len("data: ") :] for line in raw.split("\n") if line.startswith("data: ")]
-    return [frame if frame == "[DONE]" else json.loads(frame) for frame in frames]
+    return await post_json(URL, body, {**bearer(key), **headers})
 
 
 async def test_non_streaming_completion_has_openai_shape(tiny_alias, api_key, mlx_engine):
@@ -186,14 +176,14 @@ async def test_bad_input_is_400_with_param(tiny_alias, api_key, patch, param):
 async def test_malformed_json_is_400(api_key):
     client = AsyncClient()
     response = await client.post(
-        URL, data="{not json", content_type="application/json", headers=auth(api_key)
+        URL, data="{not json", content_type="application/json", headers=bearer(api_key)
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_json"
 
 
 async def test_get_is_405_in_envelope(api_key):
-    response = await AsyncClient().get(URL, headers=auth(api_key))
+    response = await AsyncClient().get(URL, headers=bearer(api_key))
     assert response.status_code == 405
     assert "error" in response.json()
 

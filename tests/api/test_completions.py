@@ -6,10 +6,17 @@ import json
 
 import pytest
 from asgiref.sync import sync_to_async
-from django.test import AsyncClient
 
 from models_app import services
-from tests.api.test_admission_http import StreamReader, post_chat, set_lane
+from tests.api.support import (
+    ScriptedGeneration,
+    StreamReader,
+    bearer,
+    post_chat,
+    post_json,
+    set_lane,
+    sse_payloads,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -18,20 +25,11 @@ PROMPT = "Once upon a time"
 
 
 async def post(body: dict, key: str | None):
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return await AsyncClient().post(
-        URL, data=json.dumps(body), content_type="application/json", headers=headers
-    )
+    return await post_json(URL, body, bearer(key))
 
 
 def completion(**fields) -> dict:
     return {"model": "tiny", "prompt": PROMPT, **fields}
-
-
-async def sse_payloads(response) -> list:
-    raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
-    frames = [line[len("data: ") :] for line in raw.split("\n") if line.startswith("data: ")]
-    return [frame if frame == "[DONE]" else json.loads(frame) for frame in frames]
 
 
 @pytest.fixture
@@ -183,15 +181,6 @@ async def test_bad_input_is_400_with_param(tiny_alias, api_key, patch, param):
 async def test_no_op_values_of_unsupported_options_are_accepted(tiny_alias, api_key, mlx_engine):
     body = completion(max_tokens=2, echo=False, suffix=None, logprobs=None, n=1, best_of=1)
     assert (await post(body, api_key)).status_code == 200
-
-
-class ScriptedGeneration:
-    def __init__(self, *events) -> None:
-        self.events = events
-
-    async def stream(self):
-        for event in self.events:
-            yield event
 
 
 async def test_a_mid_stream_failure_is_an_error_payload_then_done():

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 from asgiref.sync import sync_to_async
+from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.cache import cache
 
@@ -16,28 +17,19 @@ from mlxhost.runtime import control as engine_control
 from mlxhost.runtime import status as engine_status
 from models_app import control, selectors, services
 from models_app.models import ModelAlias
+from tests.api.support import act, capacity_of, save_alias, set_lane, settled
+from tests.support import eventually, register_alias, watch_group_joins
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 
-async def until(predicate, timeout: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.02)
-
-
-def settled(actions: engine_control.Actions, alias: str, action: str) -> bool:
-    result = actions.results.get(alias, {})
-    return result.get("action") == action and result.get("state") in ("done", "failed")
-
-
 @pytest.fixture
-async def listening(mlx_engine):
+async def listening(mlx_engine, monkeypatch):
     """The engine's control listener running on the test loop (the in-memory channel layer)."""
     actions = engine_control.Actions(mlx_engine)
+    joined = watch_group_joins(monkeypatch, get_channel_layer(), control.ENGINE_GROUP)
     task = asyncio.create_task(engine_control.run_control_listener(mlx_engine, actions))
-    await asyncio.sleep(0.05)  # let it join the group
+    await asyncio.wait_for(joined.wait(), 10)  # messages sent before it joins would be lost
     yield actions
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -53,44 +45,18 @@ def reload_folder(tiny_model_dir):
     shutil.rmtree(folder, ignore_errors=True)
 
 
-async def save(alias: ModelAlias, **fields) -> ModelAlias:
-    """Edit the alias, and its model for model fields (lane, memory, weights), as the admin does."""
-
-    def write() -> ModelAlias:
-        model_fields = {k: fields.pop(k) for k in list(fields) if k in services.MODEL_ONLY_FIELDS}
-        if model_fields:
-            for name, value in model_fields.items():
-                setattr(alias.model, name, value)
-            services.model_save(model=alias.model)
-        for name, value in fields.items():
-            setattr(alias, name, value)
-        return services.alias_save(alias=alias)
-
-    return await sync_to_async(write)()
-
-
-def capacity_of(engine, instance_id: int) -> int:
-    [lane] = [snap["lane"]["capacity"] for snap in engine.snapshot() if snap["instance_id"] == instance_id]
-    return lane
-
-
-async def act(alias: ModelAlias, action: str) -> None:
-    """The admin's load / unload / reload button on the alias's model."""
-    await sync_to_async(services.model_request_action)(model=alias.model, action=action)
-
-
 async def test_an_action_sent_on_commit_loads_and_unloads_through_the_writer_path(
     tiny_alias, mlx_engine, listening
 ):
     """ADM-1, ADM-3: a load request reaches the engine as a channel-layer message; unload frees it."""
     await act(tiny_alias, "load")
-    await until(lambda: settled(listening, "tiny", "load"))
+    await eventually(lambda: settled(listening, "tiny", "load"), timeout=30)
     instance = mlx_engine.registry.resolve("tiny")
     assert instance.state == "ready"
     assert listening.results["tiny"]["instance_id"] == instance.instance_id
 
     await act(tiny_alias, "unload")
-    await until(lambda: instance.state == "unloaded")
+    await eventually(lambda: instance.state == "unloaded", timeout=30)
     assert listening.results["tiny"]["action"] == "unload"
 
 
@@ -107,7 +73,7 @@ async def test_loading_a_model_serves_every_enabled_alias_of_it_from_one_lane(
     )
     assert other.model_id == off.model_id == tiny_alias.model_id
     await act(tiny_alias, "load")
-    await until(lambda: settled(listening, "tiny", "load"))
+    await eventually(lambda: settled(listening, "tiny", "load"), timeout=30)
     assert listening.results["tiny"]["state"] == "done", listening.results
     assert mlx_engine.resolve("tiny") == mlx_engine.resolve("tiny-hot") == tiny_alias.instance_id
     assert not mlx_engine.bound("tiny-off")
@@ -118,7 +84,7 @@ async def test_two_aliases_of_one_model_never_change_its_capacity(tiny_alias, ap
     alias, each with its own sampling defaults, leave the capacity where the model sets it."""
     from django.test import AsyncClient
 
-    await save(tiny_alias, concurrency=2)
+    await set_lane(tiny_alias, concurrency=2)
     await sync_to_async(services.alias_register)(name="tiny-hot", local_path="tiny-llama", temperature=1.0)
     capacities = []
     for name in ("tiny", "tiny-hot", "tiny", "tiny-hot"):
@@ -169,15 +135,15 @@ async def test_alias_edits_reach_the_engine_without_a_request(tiny_alias, mlx_en
     await mlx_engine.load(selectors.model_spec_for(alias=tiny_alias), name="tiny")
     instance = mlx_engine.registry.resolve("tiny")
     assert instance.lane.probe().capacity == 1
-    await save(tiny_alias, concurrency=3)
-    await until(lambda: instance.lane.probe().capacity == 3)
-    await save(tiny_alias, enabled=False)
-    await until(lambda: "tiny" not in mlx_engine.registry.names())
+    await save_alias(tiny_alias, concurrency=3)  # no reconcile here: the listener does it
+    await eventually(lambda: instance.lane.probe().capacity == 3, timeout=30)
+    await save_alias(tiny_alias, enabled=False)
+    await eventually(lambda: "tiny" not in mlx_engine.registry.names(), timeout=30)
 
 
 async def test_reconcile_loads_pinned_aliases_and_drops_deleted_ones(tiny_alias, mlx_engine):
     """ADM-3, OPS-3: on start the engine loads pinned models' aliases; a deleted alias is unbound."""
-    await save(tiny_alias, pinned=True)
+    await save_alias(tiny_alias, pinned=True)
     await engine_control.reconcile(mlx_engine)
     assert mlx_engine.registry.resolve("tiny").state == "ready"
     await sync_to_async(services.alias_delete)(alias=tiny_alias)
@@ -190,16 +156,14 @@ async def test_a_reload_with_new_weights_swaps_and_a_failed_one_keeps_the_old_in
 ):
     """OPS-4, LANE-4: reload loads changed weights beside the old instance, then swaps; a reload
     whose weights fail to load leaves the alias on its previous, still serving, instance."""
-    alias = await sync_to_async(services.alias_register)(
-        name="swappy", source_kind="local", local_path="tiny-reload", temperature=0.0
-    )
+    alias = await sync_to_async(register_alias)(name="swappy", folder="tiny-reload", temperature=0.0)
     old_id = alias.instance_id
     await act(alias, "load")
-    await until(lambda: settled(listening, "swappy", "load"))
+    await eventually(lambda: settled(listening, "swappy", "load"), timeout=30)
 
     build_tiny_model(reload_folder, seed=1)  # new weights in the same folder
     await act(alias, "reload")
-    await until(lambda: settled(listening, "swappy", "reload"))
+    await eventually(lambda: settled(listening, "swappy", "reload"), timeout=30)
     assert listening.results["swappy"]["state"] == "done", listening.results
     alias = await ModelAlias.objects.select_related("model__instance").aget(pk=alias.pk)
     new_id = alias.instance_id
@@ -211,7 +175,7 @@ async def test_a_reload_with_new_weights_swaps_and_a_failed_one_keeps_the_old_in
     (reload_folder / "model.safetensors").write_bytes(b"not safetensors at all")
     await act(alias, "reload")
     listening.results.pop("swappy")
-    await until(lambda: settled(listening, "swappy", "reload"), timeout=60)
+    await eventually(lambda: settled(listening, "swappy", "reload"), timeout=60)
     assert listening.results["swappy"]["state"] == "failed"
     assert listening.results["swappy"]["error"]
     alias = await ModelAlias.objects.select_related("model").aget(pk=alias.pk)

@@ -17,22 +17,12 @@ from api.errors import LOAD_FAILED_MESSAGE, as_api_error, failed_error
 from mlxhost import runtime
 from mlxhost.engine import Engine, EngineConfig, Failed, InvalidModelFolderError, ModelLoadError
 from mlxhost.runtime import control as engine_control
-from models_app import services
 from models_app.models import ModelAlias
-from tests.api.test_admission_http import StreamReader, post_chat, set_lane
-from tests.api.test_control import settled, until
+from tests.api.support import ScriptedGeneration, StreamReader, every_auth, post_chat, set_lane, settled
+from tests.api.support import post_any as post
+from tests.support import eventually, register_alias
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
-
-
-def auth(api_key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}", "x-api-key": api_key, "anthropic-version": "2023-06-01"}
-
-
-async def post(api_key: str, path: str, body: dict):
-    return await AsyncClient().post(
-        path, data=json.dumps(body), content_type="application/json", headers=auth(api_key)
-    )
 
 
 async def test_a_continuation_on_a_full_lane_is_refused_429_before_its_parent_is_read(
@@ -94,10 +84,10 @@ async def test_an_admin_unload_drains_refuses_arrivals_and_aborts_streams_at_the
     reader = StreamReader(running)
     await reader.wait_for(2)
     queued = asyncio.create_task(post_chat(api_key, max_tokens=2))
-    await until(lambda: draining_engine.snapshot()[0]["lane"]["queued"] == 1)
+    await eventually(lambda: draining_engine.snapshot()[0]["lane"]["queued"] == 1, timeout=30)
     actions = engine_control.Actions(draining_engine)
     unload = asyncio.create_task(actions.run("tiny", "unload"))
-    await until(lambda: draining_engine.snapshot()[0]["lane"]["draining"])
+    await eventually(lambda: draining_engine.snapshot()[0]["lane"]["draining"], timeout=30)
 
     arrival = await post_chat(api_key, max_tokens=2)
     assert (arrival.status_code, arrival.json()["error"]["code"]) == (503, "draining")
@@ -131,7 +121,7 @@ async def test_an_aborted_chat_stream_ends_with_an_error_event_before_done(
             chunks.append(chunk)
 
     reader = asyncio.create_task(read())
-    await until(lambda: len(chunks) >= 3)
+    await eventually(lambda: len(chunks) >= 3, timeout=30)
     await draining_engine.drain(draining_engine.snapshot()[0]["instance_id"], "wait", timeout=0.05)
     await asyncio.wait_for(reader, 10)
     frames = [
@@ -162,9 +152,7 @@ async def test_weights_changed_on_disk_are_registered_anew_not_stamped_with_the_
     """REG-3, OPS-4: a load re-hashes the folder; when the files changed since the alias was
     saved, the client gets a fixed 503 with Retry-After (no path), and the new weights are
     registered under a new instance id, which then serves the alias."""
-    alias = await sync_to_async(services.alias_register)(
-        name="changing", source_kind="local", local_path="tiny-changing", temperature=0.0
-    )
+    alias = await sync_to_async(register_alias)(name="changing", folder="tiny-changing", temperature=0.0)
     old_id = alias.instance_id
     for weights in tiny_model_b_dir.glob("*.safetensors"):  # same shapes, other values
         shutil.copyfile(weights, changing_folder / weights.name)
@@ -178,7 +166,7 @@ async def test_weights_changed_on_disk_are_registered_anew_not_stamped_with_the_
     assert str(settings.MODELS_ROOT) not in failed.content.decode()
     assert int(failed["Retry-After"]) >= 1
 
-    await until(lambda: settled(actions, "changing", "reload"))
+    await eventually(lambda: settled(actions, "changing", "reload"), timeout=30)
     assert actions.results["changing"]["state"] == "done", actions.results["changing"]
     fresh = await ModelAlias.objects.select_related("model__instance").aget(name="changing")
     assert fresh.instance_id != old_id
@@ -201,7 +189,7 @@ async def test_models_list_snapshots_the_engine_on_the_event_loop(
         return original()
 
     monkeypatch.setattr(mlx_engine, "snapshot", snapshot)
-    listing = await AsyncClient().get("/v1/models", headers=auth(api_key))
+    listing = await AsyncClient().get("/v1/models", headers=every_auth(api_key))
     assert listing.json()["data"][0]["state"] == "ready"
     assert threads == [threading.current_thread()]  # the test's loop thread
 
@@ -227,7 +215,6 @@ async def test_an_aborted_responses_stream_ends_incomplete_and_says_why():
     from api.openai.responses import ResponseTurn, response_events
     from mlxhost.engine import Delta, Done, Started, Timings, Usage
     from models_app.turns import StartedTurn, TurnHooks
-    from tests.api.test_messages import ScriptedGeneration
 
     class Recorded(TurnHooks):
         def __init__(self) -> None:
@@ -267,6 +254,6 @@ async def test_a_turn_whose_caller_gives_up_while_queued_is_cancelled_not_left_t
         with pytest.raises(ConnectionError):
             await response_start(data, tenant, {}, response_id="resp_gone", on_queued=socket_closed)
         assert mlx_engine.snapshot()[0]["lane"]["queued"] == 0  # out of the queue at once
-        await until(lambda: "resp_gone" not in mlx_engine._live)  # and forgotten
+        await eventually(lambda: "resp_gone" not in mlx_engine._live, timeout=30)  # and forgotten
     finally:
         mlx_engine.cancel(holder["X-Request-Id"])

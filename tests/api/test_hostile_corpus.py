@@ -17,6 +17,8 @@ from channels.testing import WebsocketCommunicator
 from django.conf import settings
 from django.test import AsyncClient
 
+from tests.support import register_alias
+
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -139,11 +141,8 @@ async def healthy(key: str) -> None:
 @pytest.fixture
 def tiny_alias(tiny_model_dir):
     """The tiny model with a small output cap, so a huge `max_tokens` is clamped, not run for minutes."""
-    from models_app import services
 
-    return services.alias_register(
-        name="tiny", source_kind="local", local_path="tiny-llama", max_tokens=4, max_output_tokens=4
-    )
+    return register_alias(name="tiny", folder="tiny-llama", max_tokens=4, max_output_tokens=4)
 
 
 def test_the_corpus_is_large_enough():

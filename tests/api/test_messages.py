@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
-from tests.api.test_admission_http import StreamReader, post_chat, set_lane
+from tests.api.support import ScriptedGeneration, StreamReader, post_chat, set_lane, sse_events
+from tests.support import eventually, user_with_key
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -37,23 +37,8 @@ def message_body(**fields) -> dict:
     return {"model": "tiny", "max_tokens": 8, "messages": HELLO, **fields}
 
 
-async def sse_events(response) -> list[tuple[str, dict]]:
-    raw = b"".join([chunk async for chunk in response.streaming_content]).decode()
-    events = []
-    for frame in raw.strip().split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in frame.split("\n"))
-        events.append((lines["event"], json.loads(lines["data"])))
-    return events
-
-
 async def make_key(django_user_model, username: str) -> str:
-    from models_app import services
-
-    def create() -> str:
-        owner = django_user_model.objects.create_user(username=username, password="pw-" + username)
-        return services.apikey_create(owner=owner, name=username)[1]
-
-    return await sync_to_async(create)()
+    return (await sync_to_async(user_with_key)(django_user_model, username))[1]
 
 
 async def test_non_streaming_message_has_anthropic_shape(tiny_alias, api_key, mlx_engine):
@@ -223,10 +208,7 @@ async def test_a_disconnect_mid_stream_frees_the_lane(tiny_alias, api_key, mlx_e
     reader = StreamReader(await post(message_body(max_tokens=100_000, stream=True), api_key))
     await reader.wait_for(6)
     await reader.hang_up()
-    for _ in range(500):
-        if mlx_engine.snapshot()[0]["lane"]["active"] == 0:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: mlx_engine.snapshot()[0]["lane"]["active"] == 0, what="the slot to be freed")
     snap = mlx_engine.snapshot()[0]
     assert snap["lane"]["active"] == 0
     assert snap["requests_cancelled"] == 1
@@ -358,17 +340,6 @@ async def test_prompt_over_max_input_tokens_is_400(tiny_alias, api_key, mlx_engi
     response = await post(message_body(), api_key)
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
-
-
-class ScriptedGeneration:
-    """Stands in for `Generation` in the pure encoder tests: replays a list of engine events."""
-
-    def __init__(self, *events) -> None:
-        self.events = events
-
-    async def stream(self):
-        for event in self.events:
-            yield event
 
 
 def decode(frames: list[bytes]) -> list[tuple[str, dict]]:

@@ -11,22 +11,11 @@ from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.test_admission_http import set_lane
+from tests.api.support import bearer as auth
+from tests.api.support import post_chat, set_lane
+from tests.support import eventually
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
-
-HELLO = [{"role": "user", "content": "hello there"}]
-
-
-def auth(api_key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"}
-
-
-async def post_chat(api_key: str, **fields):
-    body = json.dumps({"model": "tiny", "messages": HELLO, **fields})
-    return await AsyncClient().post(
-        "/v1/chat/completions", data=body, content_type="application/json", headers=auth(api_key)
-    )
 
 
 class Samples:
@@ -80,15 +69,13 @@ async def test_metrics_count_outcomes_rejections_tokens_and_lane_state(
     assert [fresh["choices"][0]["finish_reason"], warm["choices"][0]["finish_reason"]] == ["stop", "stop"]
     # 4: a stream in another cache domain holds the only slot; 5 is refused; then 4 hangs up.
     reader, frames = await open_stream(api_key, max_tokens=100_000, logit_bias=no_eos, cache_salt="x")
-    while len(frames) < 10:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: len(frames) >= 10, timeout=30, what="ten frames of the stream")
     refused = await post_chat(api_key, max_tokens=2)
     assert refused.status_code == 429
     reader.cancel()  # what a client disconnect does (LANE-6)
     with contextlib.suppress(asyncio.CancelledError):
         await reader
-    while mlx_engine.snapshot()[0]["lane"]["active"]:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: mlx_engine.snapshot()[0]["lane"]["active"] == 0, what="the slot to be freed")
 
     metrics = await scrape(**auth(api_key))
     snap = mlx_engine.snapshot()[0]

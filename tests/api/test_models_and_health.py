@@ -7,6 +7,8 @@ import json
 import pytest
 from django.test import AsyncClient
 
+from tests.support import register_alias
+
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
 URL_CHAT = "/v1/chat/completions"
@@ -14,11 +16,8 @@ URL_CHAT = "/v1/chat/completions"
 
 async def test_models_lists_enabled_aliases_in_openai_shape(tiny_alias, api_key):
     """REG-8: enabled aliases, OpenAI list shape, with load state."""
-    from models_app import services
 
-    await services_call(
-        services.alias_register, name="hidden", source_kind="local", local_path="tiny-llama", enabled=False
-    )
+    await services_call(register_alias, name="hidden", folder="tiny-llama", enabled=False)
     response = await AsyncClient().get("/v1/models", headers={"Authorization": f"Bearer {api_key}"})
     assert response.status_code == 200
     body = response.json()

@@ -4,20 +4,20 @@ and with warm caches a refusal reaches the lane without touching the database.""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 from django.db.backends import utils as db_utils
 from django.test import AsyncClient
 
 from models_app import hotcache, services
-from tests.api.test_admission_http import set_lane
+from tests.api.support import HELLO, every_auth, set_lane
+from tests.api.support import post_any as post
+from tests.support import eventually
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 BURST = 20
 CAPACITY, DEPTH = 1, 4
-HELLO = [{"role": "user", "content": "hello there"}]
 
 
 def surfaces(no_eos: dict[str, int]) -> dict[str, tuple[str, dict, int]]:
@@ -37,16 +37,6 @@ def surfaces(no_eos: dict[str, int]) -> dict[str, tuple[str, dict, int]]:
             529,
         ),
     }
-
-
-def headers(api_key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}", "x-api-key": api_key, "anthropic-version": "2023-06-01"}
-
-
-async def post(api_key: str, path: str, body: dict):
-    return await AsyncClient().post(
-        path, data=json.dumps(body), content_type="application/json", headers=headers(api_key)
-    )
 
 
 class QueryCounter:
@@ -80,11 +70,7 @@ async def burst(api_key: str, path: str, body: dict, lane) -> tuple[list, list[a
         probe = lane()
         return sum(1 for task in tasks if task.done()) + probe["active"] + probe["queued"] >= BURST
 
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 60
-    while not settled():
-        assert loop.time() < deadline, "the burst did not settle"
-        await asyncio.sleep(0.005)
+    await eventually(settled, timeout=60, what="the burst to settle")
     return [task.result() for task in tasks if task.done()], tasks
 
 
@@ -153,7 +139,7 @@ async def test_a_revoked_key_is_refused_at_once_here_and_within_the_ttl_elsewher
     monkeypatch.setattr(hotcache.api_keys, "_clock", lambda: now[0])
 
     async def models() -> int:
-        return (await AsyncClient().get("/v1/models", headers=headers(api_key))).status_code
+        return (await AsyncClient().get("/v1/models", headers=every_auth(api_key))).status_code
 
     from asgiref.sync import sync_to_async
 

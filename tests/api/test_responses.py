@@ -8,6 +8,9 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
+from tests.api.support import StreamReader
+from tests.support import register_alias, user_with_key
+
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
 URL = "/v1/responses"
@@ -68,10 +71,8 @@ def alice(api_key, user) -> Caller:
 
 @pytest.fixture
 def bob(django_user_model) -> Caller:
-    from models_app import services
-
-    user = django_user_model.objects.create_user(username="bob", password="pw-bob-123456")
-    return Caller(services.apikey_create(owner=user, name="bob")[1], user.pk)
+    user, raw = user_with_key(django_user_model, "bob")
+    return Caller(raw, user.pk)
 
 
 async def test_a_response_has_the_openai_shape_and_is_stored(tiny_alias, alice, mlx_engine):
@@ -136,18 +137,15 @@ async def test_a_hot_swapped_alias_refuses_the_chain_and_an_alias_of_the_same_we
     tiny_alias, tiny_model_b_dir, alice, mlx_engine
 ):
     """REG-4: continuing on other weights is a 400; another alias of the same weights may continue."""
-    from mlxhost.runtime import control
-    from models_app import services
 
     first = await alice.ok(input="hello", max_output_tokens=3)
-    await sync_to_async(services.alias_register)(name="twin", source_kind="local", local_path="tiny-llama")
+    await sync_to_async(register_alias)(name="twin", folder="tiny-llama")
     twin = await alice.create(
         model="twin", input="more", previous_response_id=first["id"], max_output_tokens=3
     )
     assert twin.status_code == 200
 
-    await sync_to_async(services.alias_register)(name="tiny", source_kind="local", local_path="tiny-llama-b")
-    await control.reconcile(mlx_engine, load_pinned=False)  # the control listener, on commit
+    await sync_to_async(register_alias)(name="tiny", folder="tiny-llama-b")
     swapped = await alice.create(input="more", previous_response_id=first["id"], max_output_tokens=3)
     assert swapped.status_code == 400
     assert swapped.json()["error"]["code"] == "model_changed"
@@ -259,23 +257,15 @@ async def test_a_hung_up_stream_is_stored_as_cancelled_without_claimed_usage(
     tiny_alias, alice, mlx_engine, tiny_eos_id
 ):
     """PER-1, SES-1: a client that hangs up leaves a cancelled row and no warm session."""
-    import asyncio
-
     from models_app.persistence import persistence
 
     response = await alice.create(
         input="talk", stream=True, max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100}
     )
 
-    async def read() -> None:
-        async for _ in response.streaming_content:
-            pass
-
-    reader = asyncio.create_task(read())
-    await asyncio.sleep(0.2)
-    reader.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await reader
+    reader = StreamReader(response)
+    await reader.wait_for(3)  # the stream is under way
+    await reader.hang_up()
     row = await persistence().fetch(public_id=response["X-Request-Id"], owner_id=alice.owner_id)
     assert row.status == "cancelled"
     assert row.usage == {}

@@ -13,6 +13,9 @@ import json
 import pytest
 from django.test import AsyncClient
 
+from tests.api.support import bearer, post_json
+from tests.support import register_alias, user_with_key
+
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
 
 TINY_VOCAB = 512
@@ -54,12 +57,10 @@ SURFACES = {
 
 @pytest.fixture(params=[1, 4], ids=["exclusive", "batched"])
 def alias(request, tiny_model_dir):
-    from models_app import services
 
-    return services.alias_register(
+    return register_alias(
         name="tiny",
-        source_kind="local",
-        local_path=tiny_model_dir.name,
+        folder=tiny_model_dir.name,
         temperature=1.0,
         max_tokens=4,
         max_output_tokens=8,
@@ -69,22 +70,11 @@ def alias(request, tiny_model_dir):
 
 @pytest.fixture
 def keys(django_user_model) -> tuple[str, str]:
-    from models_app import services
-
-    raws = []
-    for name in ("mallory", "victim"):
-        user = django_user_model.objects.create_user(username=name, password=f"pw-{name}-123")
-        raws.append(services.apikey_create(owner=user, name=name)[1])
-    return raws[0], raws[1]
+    return user_with_key(django_user_model, "mallory")[1], user_with_key(django_user_model, "victim")[1]
 
 
 async def post(url: str, body: dict, key: str):
-    return await AsyncClient().post(
-        url,
-        data=json.dumps(body),
-        content_type="application/json",
-        headers={"Authorization": f"Bearer {key}"},
-    )
+    return await post_json(url, body, bearer(key))
 
 
 async def others_are_served(key: str) -> None:

@@ -11,40 +11,10 @@ from channels.testing import WebsocketCommunicator
 from django.test import AsyncClient
 
 from mlxhost.asgi import application
-from tests.engine.conftest import until
+from tests.api.support import WS_HOST, WS_PATH, WS_TERMINAL, connect, frames_until, key_headers, ws_create
+from tests.support import eventually, watch_group_joins
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
-
-PATH = "/ws/v1/responses"
-HOST = (b"host", b"testserver")
-
-
-def key_headers(api_key: str, *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
-    return [HOST, (b"authorization", f"Bearer {api_key}".encode()), *extra]
-
-
-async def connect(headers: list[tuple[bytes, bytes]], path: str = PATH) -> WebsocketCommunicator:
-    socket = WebsocketCommunicator(application, path, headers=headers)
-    connected, code = await socket.connect(timeout=10)
-    assert connected, code
-    return socket
-
-
-async def frames_until(socket: WebsocketCommunicator, *types: str, timeout: float = 60) -> list[dict]:
-    """Every frame up to and including the first whose type is one of `types`."""
-    seen = []
-    while True:
-        frame = json.loads(await socket.receive_from(timeout=timeout))
-        seen.append(frame)
-        if frame["type"] in types:
-            return seen
-
-
-TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
-
-
-async def create(socket: WebsocketCommunicator, **body) -> None:
-    await socket.send_to(text_data=json.dumps({"type": "response.create", "model": "tiny", **body}))
 
 
 def text_of(frames: list[dict]) -> str:
@@ -58,8 +28,8 @@ async def lane(engine) -> dict:
 async def test_a_turn_streams_the_responses_events_and_matches_http(tiny_alias, api_key, mlx_engine):
     """API-3: the socket runs the same generation path as POST /v1/responses and sends its events."""
     socket = await connect(key_headers(api_key))
-    await create(socket, input="Hello there", max_output_tokens=6, store=False)
-    frames = await frames_until(socket, *TERMINAL)
+    await ws_create(socket, input="Hello there", max_output_tokens=6, store=False)
+    frames = await frames_until(socket, *WS_TERMINAL)
     types = [f["type"] for f in frames]
     assert types[:4] == [
         "response.created",
@@ -88,13 +58,13 @@ async def test_a_turn_streams_the_responses_events_and_matches_http(tiny_alias, 
 async def test_two_turns_run_back_to_back_and_the_second_continues_the_first(tiny_alias, api_key, mlx_engine):
     """API-3: one socket runs turns in sequence; a turn continues the stored chain by id (PER-1)."""
     socket = await connect(key_headers(api_key))
-    await create(socket, input="My name is Ada.", max_output_tokens=4)
-    first = (await frames_until(socket, *TERMINAL))[-1]
+    await ws_create(socket, input="My name is Ada.", max_output_tokens=4)
+    first = (await frames_until(socket, *WS_TERMINAL))[-1]
     assert first["type"] != "error", first
-    await create(
+    await ws_create(
         socket, input="What is my name?", max_output_tokens=4, previous_response_id=first["response"]["id"]
     )
-    second = (await frames_until(socket, *TERMINAL))[-1]
+    second = (await frames_until(socket, *WS_TERMINAL))[-1]
     assert second["type"] != "error", second
     assert second["response"]["previous_response_id"] == first["response"]["id"]
     # The stored conversation carries turn one: the prompt of turn two is longer than its own input.
@@ -104,21 +74,21 @@ async def test_two_turns_run_back_to_back_and_the_second_continues_the_first(tin
 
 async def test_no_credentials_close_with_4401_before_accept(tiny_alias, mlx_engine):
     """API-5: no API key and no session: the handshake is refused with 4401, nothing is accepted."""
-    socket = WebsocketCommunicator(application, PATH, headers=[HOST])
+    socket = WebsocketCommunicator(application, WS_PATH, headers=[WS_HOST])
     connected, code = await socket.connect(timeout=10)
     assert (connected, code) == (False, 4401)
 
 
 async def test_a_wrong_key_closes_with_4401(tiny_alias, mlx_engine):
     """API-5: an unknown key is refused like a missing one."""
-    socket = WebsocketCommunicator(application, PATH, headers=key_headers("sk-not-a-real-key-123456"))
+    socket = WebsocketCommunicator(application, WS_PATH, headers=key_headers("sk-not-a-real-key-123456"))
     assert await socket.connect(timeout=10) == (False, 4401)
 
 
 async def test_a_foreign_origin_is_rejected_even_with_a_valid_key(tiny_alias, api_key, mlx_engine):
     """API-5: the socket checks Origin; a page of another site cannot use it."""
     headers = key_headers(api_key, (b"origin", b"https://evil.example"))
-    socket = WebsocketCommunicator(application, PATH, headers=headers)
+    socket = WebsocketCommunicator(application, WS_PATH, headers=headers)
     assert await socket.connect(timeout=10) == (False, 4403)
     same_site = await connect(key_headers(api_key, (b"origin", b"http://testserver")))
     await same_site.disconnect()
@@ -129,25 +99,25 @@ async def test_a_session_counts_only_from_a_page_of_this_site(tiny_alias, mlx_en
     client = AsyncClient()
     await client.aforce_login(user)
     cookie = f"sessionid={client.cookies['sessionid'].value}".encode()
-    without_origin = WebsocketCommunicator(application, PATH, headers=[HOST, (b"cookie", cookie)])
+    without_origin = WebsocketCommunicator(application, WS_PATH, headers=[WS_HOST, (b"cookie", cookie)])
     assert await without_origin.connect(timeout=10) == (False, 4401)
-    socket = await connect([HOST, (b"cookie", cookie), (b"origin", b"http://testserver")])
-    await create(socket, input="Hi", max_output_tokens=2, store=False)
-    assert (await frames_until(socket, *TERMINAL))[-1]["type"] != "error"
+    socket = await connect([WS_HOST, (b"cookie", cookie), (b"origin", b"http://testserver")])
+    await ws_create(socket, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(socket, *WS_TERMINAL))[-1]["type"] != "error"
     await socket.disconnect()
 
 
 async def test_an_api_key_in_the_first_frame_authenticates_when_asked_for(tiny_alias, api_key, mlx_engine):
     """API-5: `?auth=first-frame` accepts, then the first frame must carry a valid key."""
-    socket = await connect([HOST], path=f"{PATH}?auth=first-frame")
+    socket = await connect([WS_HOST], path=f"{WS_PATH}?auth=first-frame")
     await socket.send_to(text_data=json.dumps({"type": "auth", "api_key": api_key}))
     assert json.loads(await socket.receive_from(timeout=10)) == {"type": "auth.ok"}
-    await create(socket, input="Hi", max_output_tokens=2, store=False)
-    assert (await frames_until(socket, *TERMINAL))[-1]["type"] != "error"
+    await ws_create(socket, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(socket, *WS_TERMINAL))[-1]["type"] != "error"
     await socket.disconnect()
 
-    wrong = await connect([HOST], path=f"{PATH}?auth=first-frame")
-    await create(wrong, input="Hi")  # anything but an auth frame first
+    wrong = await connect([WS_HOST], path=f"{WS_PATH}?auth=first-frame")
+    await ws_create(wrong, input="Hi")  # anything but an auth frame first
     assert (await wrong.receive_output(timeout=10)) == {"type": "websocket.close", "code": 4401}
 
 
@@ -158,14 +128,14 @@ async def test_bad_frames_get_error_frames_and_the_socket_stays_usable(tiny_alia
     assert json.loads(await socket.receive_from(timeout=10))["error"]["code"] == "invalid_json"
     await socket.send_to(text_data=json.dumps({"type": "response.explode"}))
     assert json.loads(await socket.receive_from(timeout=10))["error"]["code"] == "unknown_frame_type"
-    await create(socket, input="Hi", max_output_tokens=-3)
+    await ws_create(socket, input="Hi", max_output_tokens=-3)
     error = json.loads(await socket.receive_from(timeout=10))
     assert (error["type"], error["status"], error["error"]["param"]) == ("error", 400, "max_output_tokens")
-    await create(socket, model="no-such-model", input="Hi")
+    await ws_create(socket, model="no-such-model", input="Hi")
     error = json.loads(await socket.receive_from(timeout=10))
     assert (error["status"], error["error"]["code"]) == (404, "model_not_found")
-    await create(socket, input="Hi", max_output_tokens=2, store=False)
-    assert (await frames_until(socket, *TERMINAL))[-1]["type"] == "response.incomplete"
+    await ws_create(socket, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(socket, *WS_TERMINAL))[-1]["type"] == "response.incomplete"
     await socket.disconnect()
 
 
@@ -173,7 +143,7 @@ async def test_an_oversized_frame_closes_with_1009(tiny_alias, api_key, mlx_engi
     """API-3: a frame over MLXHOST_WS_MAX_FRAME_BYTES closes the socket with 1009 (message too big)."""
     settings.MLXHOST_WS_MAX_FRAME_BYTES = 1000
     socket = await connect(key_headers(api_key))
-    await create(socket, input="x" * 2000)
+    await ws_create(socket, input="x" * 2000)
     assert await socket.receive_output(timeout=10) == {"type": "websocket.close", "code": 1009}
 
 
@@ -184,21 +154,21 @@ async def test_the_queue_position_is_reported_and_cancel_frees_the_slot(
     its terminal event (status cancelled) and the waiting one gets the slot."""
     no_eos = {str(tiny_eos_id): -100}
     first = await connect(key_headers(api_key))
-    await create(first, input="Count", max_output_tokens=100_000, logit_bias=no_eos, store=False)
+    await ws_create(first, input="Count", max_output_tokens=100_000, logit_bias=no_eos, store=False)
     await frames_until(first, "response.output_text.delta")
     second = await connect(key_headers(api_key))
-    await create(second, input="Hi", max_output_tokens=3, logit_bias=no_eos, store=False)
+    await ws_create(second, input="Hi", max_output_tokens=3, logit_bias=no_eos, store=False)
     queued = json.loads(await second.receive_from(timeout=10))
     assert (queued["type"], queued["position"]) == ("response.queued", 1)
     assert (await lane(mlx_engine))["queued"] == 1
 
     await first.send_to(text_data=json.dumps({"type": "response.cancel"}))
-    ended = (await frames_until(first, *TERMINAL))[-1]
+    ended = (await frames_until(first, *WS_TERMINAL))[-1]
     assert (ended["type"], ended["response"]["status"]) == ("response.incomplete", "cancelled")
-    done = (await frames_until(second, *TERMINAL))[-1]
+    done = (await frames_until(second, *WS_TERMINAL))[-1]
     assert done["response"]["usage"]["output_tokens"] == 3
     # The terminal event goes out before the engine frees the slot (a loop callback later).
-    await until(lambda: mlx_engine.snapshot()[0]["lane"]["active"] == 0, what="the slot to be freed")
+    await eventually(lambda: mlx_engine.snapshot()[0]["lane"]["active"] == 0, what="the slot to be freed")
     await first.disconnect()
     await second.disconnect()
 
@@ -208,13 +178,10 @@ async def test_closing_the_socket_cancels_the_running_turn_and_frees_the_slot(
 ):
     """API-3, LANE-6: a closed socket stops its generation; /readyz shows the slot free."""
     socket = await connect(key_headers(api_key))
-    await create(socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100})
+    await ws_create(socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100})
     await frames_until(socket, "response.output_text.delta")
     await socket.disconnect()
-    for _ in range(500):
-        if (await lane(mlx_engine))["active"] == 0:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: mlx_engine.snapshot()[0]["lane"]["active"] == 0, what="the slot to be freed")
     readyz = await AsyncClient().get("/readyz", headers={"Authorization": f"Bearer {api_key}"})
     assert readyz.json()["instances"][0]["lane"]["active"] == 0
     assert mlx_engine.snapshot()[0]["requests_cancelled"] == 1
@@ -223,33 +190,34 @@ async def test_closing_the_socket_cancels_the_running_turn_and_frees_the_slot(
 async def test_a_socket_runs_at_most_its_limit_of_turns_at_once(tiny_alias, api_key, mlx_engine, tiny_eos_id):
     """API-3: a create beyond MLXHOST_WS_MAX_TURNS gets an error frame; the running turn goes on."""
     socket = await connect(key_headers(api_key))
-    await create(
+    await ws_create(
         socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100}, store=False
     )
     await frames_until(socket, "response.output_text.delta")
-    await create(socket, input="Also")
+    await ws_create(socket, input="Also")
     frames = await frames_until(socket, "error")
     assert frames[-1]["error"]["code"] == "too_many_turns"
     assert frames[-1]["status"] == 429
     await socket.send_to(text_data=json.dumps({"type": "response.cancel"}))
-    assert (await frames_until(socket, *TERMINAL))[-1]["response"]["status"] == "cancelled"
+    assert (await frames_until(socket, *WS_TERMINAL))[-1]["response"]["status"] == "cancelled"
     await socket.disconnect()
 
 
 async def test_the_dashboard_socket_pushes_each_published_status_to_staff(
-    tiny_alias, mlx_engine, django_user_model
+    tiny_alias, mlx_engine, django_user_model, monkeypatch
 ):
     """ADM-2: staff sockets join the dashboard group and get every engine status as it is published;
     anyone else is refused before accept."""
     from mlxhost.runtime import control as engine_control
     from mlxhost.runtime import status as engine_status
+    from models_app.control import ENGINE_GROUP
 
     staff = await django_user_model.objects.acreate(username="root", is_staff=True, is_superuser=True)
     client = AsyncClient()
     await client.aforce_login(staff)
     cookie = (b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode())
     origin = (b"origin", b"http://testserver")
-    anonymous = WebsocketCommunicator(application, "/ws/dashboard", headers=[HOST, origin])
+    anonymous = WebsocketCommunicator(application, "/ws/dashboard", headers=[WS_HOST, origin])
     assert await anonymous.connect(timeout=10) == (False, 4401)
 
     await mlx_engine.load(selectors_spec(tiny_alias), name="tiny")
@@ -257,19 +225,20 @@ async def test_the_dashboard_socket_pushes_each_published_status_to_staff(
     # The control listener runs beside the sockets, as under daphne: with channels_redis it must
     # not take over the process's receive loop from the consumers.
     layer, prefixes = get_channel_layer(), []
+    joined = watch_group_joins(monkeypatch, layer, ENGINE_GROUP)
     new_channel = layer.new_channel
     layer.new_channel = lambda *args, **kwargs: (
         prefixes.append(args + tuple(kwargs.values())) or new_channel(*args, **kwargs)
     )
     try:
         listener = asyncio.create_task(engine_control.run_control_listener(mlx_engine, actions))
-        await asyncio.sleep(0.2)  # it waits for messages before the socket joins
+        await asyncio.wait_for(joined.wait(), 10)  # it waits for messages before the socket joins
     finally:
         del layer.new_channel
     # channels_redis reads all of a process's channels through the one list of the default prefix;
     # a channel of another prefix would take that loop over and starve the consumers.
     assert prefixes == [()]
-    socket = await connect([HOST, cookie, origin], path="/ws/dashboard")
+    socket = await connect([WS_HOST, cookie, origin], path="/ws/dashboard")
     publisher = asyncio.create_task(engine_status.run_status_publisher(mlx_engine, actions))
     try:
         for _ in range(50):  # frames from earlier engines' cached statuses may come first
@@ -294,16 +263,16 @@ def selectors_spec(alias):
 async def test_a_full_lane_sends_an_overloaded_error_frame(tiny_alias, api_key, mlx_engine, tiny_eos_id):
     """LANE-2: over budget on the socket is an `overloaded` error frame with retry_after (not the
     429-style `rate_limit_error`); the socket stays open and the running turn goes on."""
-    from tests.api.test_admission_http import set_lane
+    from tests.api.support import set_lane
 
     await set_lane(tiny_alias, concurrency=1, queue_depth=0)
     no_eos = {str(tiny_eos_id): -100}
     holder = await connect(key_headers(api_key))
-    await create(holder, input="Count", max_output_tokens=100_000, logit_bias=no_eos, store=False)
+    await ws_create(holder, input="Count", max_output_tokens=100_000, logit_bias=no_eos, store=False)
     await frames_until(holder, "response.output_text.delta")
 
     refused = await connect(key_headers(api_key))
-    await create(refused, input="Hi", max_output_tokens=2, store=False)
+    await ws_create(refused, input="Hi", max_output_tokens=2, store=False)
     frame = json.loads(await refused.receive_from(timeout=10))
     assert frame["type"] == "error"
     assert (frame["error"]["type"], frame["error"]["code"]) == ("overloaded", "queue_full")
@@ -311,9 +280,9 @@ async def test_a_full_lane_sends_an_overloaded_error_frame(tiny_alias, api_key, 
     assert (await lane(mlx_engine))["active"] == 1
 
     await holder.send_to(text_data=json.dumps({"type": "response.cancel"}))
-    assert (await frames_until(holder, *TERMINAL))[-1]["response"]["status"] == "cancelled"
-    await create(refused, input="Hi", max_output_tokens=2, store=False)  # the same socket, later
-    assert (await frames_until(refused, *TERMINAL))[-1]["type"] == "response.incomplete"
+    assert (await frames_until(holder, *WS_TERMINAL))[-1]["response"]["status"] == "cancelled"
+    await ws_create(refused, input="Hi", max_output_tokens=2, store=False)  # the same socket, later
+    assert (await frames_until(refused, *WS_TERMINAL))[-1]["type"] == "response.incomplete"
     await holder.disconnect()
     await refused.disconnect()
 
@@ -325,8 +294,8 @@ async def test_hostile_frames_get_error_frames(tiny_alias, api_key, mlx_engine):
     assert json.loads(await socket.receive_from(timeout=10))["error"]["code"] == "invalid_json"
     await socket.send_to(text_data='{"type": "response.create", "model": "tiny", "input": "\\ud800"}')
     assert json.loads(await socket.receive_from(timeout=10))["error"]["code"] == "invalid_json"
-    await create(socket, input="Hi", max_output_tokens=2, store=False)
-    assert (await frames_until(socket, *TERMINAL))[-1]["type"] == "response.incomplete"
+    await ws_create(socket, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(socket, *WS_TERMINAL))[-1]["type"] == "response.incomplete"
     await socket.disconnect()
 
 
@@ -343,21 +312,17 @@ async def test_revoking_a_key_closes_its_open_socket_with_4401_and_stops_its_tur
     _, other_raw = await sync_to_async(services.apikey_create)(owner=user, name="kept")
     socket = await connect(key_headers(raw))
     kept = await connect(key_headers(other_raw))
-    await create(socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100})
+    await ws_create(socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100})
     await frames_until(socket, "response.output_text.delta")
 
     await sync_to_async(services.apikey_revoke)(key=key)
     while (output := await socket.receive_output(timeout=10))["type"] != "websocket.close":
         pass  # deltas already on their way
     assert output == {"type": "websocket.close", "code": 4401}
-    for _ in range(500):
-        if (await lane(mlx_engine))["active"] == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert (await lane(mlx_engine))["active"] == 0
+    await eventually(lambda: mlx_engine.snapshot()[0]["lane"]["active"] == 0, what="the slot to be freed")
     assert await kept.receive_nothing(timeout=0.2)
-    await create(kept, input="Hi", max_output_tokens=2, store=False)
-    assert (await frames_until(kept, *TERMINAL))[-1]["type"] == "response.incomplete"
+    await ws_create(kept, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(kept, *WS_TERMINAL))[-1]["type"] == "response.incomplete"
     await kept.disconnect()
 
 
@@ -368,7 +333,7 @@ async def test_a_key_given_in_the_first_frame_is_watched_too(tiny_alias, user, m
     from models_app import services
 
     key, raw = await sync_to_async(services.apikey_create)(owner=user, name="first-frame")
-    socket = await connect([HOST], path=f"{PATH}?auth=first-frame")
+    socket = await connect([WS_HOST], path=f"{WS_PATH}?auth=first-frame")
     await socket.send_to(text_data=json.dumps({"type": "auth", "api_key": raw}))
     assert json.loads(await socket.receive_from(timeout=10)) == {"type": "auth.ok"}
     await sync_to_async(services.apikey_revoke)(key=key)
@@ -385,9 +350,9 @@ async def test_logging_out_closes_the_sessions_sockets_with_4401(tiny_alias, mlx
     await other.aforce_login(staff)
     cookie = (b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode())
     other_cookie = (b"cookie", f"sessionid={other.cookies['sessionid'].value}".encode())
-    playground = await connect([HOST, cookie, origin])
-    dashboard = await connect([HOST, cookie, origin], path="/ws/dashboard")
-    survivor = await connect([HOST, other_cookie, origin])
+    playground = await connect([WS_HOST, cookie, origin])
+    dashboard = await connect([WS_HOST, cookie, origin], path="/ws/dashboard")
+    survivor = await connect([WS_HOST, other_cookie, origin])
 
     await client.alogout()
     assert await playground.receive_output(timeout=10) == {"type": "websocket.close", "code": 4401}
@@ -408,7 +373,7 @@ async def test_an_expired_session_is_caught_by_the_periodic_recheck(tiny_alias, 
     await client.aforce_login(user)
     session_key = client.cookies["sessionid"].value
     socket = await connect(
-        [HOST, (b"cookie", f"sessionid={session_key}".encode()), (b"origin", b"http://testserver")]
+        [WS_HOST, (b"cookie", f"sessionid={session_key}".encode()), (b"origin", b"http://testserver")]
     )
     assert await socket.receive_nothing(timeout=0.3)  # several re-checks pass while it is live
     await Session.objects.filter(session_key=session_key).adelete()

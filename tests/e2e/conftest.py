@@ -13,12 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
 import httpx
 import pytest
 from django.db import connection
 
-if TYPE_CHECKING:
-    from collections.abc import Iterator
+from tests.support import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,16 +53,43 @@ def free_port() -> int:
 
 
 def wait_until_up(server: Server, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def up() -> bool:
         if server.process.poll() is not None:
             raise RuntimeError(f"daphne exited early:\n{server.output()}")
         try:
-            if httpx.get(f"{server.url}/healthz", timeout=1).status_code == 200:
-                return
+            return httpx.get(f"{server.url}/healthz", timeout=1).status_code == 200
         except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError(f"daphne did not come up in {timeout}s:\n{server.output()}")
+            return False
+
+    try:
+        wait_until(up, timeout=timeout, interval=0.2, what="daphne to come up")
+    except AssertionError as timed_out:
+        raise RuntimeError(f"{timed_out}:\n{server.output()}") from None
+
+
+def endless(eos_id: int, **body: object) -> dict:
+    """A streamed request body for `tiny` that never says end-of-sequence: it runs until cancelled
+    (or its token budget, which `body` gives, runs out)."""
+    return {"model": "tiny", "stream": True, "logit_bias": {str(eos_id): -100}, **body}
+
+
+@contextlib.contextmanager
+def holding_stream(server: Server, api_key: str, path: str, body: dict) -> Iterator[httpx.Response]:
+    """A streaming POST to `path` that stays open for the block; on leaving it the client hangs up."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream("POST", f"{server.url}{path}", json=body, headers=headers) as response,
+    ):
+        yield response
+
+
+def instance_snapshot(server: Server, alias: str, api_key: str) -> dict:
+    """The `/readyz` view of the instance serving `alias`."""
+    # By alias: the server process keeps its instance ids while the test database is rebuilt.
+    headers = {"Authorization": f"Bearer {api_key}"}
+    body = httpx.get(f"{server.url}/readyz", headers=headers, timeout=5).json()
+    return next(i for i in body["instances"] if alias in i["aliases"])
 
 
 @pytest.fixture(scope="module")
@@ -165,12 +194,17 @@ def celery_worker(env: dict[str, str], log: Path) -> subprocess.Popen:
             stdout=sink,
             stderr=subprocess.STDOUT,
         )
-    deadline = time.monotonic() + 60
-    while " ready." not in log.read_text(errors="replace"):
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"celery worker did not start:\n{log.read_text(errors='replace')}")
-        time.sleep(0.1)
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"celery worker exited:\n{log.read_text(errors='replace')}")
+        return " ready." in log.read_text(errors="replace")
+
+    try:
+        wait_until(ready, timeout=60, interval=0.1, what="the celery worker to start")
+    except BaseException as failed:
+        process.kill()
+        raise RuntimeError(f"{failed}:\n{log.read_text(errors='replace')}") from None
     return process
 
 
@@ -192,4 +226,4 @@ def stored_rows_settle(transactional_db) -> Iterator[None]:
             last, stable_since = count, time.monotonic()
         elif time.monotonic() - stable_since >= 1.0:
             return
-        time.sleep(0.1)
+        time.sleep(0.1)  # a quiet period is the condition itself: the count unchanged for 1 s

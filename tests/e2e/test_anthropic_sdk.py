@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import anthropic
-import httpx
 import pytest
 
-from tests.e2e.test_openai_sdk import instance_snapshot
+from tests.e2e.conftest import endless, holding_stream, instance_snapshot
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -94,18 +92,8 @@ def test_sdk_raises_overloaded_error_for_a_full_lane(client, daphne_server, api_
 
     tiny_alias.concurrency, tiny_alias.queue_depth = 1, 0
     services.alias_save(alias=tiny_alias)
-    body = {
-        "model": "tiny",
-        "messages": HELLO,
-        "stream": True,
-        "max_tokens": 100_000,
-        "logit_bias": {str(tiny_eos_id): -100},
-    }
-    headers = {"Authorization": f"Bearer {api_key}"}
-    with (
-        httpx.Client(timeout=30) as http,
-        http.stream("POST", f"{daphne_server.url}/v1/chat/completions", json=body, headers=headers) as holder,
-    ):
+    body = endless(tiny_eos_id, messages=HELLO, max_tokens=100_000)
+    with holding_stream(daphne_server, api_key, "/v1/chat/completions", body) as holder:
         assert holder.status_code == 200
         lines = holder.iter_lines()
         while not next(lines).startswith("data: "):
@@ -115,7 +103,8 @@ def test_sdk_raises_overloaded_error_for_a_full_lane(client, daphne_server, api_
         assert overloaded.value.status_code == 529
         assert overloaded.value.body["error"]["type"] == "overloaded_error"
         assert int(overloaded.value.response.headers["Retry-After"]) >= 1
-    deadline = time.monotonic() + 20  # the holder hung up; wait for its slot to free
-    while instance_snapshot(daphne_server, "tiny", api_key)["lane"]["active"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert instance_snapshot(daphne_server, "tiny", api_key)["lane"]["active"] == 0
+    wait_until(  # the holder hung up
+        lambda: instance_snapshot(daphne_server, "tiny", api_key)["lane"]["active"] == 0,
+        timeout=20,
+        what="the holder's slot to be freed",
+    )

@@ -139,7 +139,7 @@ def fetch_landed(server: Server, headers: dict[str, str], response_id: str) -> d
         got = httpx.get(f"{server.url}/v1/responses/{response_id}", headers=headers, timeout=10)
         if got.status_code == 200 or time.monotonic() > deadline:
             return {"status_code": got.status_code, **got.json()}
-        time.sleep(0.1)
+        time.sleep(0.1)  # poll interval: the caller asserts on the last answer, landed or not
 
 
 def output_text(body: dict) -> str:

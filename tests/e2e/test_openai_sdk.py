@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import openai
 import pytest
+
+from tests.e2e.conftest import endless, holding_stream, instance_snapshot
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -66,29 +68,10 @@ def test_sdk_raises_typed_errors(client, daphne_server, tiny_alias):
         anonymous.chat.completions.create(model="tiny", messages=HELLO)
 
 
-def instance_snapshot(server, alias: str, api_key: str) -> dict:
-    # By alias: the server process keeps its instance ids while the test database is rebuilt.
-    headers = {"Authorization": f"Bearer {api_key}"}
-    body = httpx.get(f"{server.url}/readyz", headers=headers, timeout=5).json()
-    return next(i for i in body["instances"] if alias in i["aliases"])
-
-
 def test_client_disconnect_mid_stream_stops_generation(daphne_server, api_key, tiny_alias, tiny_eos_id):
     """LANE-6: a client that hangs up mid-stream stops the worker; the slot is freed."""
-    body = {
-        "model": "tiny",
-        "messages": HELLO,
-        "stream": True,
-        "max_tokens": 100_000,
-        "logit_bias": {str(tiny_eos_id): -100},
-    }
-    headers = {"Authorization": f"Bearer {api_key}"}
-    with (
-        httpx.Client(timeout=30) as http,
-        http.stream(
-            "POST", f"{daphne_server.url}/v1/chat/completions", json=body, headers=headers
-        ) as response,
-    ):
+    body = endless(tiny_eos_id, messages=HELLO, max_tokens=100_000)
+    with holding_stream(daphne_server, api_key, "/v1/chat/completions", body) as response:
         assert response.status_code == 200
         seen = 0
         for line in response.iter_lines():
@@ -96,14 +79,14 @@ def test_client_disconnect_mid_stream_stops_generation(daphne_server, api_key, t
             if seen >= 20:
                 break
     # The connection is closed here. The worker must stop well short of max_tokens.
-    deadline = time.monotonic() + 20
-    snap = instance_snapshot(daphne_server, "tiny", api_key)
-    while snap["lane"]["active"] and time.monotonic() < deadline:
-        time.sleep(0.1)
+
+    def freed() -> dict | None:
         snap = instance_snapshot(daphne_server, "tiny", api_key)
-    assert snap["lane"]["active"] == 0, daphne_server.output()
+        return snap if snap["lane"]["active"] == 0 else None
+
+    snap = wait_until(freed, timeout=20, what="the slot to be freed")
     assert snap["requests_cancelled"] == 1
     produced = snap["tokens_generated"]
-    time.sleep(0.5)
+    time.sleep(0.5)  # the thing under test: nothing more is generated while we look away
     assert instance_snapshot(daphne_server, "tiny", api_key)["tokens_generated"] == produced
     assert produced < 100_000

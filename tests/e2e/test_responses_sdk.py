@@ -5,6 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from tests.e2e.conftest import endless, holding_stream
+
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
 
@@ -71,24 +73,12 @@ def test_a_full_lane_is_a_rate_limit_error_through_the_sdk(
     client, tiny_alias, daphne_server, api_key, tiny_eos_id
 ):
     """LANE-2, API-4: over budget, the SDK raises RateLimitError with code queue_full and Retry-After."""
-    import httpx
-
     from models_app import services
 
     tiny_alias.queue_depth = 0
     services.alias_save(alias=tiny_alias)
-    body = {
-        "model": "tiny",
-        "input": "hold the slot",
-        "stream": True,
-        "max_output_tokens": 100_000,
-        "logit_bias": {str(tiny_eos_id): -100},
-    }
-    headers = {"Authorization": f"Bearer {api_key}"}
-    with (
-        httpx.Client(timeout=30) as http,
-        http.stream("POST", f"{daphne_server.url}/v1/responses", json=body, headers=headers) as holder,
-    ):
+    body = endless(tiny_eos_id, input="hold the slot", max_output_tokens=100_000)
+    with holding_stream(daphne_server, api_key, "/v1/responses", body) as holder:
         lines = holder.iter_lines()  # keep a reference: a collected iterator closes the stream
         next(lines)  # the slot is taken
         with pytest.raises(openai.RateLimitError) as full:

@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
+from tests.support import register_alias
+
 logger = logging.getLogger(__name__)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True), pytest.mark.timeout(1200)]
@@ -27,12 +29,10 @@ OUTPUT_CAP = 8
 
 @pytest.fixture
 def fuzz_alias(tiny_model_dir):
-    from models_app import services
 
-    return services.alias_register(
+    return register_alias(
         name="tiny",
-        source_kind="local",
-        local_path="tiny-llama",
+        folder="tiny-llama",
         max_tokens=OUTPUT_CAP,
         max_output_tokens=OUTPUT_CAP,
     )

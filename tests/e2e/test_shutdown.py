@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Server, database_url, running_daphne
+from tests.support import wait_until
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -65,14 +66,6 @@ class StreamReader(threading.Thread):
         return "[DONE]" in self.data()
 
 
-def wait_for(predicate, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def lane(server: Server, headers: dict[str, str]) -> dict:
     instances = httpx.get(f"{server.url}/readyz", headers=headers, timeout=10).json().get("instances", [])
     return instances[0]["lane"] if instances else {}
@@ -92,7 +85,12 @@ def test_sigterm_drains_ends_every_stream_and_exits_zero(server, tiny_alias, api
         {"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 1_000_000, "logit_bias": no_eos},
     )
     stream.start()
-    wait_for(lambda: len(stream.data()) >= 5 or stream.error is not None, "the stream's first chunks")
+    wait_until(
+        lambda: len(stream.data()) >= 5 or stream.error is not None,
+        timeout=60,
+        interval=0.02,
+        what="the stream's first chunks",
+    )
     assert stream.error is None and stream.status == 200
 
     queued: dict[str, httpx.Response] = {}
@@ -106,10 +104,20 @@ def test_sigterm_drains_ends_every_stream_and_exits_zero(server, tiny_alias, api
         daemon=True,
     )
     waiter.start()
-    wait_for(lambda: lane(server, headers).get("queued") == 1, "the second request to queue")
+    wait_until(
+        lambda: lane(server, headers).get("queued") == 1,
+        timeout=60,
+        interval=0.02,
+        what="the second request to queue",
+    )
 
     server.process.send_signal(signal.SIGTERM)
-    wait_for(lambda: lane(server, headers).get("draining") is True, "the drain to start")
+    wait_until(
+        lambda: lane(server, headers).get("draining") is True,
+        timeout=60,
+        interval=0.02,
+        what="the drain to start",
+    )
     assert not stream.ended, "the stream must still be running while the drain refuses arrivals"
     late = httpx.post(
         chat, json={"model": "tiny", "messages": HELLO, "max_tokens": 2}, headers=headers, timeout=30

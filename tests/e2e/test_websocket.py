@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import ClientConnection, connect
+
+from tests.support import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
@@ -82,10 +83,7 @@ def test_closing_the_socket_frees_the_slot(daphne_server, api_key, tiny_alias, t
             socket, input="Count", max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100}, store=False
         )
         frames_until(socket, "response.output_text.delta")
-    deadline = time.monotonic() + 30
-    while lane_of(daphne_server, api_key)["active"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert lane_of(daphne_server, api_key)["active"] == 0
+    wait_until(lambda: lane_of(daphne_server, api_key)["active"] == 0, what="the slot to be freed")
 
 
 def test_a_foreign_origin_and_missing_credentials_are_refused(daphne_server, api_key, tiny_alias):

@@ -6,6 +6,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
 import pytest
 
 from mlxhost.engine import (
@@ -20,22 +23,7 @@ from mlxhost.engine import (
     SessionQuery,
 )
 from mlxhost.engine.backends.fake import FakeBackend
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-
-class FakeClock:
-    """A settable monotonic clock for `Engine(clock=...)`; `advance()` moves it forward."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.support import FakeClock, eventually
 
 
 @pytest.fixture
@@ -143,14 +131,9 @@ async def collect(generation) -> list:
     return [event async for event in generation.stream()]
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 3.0, what: str = "condition") -> None:
-    """Poll `predicate` with short sleeps; fail the test if it stays false for `timeout` seconds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
+async def until(predicate: Callable[[], object], timeout: float = 3.0, what: str = "") -> None:
+    """Wait for `predicate` to hold (`tests.support.eventually`); fail after `timeout` seconds."""
+    await eventually(predicate, timeout=timeout, what=what)
 
 
 def lane_of(engine: Engine, instance_id: int = 1) -> dict:

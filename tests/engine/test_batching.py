@@ -186,7 +186,8 @@ async def test_a_seed_request_runs_alone_in_fifo_order_without_starving(engine, 
     a, generations = await first_then_rest(engine, backend, x, specs)
     backend.gate.set()
     assert isinstance(await next_event(a), Delta)
-    await asyncio.sleep(0.05)
+    # Parked on step 2's gate, the worker has already chosen that step's batch.
+    await until(lambda: backend.parked, what="the worker to park on step 2's gate")
     # The seeded one waits at the head of the worker's FIFO; the later one waits behind it.
     assert [h[2].seed for h in backend.history] == [None]
     assert backend.batch_steps == [1]

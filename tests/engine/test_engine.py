@@ -9,7 +9,7 @@ import pytest
 
 from mlxhost.engine import Delta, Done, Failed, ModelLoadError, PromptTooLongError, Started
 from mlxhost.engine.backends.fake import GENERATED_ID_BASE
-from tests.engine.conftest import request, spec
+from tests.engine.conftest import request, spec, until
 
 
 async def collect(generation):
@@ -57,11 +57,7 @@ async def test_closing_the_stream_stops_the_worker_within_one_token(engine, back
     assert generation.stop_flag.is_set()
     backend.gate.set()  # let the worker take at most one more step
     instance = engine.get(1)
-    for _ in range(200):
-        if instance.stats.active_request is None:
-            break
-        await asyncio.sleep(0.01)
-    assert instance.stats.active_request is None
+    await until(lambda: instance.stats.active_request is None, what="the worker to drop the request")
     assert backend.tokens_generated <= 2
     assert instance.stats.requests_cancelled == 1
 
@@ -70,12 +66,14 @@ async def test_cancelling_the_consumer_task_sets_the_stop_flag(engine, backend):
     backend.gated = True
     generation = await engine.submit(request(max_tokens=10_000))
 
+    seen: list[object] = []
+
     async def consume():
-        async for _ in generation.stream():
-            pass
+        async for event in generation.stream():
+            seen.append(event)
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.05)
+    await until(lambda: seen, what="the consumer to be reading the stream")  # it got Started
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

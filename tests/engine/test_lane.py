@@ -14,14 +14,7 @@ from mlxhost.engine.errors import (
     RequestCancelledError,
 )
 from mlxhost.engine.lane import Lane, Ticket, TicketHooks
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support import FakeClock
 
 
 def within_budget(lane: Lane) -> bool:
@@ -66,7 +59,7 @@ async def test_retry_after_follows_how_long_tickets_stay_active():
     lane = Lane(capacity=1, queue_depth=2, clock=clock)
     for i in range(20):
         ticket = admit(lane, f"slow{i}")
-        clock.now += 10.0
+        clock.advance(10.0)
         lane.release(ticket)
     admit(lane, "a")
     admit(lane, "b")
@@ -304,7 +297,7 @@ async def test_writer_cancelled_just_after_admission_frees_the_lane():
 
 async def _hold(lane: Lane) -> None:
     async with lane.exclusive():
-        await asyncio.sleep(10)
+        await asyncio.Event().wait()  # holds the lane until the test cancels it
 
 
 async def test_drain_wait_refuses_fails_waiters_and_waits_for_the_running():
@@ -399,6 +392,7 @@ async def test_admission_before_the_timeout_disarms_it():
     running = admit(lane, "a")
     waiter = admit(lane, "b")
     lane.release(running)
+    # The thing under test is time passing: wait out the disarmed 0.02 s timer, loop running.
     await asyncio.sleep(0.05)
     assert waiter.state == "active"
     await waiter.admitted

@@ -8,17 +8,10 @@ from dataclasses import fields
 import pytest
 
 from mlxhost.engine.sessions import SessionCache, SessionQuery, SessionScoper
+from tests.support import FakeClock
 
 SECRET = b"s" * 32
 PROMPT = (1, 2, 3, 4, 5, 6)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Disposer:
@@ -151,9 +144,9 @@ def test_warm_any_picks_most_recent_in_domain(
 ) -> None:
     """SES-2: tier 3 (Anthropic messages) takes the most recently used entry of the same domain."""
     adopt(cache, query(scoper), "resp_old", tokens=(1, 2, 3, 4, 5))
-    clock.now += 1
+    clock.advance(1)
     adopt(cache, query(scoper), "resp_new", tokens=(1, 2))
-    clock.now += 1
+    clock.advance(1)
     adopt(cache, query(scoper, tenant="other"), "resp_foreign")
     lease, outcome = cache.lease(query(scoper, warm_any=True), (1, 2, 3, 4, 5, 6))
     assert outcome == "hit" and lease is not None
@@ -199,13 +192,13 @@ def test_ttl_expiry_disposes(
 ) -> None:
     """SES-1, SES-6: entries expire after the TTL; expired ones are disposed and counted."""
     adopt(cache, query(scoper), "resp_1")
-    clock.now += 1799
+    clock.advance(1799)
     adopt(cache, query(scoper), "resp_2")
-    clock.now += 1
+    clock.advance(1)
     q = query(scoper, previous_response_id="resp_1")
     assert cache.lease(q, (*PROMPT, 7)) == (None, "cold_replay")
     assert disposer.disposed == ["kv-resp_1"]
-    clock.now += 1800
+    clock.advance(1800)
     assert cache.sweep() == 1
     stats = cache.stats
     assert (stats.expired, stats.disposed, stats.entries, stats.bytes) == (2, 2, 0, 0)
@@ -215,7 +208,7 @@ def test_byte_bound_eviction(clock: FakeClock, disposer: Disposer, scoper: Sessi
     """SES-1, SES-6: total bytes stay under max_bytes by evicting least recently used entries."""
     cache = SessionCache(max_bytes=100, clock=clock, dispose=disposer)
     for i, nbytes in enumerate((40, 40, 40)):
-        clock.now += 1
+        clock.advance(1)
         assert adopt(cache, query(scoper), f"resp_{i}", nbytes=nbytes)
     assert disposer.disposed == ["kv-resp_0"]
     stats = cache.stats
@@ -226,7 +219,7 @@ def test_entry_bound_lru_eviction(clock: FakeClock, disposer: Disposer, scoper: 
     """SES-1, SES-6: the least recently used entry goes first when max_entries is exceeded."""
     cache = SessionCache(max_entries=3, clock=clock, dispose=disposer)
     for i in range(5):
-        clock.now += 1
+        clock.advance(1)
         adopt(cache, query(scoper), f"resp_{i}")
     assert disposer.disposed == ["kv-resp_0", "kv-resp_1"]
     assert (len(cache), cache.stats.evicted, cache.stats.disposed) == (3, 2, 2)
@@ -285,7 +278,7 @@ def test_give_back_after_expiry_disposes(
     adopt(cache, query(scoper), "resp_1")
     lease, _ = cache.lease(query(scoper, previous_response_id="resp_1"), (*PROMPT, 7))
     assert lease is not None
-    clock.now += 1800
+    clock.advance(1800)
     cache.give_back(lease)
     assert len(cache) == 0 and disposer.disposed == ["kv-resp_1"] and cache.stats.expired == 1
 

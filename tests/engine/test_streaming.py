@@ -6,7 +6,7 @@ import asyncio
 import threading
 
 from mlxhost.engine import Delta, Done, Generation, Started, Timings, Usage
-from tests.engine.conftest import collect, next_event, request
+from tests.engine.conftest import collect, lane_idle, next_event, request
 
 DONE = Done(finish_reason="length", usage=Usage(3, 3), timings=Timings(0.0, 0.0, 0.0, 0.0))
 
@@ -89,7 +89,8 @@ async def test_a_slow_reader_gets_everything_in_fewer_deltas(engine, backend):
     generation = await engine.submit(request(max_tokens=2000))
     stream = generation.stream()
     assert isinstance(await next_event(stream), Started)
-    await asyncio.sleep(0.05)  # the worker runs ahead meanwhile
+    # The worker runs ahead meanwhile: it has posted every token (and freed the slot) before we read on.
+    await lane_idle(engine)
     events = [event async for event in stream]
     deltas = [e for e in events if isinstance(e, Delta)]
     assert "".join(d.text for d in deltas) == "tok " * 2000

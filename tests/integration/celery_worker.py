@@ -30,11 +30,11 @@ def traced_persist(*, payload):
     public_id = payload["public_id"]
     sys.stdout.write(f"PERSIST-START {public_id}\n")
     sys.stdout.flush()
-    time.sleep(DELAY_BEFORE_S)
+    time.sleep(DELAY_BEFORE_S)  # the thing under test: a slow write (the test sets how slow)
     row = _persist(payload=payload)
     sys.stdout.write(f"PERSIST-WRITTEN {public_id}\n")
     sys.stdout.flush()
-    time.sleep(DELAY_AFTER_S)
+    time.sleep(DELAY_AFTER_S)  # the thing under test: a worker slow to ack after writing
     return row
 
 

@@ -7,7 +7,6 @@ deletes only that queue. With MLXHOST_REQUIRE_SERVICES=1 (CI) an unreachable Red
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -16,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ import pytest
 import redis
 
 from tests.e2e.conftest import database_url, free_port
+from tests.support import eventually
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -78,13 +77,16 @@ class Worker:
 
     async def wait_for(self, text: str, timeout: float = 30.0) -> None:
         """Wait for `text` in the worker's output, without blocking the event loop (it publishes)."""
-        deadline = time.monotonic() + timeout
-        while text not in self.output():
+
+        def printed() -> bool:
             if self.process.poll() is not None:
                 raise RuntimeError(f"celery worker exited ({self.process.returncode}):\n{self.output()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no {text!r} from the celery worker in {timeout}s:\n{self.output()}")
-            await asyncio.sleep(0.05)
+            return text in self.output()
+
+        try:
+            await eventually(printed, timeout=timeout, interval=0.05, what=f"{text!r} from the celery worker")
+        except AssertionError as timed_out:
+            raise RuntimeError(f"{timed_out}:\n{self.output()}") from None
 
     def kill(self) -> None:
         """SIGKILL: no warm shutdown, no ack for the task in hand."""

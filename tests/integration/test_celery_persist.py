@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from urllib.parse import urlparse, urlunparse
 
@@ -12,7 +11,8 @@ import redis
 from models_app import persistence as persistence_module
 from models_app.models import StoredResponse
 from models_app.persistence import Persistence
-from tests.models_app.test_persistence import make_record, off_loop
+from tests.models_app.support import make_record, off_loop
+from tests.support import eventually, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.celery, pytest.mark.timeout(180)]
 
@@ -55,11 +55,10 @@ def record_many(store: Persistence, owner_id: int, count: int, label: str) -> di
 
 def queue_drained(redis_url: str, queue: str, timeout: float = 30.0) -> None:
     client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout
-    while client.llen(queue):
-        assert time.monotonic() < deadline, "the worker left tasks in the queue"
-        time.sleep(0.05)
-    client.close()
+    try:
+        wait_until(lambda: not client.llen(queue), timeout=timeout, what="the worker to empty the queue")
+    finally:
+        client.close()
 
 
 async def test_fifty_turns_become_exactly_fifty_rows(user, workers, make_store, redis_url):
@@ -188,15 +187,14 @@ async def test_breaker_tombstone_is_swept_by_the_worker_once_the_late_row_lands(
     tombstones = off_loop(
         lambda: list(InstanceTombstone.objects.values_list("response_public_id", flat=True))
     )
-    deadline = time.monotonic() + 30
-    while calls != ["force_release", "late_landing"]:
-        assert time.monotonic() < deadline, calls
-        await asyncio.sleep(0.05)
+    await eventually(lambda: calls == ["force_release", "late_landing"], timeout=30, interval=0.05)
     assert await tombstones() == [record.public_id]
     assert (await stored_texts())[record.public_id] == "Late but kept."
 
     with app.connection_for_write(redis_url) as connection:
         app.send_task("models_app.tasks.tombstones_purge", queue=queue, connection=connection)
-    while await tombstones():
-        assert time.monotonic() < deadline, "the worker did not sweep the tombstone"
-        await asyncio.sleep(0.05)
+
+    async def swept() -> bool:
+        return not await tombstones()
+
+    await eventually(swept, timeout=30, interval=0.05, what="the worker to sweep the tombstone")

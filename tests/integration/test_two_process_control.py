@@ -15,6 +15,7 @@ from django.test import Client
 from models_app import control, services
 from models_app.admin import ALIAS_FORM_FIELDS, MODEL_FORM_FIELDS
 from tests.e2e.conftest import database_url, running_daphne
+from tests.support import register_alias, wait_until
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -31,13 +32,7 @@ NO_INLINE_ALIASES = {
 
 
 def wait_for(what: str, probe: Callable[[], object], timeout: float = 60.0) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_until(probe, timeout=timeout, interval=0.2, what=what)
 
 
 @pytest.fixture
@@ -99,9 +94,7 @@ def test_the_admin_here_drives_the_engine_in_another_process(
     daphne process over the channel layer, and its live state comes back through the cache."""
     staff = django_user_model.objects.create_superuser("root", "root@example.com", "pw-root-123")
     _, key = services.apikey_create(owner=staff, name="probe")
-    alias = services.alias_register(
-        name="tiny", source_kind="local", local_path="tiny-llama", temperature=0.0
-    )
+    alias = register_alias(name="tiny", folder="tiny-llama", temperature=0.0)
     admin = Client()
     admin.force_login(staff)
 
@@ -119,7 +112,8 @@ def test_the_admin_here_drives_the_engine_in_another_process(
         statuses = wait_for("the engine's status in this process's cache", control.engine_statuses)
         assert [s["pid"] for s in statuses] == [server.process.pid]
         assert readyz() == []  # nothing loaded: the engine only knows what it was told
-        # Longer than Redis clients' default socket timeout (5 s): the idle listener must survive it.
+        # The thing under test: idle for longer than Redis clients' default socket timeout (5 s),
+        # which the idle listener must survive.
         time.sleep(6)
 
         response = admin.post(MODELS, {"action": "load", "_selected_action": [alias.model_id]})

@@ -8,8 +8,9 @@ import pytest
 
 from mlxhost.runtime.status import live_fields
 from models_app.models import ApiKey, Model, ModelAlias
+from tests.support import register_alias
 
-pytestmark = [pytest.mark.django_db]
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]
 
 MODEL_FORM = {
     "name": "tiny-admin",
@@ -111,16 +112,6 @@ def test_admin_lists_tombstones_read_only(admin_client):
 # ADM-1 / OPS-4: live state, actions, model folders, keys and chains ---------------------------------
 
 ALIASES_URL = "/admin/models_app/modelalias/"
-
-
-@pytest.fixture(autouse=True)
-def _no_engine_status():
-    """Each test starts with no engine process reporting (the locmem cache outlives tests)."""
-    from django.core.cache import cache
-
-    cache.clear()
-    yield
-    cache.clear()
 
 
 @pytest.fixture
@@ -301,10 +292,9 @@ def test_deleting_aliases_notifies_the_engines(
     admin_client, tiny_model_dir, sent, django_capture_on_commit_callbacks
 ):
     """ADM-1 / ADM-3: single and bulk deletes go through the service, which tells the engines."""
-    from models_app import services
 
-    one = services.alias_register(name="one", source_kind="local", local_path="tiny-llama")
-    two = services.alias_register(name="two", source_kind="local", local_path="tiny-llama")
+    one = register_alias(name="one", folder="tiny-llama")
+    two = register_alias(name="two", folder="tiny-llama")
     with django_capture_on_commit_callbacks(execute=True):
         admin_client.post(f"{ALIASES_URL}{one.pk}/delete/", {"post": "yes"})
     assert not ModelAlias.objects.filter(pk=one.pk).exists()

@@ -6,21 +6,14 @@ import re
 import time
 
 import pytest
-from django.core.cache import cache
 
 from mlxhost.runtime.status import live_fields
-from models_app import control, services
+from models_app import control
+from tests.support import register_alias
 
-pytestmark = [pytest.mark.django_db]
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]
 
 URL = "/dashboard/"
-
-
-@pytest.fixture(autouse=True)
-def _no_engine_status():
-    cache.clear()
-    yield
-    cache.clear()
 
 
 @pytest.fixture
@@ -32,7 +25,7 @@ def staff_client(client, django_user_model):
 
 @pytest.fixture
 def tiny_enabled(tiny_model_dir):
-    return services.alias_register(name="tiny-dash", source_kind="local", local_path="tiny-llama")
+    return register_alias(name="tiny-dash", folder="tiny-llama")
 
 
 def engine_status(**instance) -> dict:
@@ -88,7 +81,7 @@ def test_signed_in_non_staff_users_are_refused(client, user):
 
 def test_staff_sees_the_instance_table_skeleton_and_the_enabled_aliases(staff_client, tiny_enabled):
     """ADM-2: the live table's columns and the playground's alias list render on first paint."""
-    services.alias_register(name="tiny-off", source_kind="local", local_path="tiny-llama", enabled=False)
+    register_alias(name="tiny-off", folder="tiny-llama", enabled=False)
     response = staff_client.get(URL)
     assert response.status_code == 200
     page = response.content.decode()

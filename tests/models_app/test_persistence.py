@@ -6,11 +6,9 @@ import asyncio
 import socket
 import threading
 import time
-import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from django.db import connections
 from django.utils import timezone
 
 from mlxhost.engine import Engine, EngineConfig
@@ -18,34 +16,13 @@ from mlxhost.engine.backends.fake import FakeBackend
 from models_app import persistence as persistence_module
 from models_app import services, tasks
 from models_app.models import InstanceTombstone, StoredResponse
-from models_app.persistence import Persistence, ResponseRecord, StorageTimeoutError
+from models_app.persistence import Persistence, StorageTimeoutError
 from models_app.publishing import CeleryPublisher
 from tests.engine.conftest import spec
+from tests.models_app.support import drop, make_record, off_loop
+from tests.support import eventually
 
 DAY = 24 * 3600
-
-
-def make_record(owner_id: int, *, text: str = "Hello there.", **overrides) -> ResponseRecord:
-    fields = {
-        "public_id": f"resp_{uuid.uuid4().hex}",
-        "owner_id": owner_id,
-        "alias_id": None,
-        "alias_name": "tiny",
-        "instance_id": 7,
-        "weights_fingerprint": "f" * 64,
-        "weights_key": ["/models/fake-1", "", "f" * 64],
-        "boot_id": "b" * 32,
-        "request": {"input": [{"role": "user", "content": "Hi"}]},
-        "output": [{"type": "message", "content": [{"type": "output_text", "text": text}]}],
-        "output_text": text,
-        "usage": {"input_tokens": 3, "output_tokens": 4, "total_tokens": 7},
-        **overrides,
-    }
-    return ResponseRecord(**fields)
-
-
-def drop(payload: dict) -> None:
-    """A broker that accepts the task and loses it: the row never lands unless a test writes it."""
 
 
 @pytest.fixture
@@ -71,30 +48,6 @@ def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-async def until(predicate, *, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-def off_loop(fn):
-    """`fn` as a coroutine run in a fresh thread that closes its connections (else PostgreSQL's
-    test database cannot be dropped: asgiref's thread would keep a session open)."""
-
-    async def call(*args, **kwargs):
-        def run():
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                connections.close_all()
-
-        return await asyncio.to_thread(run)
-
-    return call
 
 
 rows = off_loop(lambda **filters: list(StoredResponse.objects.filter(**filters)))
@@ -234,7 +187,7 @@ async def test_fetch_waits_for_a_pending_write(user, make_store):
     store.record(record)
 
     async def worker_lands_it():
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.3)  # the thing under test: the row lands late, while fetch waits
         await off_loop(services.response_persist)(payload=record.as_payload())
 
     landing = asyncio.create_task(worker_lands_it())
@@ -336,7 +289,7 @@ async def test_breaker_releases_a_wedged_persist_and_tombstones_the_id(user, mak
         on_force_release=force_release,
         on_late_landing=late_landing,
     )
-    await until(lambda: calls == ["force_release"], timeout=3, what="the breaker")
+    await eventually(lambda: calls == ["force_release"], timeout=3, what="the breaker")
     assert store.stats()["breaker_trips"] == 1
     assert store.pending_count() == 0 and store.is_pending(record.public_id)
     await until_tombstone_row(record.public_id)
@@ -357,7 +310,7 @@ async def test_breaker_releases_a_wedged_persist_and_tombstones_the_id(user, mak
         await store.fetch(public_id=record.public_id, owner_id=user.pk, wait_s=0.1)
 
     await off_loop(tasks.response_persist.apply)(args=[record.as_payload()], throw=True)
-    await until(lambda: calls == ["force_release", "late_landing"], timeout=3, what="the late landing")
+    await eventually(lambda: calls == ["force_release", "late_landing"], timeout=3, what="the late landing")
     assert engine.registry.tombstone(weights_key) is None
     assert store.stats()["late_landed"] == 1 and not store.is_pending(record.public_id)
     row = await store.fetch(public_id=record.public_id, owner_id=user.pk)
@@ -368,10 +321,8 @@ async def test_breaker_releases_a_wedged_persist_and_tombstones_the_id(user, mak
 
 
 async def until_tombstone_row(public_id: str) -> None:
-    deadline = time.monotonic() + 3
-    while not await off_loop(InstanceTombstone.objects.filter(response_public_id=public_id).exists)():
-        assert time.monotonic() < deadline, "no tombstone row"
-        await asyncio.sleep(0.02)
+    tombstoned = off_loop(InstanceTombstone.objects.filter(response_public_id=public_id).exists)
+    await eventually(tombstoned, timeout=3, interval=0.02, what=f"a tombstone row for {public_id}")
 
 
 @pytest.mark.django_db(transaction=True)
@@ -384,7 +335,7 @@ async def test_an_unlanded_tombstone_expires_and_is_released(user, make_store):
         on_force_release=lambda: calls.append("force_release"),
         on_late_landing=lambda: calls.append("late_landing"),
     )
-    await until(lambda: calls == ["force_release", "late_landing"], timeout=3, what="expiry")
+    await eventually(lambda: calls == ["force_release", "late_landing"], timeout=3, what="expiry")
     assert store.stats()["tombstones_expired"] == 1
 
 
@@ -402,12 +353,12 @@ async def test_embedded_default_sweeps_in_the_web_process(user, make_store):
     await asyncio.sleep(0)
     await asyncio.wait_for(store.run_monitor(), 1)  # one per loop: a second call returns at once
     await asyncio.wait_for(store.run_sweeper(), 1)
-    deadline = time.monotonic() + 3
-    while (
-        await off_loop(StoredResponse.objects.exists)() or await off_loop(InstanceTombstone.objects.exists)()
-    ):
-        assert time.monotonic() < deadline, "the embedded sweep did not run"
-        await asyncio.sleep(0.02)
+
+    async def swept() -> bool:
+        exists = off_loop(StoredResponse.objects.exists), off_loop(InstanceTombstone.objects.exists)
+        return not any([await exists[0](), await exists[1]()])
+
+    await eventually(swept, timeout=3, interval=0.02, what="the embedded sweep")
     assert not monitor.done() and not sweeper.done()
     monitor.cancel()
     sweeper.cancel()
@@ -421,7 +372,12 @@ async def test_server_start_runs_one_monitor_and_the_embedded_sweeper(make_store
     store = make_store()
     start_persistence()
     start_persistence()
-    await asyncio.sleep(0.05)
-    names = sorted(task.get_name() for task in asyncio.all_tasks() if task.get_name().startswith("persist-"))
-    assert names == ["persist-monitor", "persist-sweeper"]
+
+    def names() -> list[str]:
+        return sorted(
+            task.get_name() for task in asyncio.all_tasks() if task.get_name().startswith("persist-")
+        )
+
+    # The second start's monitor and sweeper return at once; the first ones keep running.
+    await eventually(lambda: names() == ["persist-monitor", "persist-sweeper"], what="one of each task")
     store.close()

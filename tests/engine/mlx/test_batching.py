@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 from mlx_lm import load
@@ -11,17 +10,14 @@ from tokenizers import Tokenizer
 
 from mlxhost.engine import (
     Delta,
-    Done,
-    Engine,
-    Generation,
     GenerationRequest,
     Message,
     ModelSpec,
     SamplingParams,
 )
 from mlxhost.engine.backends.mlx.batch import PREFILL_STEP, MlxBatch
-from mlxhost.engine.worker import CallJob
-from tests.engine.conftest import collect
+from tests.engine.conftest import collect, until
+from tests.engine.mlx.support import chat, outcome, run_together, submit_together
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,40 +38,6 @@ def batch_sizes(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(MlxBatch, "step", step)
     return sizes
-
-
-async def submit_together(engine: Engine, requests: list[GenerationRequest]) -> list[Generation]:
-    """Submit every request while the worker is held, so they all join the batch in one step."""
-    hold = threading.Event()
-    engine.get(1)._worker.submit(CallJob(lambda: hold.wait(30), lambda _r, _e: None))
-    try:
-        return [await engine.submit(r) for r in requests]
-    finally:
-        hold.set()
-
-
-async def run_together(engine: Engine, requests: list[GenerationRequest]) -> list[list]:
-    generations = await submit_together(engine, requests)
-    return await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 60)
-
-
-def outcome(events: list) -> tuple:
-    """What must match between schedulers: text, token ids, finish reason and usage."""
-    done = events[-1]
-    assert isinstance(done, Done), done
-    text = "".join(e.text for e in events if isinstance(e, Delta))
-    ids = tuple(t for e in events if isinstance(e, Delta) for t in e.token_ids)
-    return text, ids, done.finish_reason, done.usage.completion_tokens
-
-
-def chat(spec: ModelSpec, request_id: str, messages, session=None, **sampling) -> GenerationRequest:
-    return GenerationRequest(
-        request_id=request_id,
-        binding=f"instance:{spec.instance_id}",  # what `engine.load(spec)` bound
-        sampling=SamplingParams(**{"temperature": 0.0, **sampling}),
-        messages=tuple(Message(role, content) for role, content in messages),
-        session=session,
-    )
 
 
 async def test_greedy_batched_output_equals_single_stream_output(engines, batch_sizes, tiny_eos_id):
@@ -182,8 +144,10 @@ async def test_eight_conversations_never_leak_into_each_other(engines, batch_siz
     assert max(batch_sizes) == len(MARKERS)
 
     # Each handed-back cache holds exactly its own conversation.
-    await asyncio.sleep(0.05)  # adoption runs on the loop right after each Done
-    entries = batched.get(1).sessions._entries
+    warm = batched.get(1).sessions
+    # Adoption runs on the loop right after each Done.
+    await until(lambda: len(warm._entries) >= len(MARKERS), what="every cache to be adopted")
+    entries = warm._entries
     assert sorted(entries) == sorted(f"c{i}" for i in range(len(MARKERS)))
     model = batched.get(1).model
     for i, marker in enumerate(MARKERS):

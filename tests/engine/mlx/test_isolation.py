@@ -12,7 +12,7 @@ from mlxhost.engine import limits as engine_limits
 from mlxhost.engine.backends.base import StepEnd, TokenStep
 from mlxhost.engine.backends.mlx.backend import MlxBackend
 from tests.engine.conftest import collect
-from tests.engine.mlx.test_batching import chat, outcome, run_together
+from tests.engine.mlx.support import chat, outcome, run_together
 
 if TYPE_CHECKING:
     from pathlib import Path
