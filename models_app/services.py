@@ -21,7 +21,7 @@ from models_app.apikeys import key_generate, key_hash, key_prefix
 from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 
 if TYPE_CHECKING:
-    from django.contrib.auth.models import AbstractBaseUser
+    from django.contrib.auth.models import User  # AUTH_USER_MODEL: ApiKey.owner's target
 
 logger = logging.getLogger(__name__)
 HF_REPO_HELP = "A Hugging Face repo id looks like 'owner/name'."
@@ -216,7 +216,7 @@ def _free_model_name(wanted: str) -> str:
     return name
 
 
-def apikey_create(*, owner: AbstractBaseUser, name: str) -> tuple[ApiKey, str]:
+def apikey_create(*, owner: User, name: str) -> tuple[ApiKey, str]:
     """Create a key; returns the row and the full key, which is never retrievable again."""
     raw = key_generate()
     key = ApiKey.objects.create(owner=owner, name=name, prefix=key_prefix(raw), secret_hash=key_hash(raw))
@@ -224,7 +224,7 @@ def apikey_create(*, owner: AbstractBaseUser, name: str) -> tuple[ApiKey, str]:
     return key, raw
 
 
-def apikey_ensure(*, owner: AbstractBaseUser, raw_key: str, name: str) -> ApiKey:
+def apikey_ensure(*, owner: User, raw_key: str, name: str) -> ApiKey:
     """Make sure a live key with exactly this value exists for `owner` (bootstrap from the environment).
 
     Raises:
