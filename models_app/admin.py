@@ -134,7 +134,7 @@ def _live_columns(request: HttpRequest) -> _LiveColumns:
     columns: _LiveColumns | None = getattr(request, "_mlxhost_live_columns", None)
     if columns is None:  # Django asks more than once per page; read the engines' status once
         columns = _LiveColumns()
-        request._mlxhost_live_columns = columns  # type: ignore[attr-defined]
+        request._mlxhost_live_columns = columns  # type: ignore[attr-defined]  # a per-request memo
     return columns
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -136,7 +136,8 @@ def model_request_action(*, model: Model, action: str, requested_by: str = "") -
     if action not in control.ACTIONS:
         raise ValidationError(f"Unknown action {action!r}.")
     with transaction.atomic():
-        control.request_action(model_name=model.name, action=action, requested_by=requested_by)  # type: ignore[arg-type]
+        checked = cast("control.Action", action)  # one of control.ACTIONS, checked above
+        control.request_action(model_name=model.name, action=checked, requested_by=requested_by)
 
 
 @transaction.atomic
