@@ -49,7 +49,8 @@ TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "respo
 def _header(scope: dict[str, Any], name: bytes) -> str:
     for key, value in scope.get("headers", []):
         if key == name:
-            return value.decode("latin1")
+            text: str = value.decode("latin1")
+            return text
     return ""
 
 
@@ -88,7 +89,7 @@ def session_user(scope: dict[str, Any]) -> Any | None:
     return user
 
 
-class _TrackedConsumer(AsyncWebsocketConsumer):
+class _TrackedConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channels ships no types: Any
     """A consumer whose accepted sockets the shutdown closes (see `close_open_sockets`)."""
 
     async def accept(self, subprotocol: str | None = None, headers: Any = None) -> None:

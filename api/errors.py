@@ -194,7 +194,7 @@ def error_response(error: ApiError, dialect: Dialect) -> HttpResponse:
 def page_not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """Django's `handler404`: unknown paths under /v1/ answer in the API's envelope, not HTML (API-4)."""
     if not request.path.startswith("/v1/"):
-        return defaults.page_not_found(request, exception)  # type: ignore[arg-type]
+        return defaults.page_not_found(request, exception)
     dialect: Dialect = "anthropic" if request.path.startswith("/v1/messages") else "openai"
     error = ApiError(404, f"Unknown route: {request.method} {request.path}.", code="unknown_route")
     return error_response(error, dialect)

@@ -22,6 +22,7 @@ async def healthz(request: HttpRequest) -> HttpResponse:
 def _aliases_by_instance() -> dict[int, list[str]]:
     names: dict[int, list[str]] = {}
     for alias in selectors.aliases_enabled():
+        assert alias.instance_id is not None  # aliases_enabled() filters on the model's instance
         names.setdefault(alias.instance_id, []).append(alias.name)
     return names
 

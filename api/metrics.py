@@ -161,15 +161,15 @@ def _instance_metrics(engine: Engine) -> Iterator[Metric]:
         "Weights freed without an admin action: keep_alive (idle) or memory_budget (evicted).",
         labels=["instance", "reason"],
     )
-    for snap in sorted(engine.snapshot(), key=lambda s: s["instance_id"]):  # type: ignore[arg-type, return-value]
+    for snap in sorted(engine.snapshot(), key=lambda s: s["instance_id"]):
         instance = str(snap["instance_id"])
-        for name in snap["aliases"]:  # type: ignore[attr-defined]
+        for name in snap["aliases"]:
             bound.add_metric([name, instance], 1)
         for name in INSTANCE_STATES:
             state.add_metric([instance, name], 1 if snap["state"] == name else 0)
         for family, read in gauges:
             family.add_metric([instance], read(snap))
-        generated.add_metric([instance], snap["tokens_generated"])  # type: ignore[arg-type]
+        generated.add_metric([instance], snap["tokens_generated"])
     for instance_id, reasons in sorted(engine.stats.unloads.items()):
         for reason, count in reasons.items():
             unloads.add_metric([str(instance_id), reason], count)

@@ -78,8 +78,9 @@ def _may_hold_surrogates(raw: bytes | str) -> bool:
 
 
 def _may_nest(raw: bytes | str) -> bool:
-    opens = ("[", "{") if isinstance(raw, str) else (b"[", b"{")
-    return raw.count(opens[0]) + raw.count(opens[1]) > MAX_JSON_DEPTH  # type: ignore[arg-type]
+    if isinstance(raw, str):
+        return raw.count("[") + raw.count("{") > MAX_JSON_DEPTH
+    return raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
 
 
 def _too_deep(value: Any) -> bool:

@@ -55,21 +55,26 @@ def max_tokens_field(**kwargs: Any) -> serializers.IntegerField:
     return serializers.IntegerField(required=False, allow_null=True, min_value=1, **kwargs)
 
 
-class SamplingInput(serializers.Serializer):
+# A knob a surface may redeclare (`stop` as a string or a list) or drop: DRF removes a declared
+# field that a subclass sets to None.
+Knob = serializers.Field[Any, Any, Any, Any] | None
+
+
+class SamplingInput(serializers.Serializer[Any]):
     """The model name and the sampling knobs, with OpenAI's ranges (the widest any surface takes)."""
 
     model = serializers.CharField(max_length=64)
     temperature = optional_float(0.0, 2.0)
     top_p = optional_float(0.0, 1.0)
     top_k = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_TOP_K)
-    min_p = optional_float(0.0, 1.0)
-    repetition_penalty = optional_float(0.01, 10.0)
-    presence_penalty = optional_float(-2.0, 2.0)
-    frequency_penalty = optional_float(-2.0, 2.0)
-    max_tokens = max_tokens_field()
-    stop = stop_list_field(MAX_STOP_SEQUENCES)
-    seed = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_SEED)
-    logit_bias = serializers.DictField(
+    min_p: Knob = optional_float(0.0, 1.0)
+    repetition_penalty: Knob = optional_float(0.01, 10.0)
+    presence_penalty: Knob = optional_float(-2.0, 2.0)
+    frequency_penalty: Knob = optional_float(-2.0, 2.0)
+    max_tokens: Knob = max_tokens_field()
+    stop: Knob = stop_list_field(MAX_STOP_SEQUENCES)
+    seed: Knob = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_SEED)
+    logit_bias: Knob = serializers.DictField(
         child=serializers.FloatField(min_value=-100, max_value=100), required=False, allow_null=True
     )
 

@@ -40,6 +40,6 @@ def configure_daphne_websockets(*, max_frame_bytes: int) -> None:
         else:
             server_close(self, code=code)
 
-    WebSocketFactory.setProtocolOptions = set_protocol_options  # type: ignore[method-assign]
-    WebSocketProtocol.serverClose = close_with_protocol_codes  # type: ignore[method-assign]
-    WebSocketFactory._mlxhost_configured = True  # type: ignore[attr-defined]
+    WebSocketFactory.setProtocolOptions = set_protocol_options
+    WebSocketProtocol.serverClose = close_with_protocol_codes
+    WebSocketFactory._mlxhost_configured = True

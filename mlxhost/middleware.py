@@ -12,7 +12,7 @@ own behaviour.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -24,9 +24,12 @@ from django.middleware.clickjacking import XFrameOptionsMiddleware
 from django.middleware.common import CommonMiddleware
 from django.middleware.csrf import CsrfViewMiddleware
 from django.middleware.security import SecurityMiddleware
+from django.utils.deprecation import MiddlewareMixin
 from django.utils.module_loading import import_string
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from django.http import HttpRequest, HttpResponseBase
 
 API_PREFIX = "/v1/"
@@ -36,16 +39,21 @@ def is_api(request: HttpRequest) -> bool:
     return request.path.startswith(API_PREFIX)
 
 
-class _InlineForApi:
-    """Mixin for a `MiddlewareMixin` subclass: hooks run inline for API paths, hopped otherwise."""
+class _InlineForApi(MiddlewareMixin):
+    """Mixin for a `MiddlewareMixin` subclass: hooks run inline for API paths, hopped otherwise.
+
+    Listed before the stock class, so `MiddlewareMixin` stays last in the MRO as it was.
+    """
 
     async def __acall__(self, request: HttpRequest) -> HttpResponseBase:
         if not is_api(request):
-            return await super().__acall__(request)  # type: ignore[misc]
-        response = None
+            return await super().__acall__(request)
+        # Django calls __acall__ only on an async chain, so the next handler is a coroutine function.
+        get_response = cast("Callable[[HttpRequest], Awaitable[HttpResponseBase]]", self.get_response)
+        response: HttpResponseBase | None = None
         if hasattr(self, "process_request"):
             response = self.process_request(request)
-        response = response or await self.get_response(request)  # type: ignore[attr-defined]
+        response = response or await get_response(request)
         if hasattr(self, "process_response"):
             response = self.process_response(request, response)
         return response
@@ -65,7 +73,7 @@ class InlineCommonMiddleware(_InlineForApi, CommonMiddleware):
 
 class InlineCsrfViewMiddleware(_InlineForApi, CsrfViewMiddleware):
     # An async `process_view` is called as is; Django would hop a sync one to the thread.
-    async def process_view(  # type: ignore[override]
+    async def process_view(  # type: ignore[override]  # Django awaits an async hook; stubs say sync
         self, request: HttpRequest, callback: Any, callback_args: Any, callback_kwargs: Any
     ) -> HttpResponseBase | None:
         if is_api(request):

@@ -204,7 +204,7 @@ STATIC_ROOT = VAR_DIR / "staticfiles"
 # Serve /static/ from the ASGI app (admin CSS, dashboard JS); turn off behind a web server that does it.
 MLXHOST_SERVE_STATIC = env.bool("MLXHOST_SERVE_STATIC", default=True)
 
-REST_FRAMEWORK = {
+REST_FRAMEWORK: dict[str, object] = {
     "DEFAULT_AUTHENTICATION_CLASSES": [],
     "DEFAULT_PERMISSION_CLASSES": [],
     "UNAUTHENTICATED_USER": None,

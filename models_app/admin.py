@@ -24,8 +24,23 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from django import forms
+    from django.contrib.admin.options import _FieldGroups  # the stubs' name for a fields list
     from django.db.models import QuerySet
     from django.utils.safestring import SafeString
+
+    # django-stubs makes the admin classes generic over their model, but Django's are not
+    # subscriptable at runtime (django_stubs_ext.monkeypatch would make them so; dev-only here).
+    _AliasInlineBase = admin.TabularInline[ModelAlias, Model]
+    _ModelAdminBase = admin.ModelAdmin[Model]
+    _ModelAliasAdminBase = admin.ModelAdmin[ModelAlias]
+    _ModelInstanceAdminBase = admin.ModelAdmin[ModelInstance]
+    _ApiKeyAdminBase = admin.ModelAdmin[ApiKey]
+    _StoredResponseAdminBase = admin.ModelAdmin[StoredResponse]
+    _InstanceTombstoneAdminBase = admin.ModelAdmin[InstanceTombstone]
+else:
+    _AliasInlineBase = admin.TabularInline
+    _ModelAdminBase = _ModelAliasAdminBase = _ModelInstanceAdminBase = admin.ModelAdmin
+    _ApiKeyAdminBase = _StoredResponseAdminBase = _InstanceTombstoneAdminBase = admin.ModelAdmin
 
 ACTION_REQUESTED = "{action} requested for {names}; progress shows here and on the dashboard."
 NEW_KEY_SHOWN_ONCE = "New API key (shown once, copy it now): {raw}"
@@ -119,7 +134,7 @@ def _live_columns(request: HttpRequest) -> _LiveColumns:
     columns: _LiveColumns | None = getattr(request, "_mlxhost_live_columns", None)
     if columns is None:  # Django asks more than once per page; read the engines' status once
         columns = _LiveColumns()
-        request._mlxhost_live_columns = columns  # type: ignore[attr-defined]
+        request._mlxhost_live_columns = columns  # type: ignore[attr-defined]  # a per-request memo
     return columns
 
 
@@ -135,7 +150,7 @@ def _live_context(live: selectors.AliasLiveState) -> dict[str, Any]:
 # Models ---------------------------------------------------------------------------------------------
 
 
-class AliasInline(admin.TabularInline):
+class AliasInline(_AliasInlineBase):
     """The aliases a model serves, read-only here: each is edited on its own page."""
 
     model = ModelAlias
@@ -150,7 +165,7 @@ class AliasInline(admin.TabularInline):
 
 
 @admin.register(Model)
-class ModelAdmin(admin.ModelAdmin):
+class ModelAdmin(_ModelAdminBase):
     """Weights, their admission lane and memory policy, and the load / unload / reload actions."""
 
     form = ModelForm
@@ -273,7 +288,9 @@ class ModelAdmin(admin.ModelAdmin):
 
     # Writes ---------------------------------------------------------------------------------------
 
-    def save_model(self, request: HttpRequest, obj: Model, form: forms.ModelForm, change: bool) -> None:
+    def save_model(
+        self, request: HttpRequest, obj: Model, form: forms.ModelForm[Model], change: bool
+    ) -> None:
         try:
             services.model_save(model=obj)
         except ValidationError as exc:  # the folder changed between clean() and save
@@ -292,7 +309,7 @@ class ModelAdmin(admin.ModelAdmin):
 
 
 @admin.register(ModelAlias)
-class ModelAliasAdmin(admin.ModelAdmin):
+class ModelAliasAdmin(_ModelAliasAdminBase):
     """Public names: sampling defaults and limits. Weights, lane and actions are on the model."""
 
     form = ModelAliasForm
@@ -337,7 +354,9 @@ class ModelAliasAdmin(admin.ModelAdmin):
             context.update(_live_context(live), model_url=model_url, model_name=obj.model.name)
         return super().render_change_form(request, context, add, change, form_url, obj)
 
-    def save_model(self, request: HttpRequest, obj: ModelAlias, form: forms.ModelForm, change: bool) -> None:
+    def save_model(
+        self, request: HttpRequest, obj: ModelAlias, form: forms.ModelForm[ModelAlias], change: bool
+    ) -> None:
         services.alias_save(alias=obj)
 
     def delete_model(self, request: HttpRequest, obj: ModelAlias) -> None:
@@ -349,7 +368,7 @@ class ModelAliasAdmin(admin.ModelAdmin):
 
 
 @admin.register(ModelInstance)
-class ModelInstanceAdmin(admin.ModelAdmin):
+class ModelInstanceAdmin(_ModelInstanceAdminBase):
     list_display = (
         "id",
         "source_kind",
@@ -376,7 +395,7 @@ class ModelInstanceAdmin(admin.ModelAdmin):
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(_ApiKeyAdminBase):
     """The full key appears once, in the message after creation; pages show only the prefix."""
 
     list_display = ("name", "prefix", "owner", "created_at", "last_used_at", "revoked_at")
@@ -386,12 +405,14 @@ class ApiKeyAdmin(admin.ModelAdmin):
     exclude = ("secret_hash",)
     actions = ("revoke",)
 
-    def get_form(self, request: HttpRequest, obj: Any = None, **kwargs: Any) -> type[forms.ModelForm]:
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> type[forms.ModelForm[ApiKey]]:
         if obj is None:
             kwargs["form"] = ApiKeyCreateForm
-        return super().get_form(request, obj, **kwargs)
+        return super().get_form(request, obj, change=change, **kwargs)
 
-    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> _FieldGroups:
         if obj is None:
             return ["owner", "name"]
         return ["name", "owner", "prefix", "created_at", "last_used_at", "revoked_at"]  # never the hash
@@ -399,7 +420,9 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         return ("owner", "prefix", "created_at", "last_used_at", "revoked_at") if obj else ()
 
-    def save_model(self, request: HttpRequest, obj: ApiKey, form: forms.ModelForm, change: bool) -> None:
+    def save_model(
+        self, request: HttpRequest, obj: ApiKey, form: forms.ModelForm[ApiKey], change: bool
+    ) -> None:
         if change:
             obj.save(update_fields=["name", "updated_at"])
             return
@@ -418,7 +441,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 
 @admin.register(StoredResponse)
-class StoredResponseAdmin(admin.ModelAdmin):
+class StoredResponseAdmin(_StoredResponseAdminBase):
     """Read-only (staff may delete), searchable, with a chain view per row."""
 
     list_display = (
@@ -485,7 +508,7 @@ class StoredResponseAdmin(admin.ModelAdmin):
 
 
 @admin.register(InstanceTombstone)
-class InstanceTombstoneAdmin(admin.ModelAdmin):
+class InstanceTombstoneAdmin(_InstanceTombstoneAdminBase):
     """Read-only: the persist breaker writes these, the tombstone sweep deletes them (REG-7)."""
 
     list_display = ("instance_id", "source", "revision", "response_public_id", "created_at", "expires_at")

@@ -13,6 +13,14 @@ from models_app.models import ApiKey, Model, ModelAlias
 if TYPE_CHECKING:
     from django.utils.safestring import SafeString
 
+    # django-stubs makes ModelForm generic over its model, but Django's class is not subscriptable
+    # at runtime (django_stubs_ext.monkeypatch would make it so; it is a dev-only package here).
+    _ModelFormBase = forms.ModelForm[Model]
+    _ModelAliasFormBase = forms.ModelForm[ModelAlias]
+    _ApiKeyFormBase = forms.ModelForm[ApiKey]
+else:
+    _ModelFormBase = _ModelAliasFormBase = _ApiKeyFormBase = forms.ModelForm
+
 MODEL_FORM_FIELDS = (
     "name", "description", "pinned",
     "source_kind", "local_path", "hf_repo", "hf_revision",
@@ -51,7 +59,7 @@ class DatalistInput(forms.TextInput):
         return format_html('{}<datalist id="{}">{}</datalist>', html, list_id, options)
 
 
-class ModelForm(forms.ModelForm):
+class ModelForm(_ModelFormBase):
     """Registers or edits a model; the weights source is checked before the admin saves it."""
 
     class Meta:
@@ -71,7 +79,8 @@ class ModelForm(forms.ModelForm):
             self.fields["source_kind"].help_text = SOURCE_HELP
 
     def clean(self) -> dict[str, Any]:
-        cleaned = super().clean()
+        super().clean()  # ModelForm's returns self.cleaned_data; the stubs allow None (a subclass may)
+        cleaned = self.cleaned_data
         if not self.errors:
             for field, value in cleaned.items():
                 setattr(self.instance, field, value)
@@ -81,7 +90,7 @@ class ModelForm(forms.ModelForm):
         return cleaned
 
 
-class ModelAliasForm(forms.ModelForm):
+class ModelAliasForm(_ModelAliasFormBase):
     """Registers or edits an alias: a public name, its sampling and limits, and its model."""
 
     class Meta:
@@ -89,7 +98,7 @@ class ModelAliasForm(forms.ModelForm):
         fields = ALIAS_FORM_FIELDS
 
 
-class ApiKeyCreateForm(forms.ModelForm):
+class ApiKeyCreateForm(_ApiKeyFormBase):
     class Meta:
         model = ApiKey
         fields = ("owner", "name")

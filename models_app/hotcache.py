@@ -9,13 +9,17 @@ another process are seen within the TTL (or at once, for aliases, via `models.ch
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from models_app.models import ModelAlias
+    from models_app.selectors import KeyIdentity
 
 # A key revoked (or an owner deactivated) in another process is refused within this many seconds;
 # in this process, at once. Keep it <= 5 s.
@@ -24,10 +28,19 @@ KEY_TTL_S = 2.0
 ALIAS_TTL_S = 5.0
 MAX_ENTRIES = 4096
 
-MISS = object()
+
+class _Miss(enum.Enum):
+    """The type of `MISS`: a one-member enum, so `is MISS` narrows a lookup's type."""
+
+    MISS = enum.auto()
 
 
-class TtlCache:
+MISS: Final = _Miss.MISS
+
+V = TypeVar("V")
+
+
+class TtlCache(Generic[V]):
     """A small thread-safe LRU map whose entries expire `ttl_s` after they were stored.
 
     `clear()` bumps a generation, and `put()` drops a value read under an older generation, so
@@ -40,11 +53,11 @@ class TtlCache:
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._clock = clock
-        self._entries: OrderedDict[Any, tuple[float, Any]] = OrderedDict()
+        self._entries: OrderedDict[Any, tuple[float, V]] = OrderedDict()
         self._lock = threading.Lock()
         self.generation = 0
 
-    def get(self, key: Any) -> Any:
+    def get(self, key: Any) -> V | Literal[_Miss.MISS]:
         """The cached value, or `MISS`."""
         with self._lock:
             entry = self._entries.get(key)
@@ -56,7 +69,7 @@ class TtlCache:
             self._entries.move_to_end(key)
             return entry[1]
 
-    def put(self, key: Any, value: Any, generation: int) -> None:
+    def put(self, key: Any, value: V, generation: int) -> None:
         with self._lock:
             if generation != self.generation:
                 return
@@ -71,8 +84,8 @@ class TtlCache:
             self._entries.clear()
 
 
-api_keys = TtlCache(KEY_TTL_S)
-aliases = TtlCache(ALIAS_TTL_S)
+api_keys: TtlCache[KeyIdentity | None] = TtlCache(KEY_TTL_S)  # None: no live key has that hash
+aliases: TtlCache[ModelAlias | None] = TtlCache(ALIAS_TTL_S)  # None: no enabled alias has that name
 
 
 def clear_all() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from asgiref.sync import sync_to_async
 
@@ -13,16 +13,18 @@ from models_app.models import ModelAlias
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
+T = TypeVar("T")
+
 _inflight: dict[tuple[str, Any], asyncio.Future[Any]] = {}
 
 
-async def single_flight(kind: str, key: Any, load: Callable[[], Awaitable[Any]]) -> Any:
+async def single_flight(kind: str, key: Any, load: Callable[[], Awaitable[T]]) -> T:
     """Run `load()` once for concurrent callers asking for the same `key`: a burst that arrives
     after the cache entry expired makes one database read, not one per request (each would
     queue on asgiref's one sync thread). The first caller's error reaches every waiter."""
     flight = _inflight.get((kind, key))
-    if flight is not None:
-        return await asyncio.shield(flight)
+    if flight is not None:  # started by a caller with the same (kind, key), so the same loader type
+        return cast("T", await asyncio.shield(flight))
     flight = asyncio.get_running_loop().create_future()
     _inflight[(kind, key)] = flight
     try:
@@ -57,10 +59,12 @@ async def alias_resolve(name: str) -> ModelAlias:
     Raises:
         ModelAlias.DoesNotExist: no enabled alias has that name.
     """
-    alias = hotcache.aliases.get(name)
-    if alias is hotcache.MISS:
+    cached = hotcache.aliases.get(name)
+    if cached is hotcache.MISS:
         generation = hotcache.aliases.generation  # read before the query: an edit meanwhile wins
         alias = await single_flight("alias", name, lambda: sync_to_async(_lookup_sync)(name, generation))
+    else:
+        alias = cached
     if alias is None:
         raise ModelAlias.DoesNotExist(f"No enabled alias named {name!r}.")
     return alias

@@ -6,6 +6,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
+from django.db.models import TextChoices
 
 
 class BaseModel(models.Model):
@@ -23,7 +24,9 @@ class ModelInstance(models.Model):
     ids are monotonic and never repeat across processes and restarts.
     """
 
-    class SourceKind(models.TextChoices):
+    # TextChoices, not models.TextChoices: django-stubs adds the reverse accessor `models`
+    # (Model.instance's related_name) to this class, which shadows the module in its body.
+    class SourceKind(TextChoices):
         LOCAL = "local", "Local folder under MODELS_ROOT"
         HUB = "hub", "Hugging Face repo id"
 

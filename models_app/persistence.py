@@ -33,7 +33,7 @@ from models_app.publishing import CeleryPublisher, persist_eagerly
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Callback = Callable[[], None]
+Callback = Callable[[], object]  # any result is ignored (Retention.retire returns the id)
 Publish = Callable[[dict[str, Any]], None]
 
 TERMINAL_STATUSES = frozenset({"completed", "incomplete", "failed", "cancelled"})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from mlxhost.engine import Done, Failed, Message, Usage
 from mlxhost.runtime import BOOT_ID
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from mlxhost.engine import Engine, Permit, Retention
+    from mlxhost.engine.types import Role
     from models_app.models import ModelAlias
 
 # The id is not echoed: a foreign id and a missing one answer the very same bytes (PER-6).
@@ -148,8 +149,10 @@ class ResponseHooks(TurnHooks):
     def messages(self) -> tuple[Message, ...]:
         system = [t["content"] for t in self.data["turns"] if t["role"] == "system"]
         instructions = "\n".join([self.instructions, *system] if self.instructions else system)
-        head = (Message(role="system", content=instructions),) if instructions else ()
-        return head + tuple(Message(role=t["role"], content=t["content"]) for t in self.conversation)  # type: ignore[arg-type,operator]
+        head: tuple[Message, ...] = (Message(role="system", content=instructions),) if instructions else ()
+        # Input roles arrive normalised to the engine's (responses_input.INPUT_ROLES); system ones are above.
+        turns = tuple(Message(role=cast("Role", t["role"]), content=t["content"]) for t in self.conversation)
+        return head + turns
 
     async def prepare(
         self, engine: Engine, alias: ModelAlias, permit: Permit, turn: TurnRequest
@@ -213,7 +216,7 @@ class ResponseHooks(TurnHooks):
             alias_name=alias.name,
             instance_id=retention.instance_id,
             weights_fingerprint=retention.fingerprint,
-            weights_key=list(retention.weights_key),
+            weights_key=retention.weights_key,
             boot_id=BOOT_ID,
             previous_response_id=data.get("previous_response_id") or "",
             request={

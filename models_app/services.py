@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -26,7 +26,7 @@ from models_app.apikeys import key_generate, key_hash, key_prefix
 from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 
 if TYPE_CHECKING:
-    from django.contrib.auth.models import AbstractBaseUser
+    from django.contrib.auth.models import User  # AUTH_USER_MODEL: ApiKey.owner's target
 
 logger = logging.getLogger(__name__)
 HF_REPO_HELP = "A Hugging Face repo id looks like 'owner/name'."
@@ -141,7 +141,8 @@ def model_request_action(*, model: Model, action: str, requested_by: str = "") -
     if action not in control.ACTIONS:
         raise ValidationError(f"Unknown action {action!r}.")
     with transaction.atomic():
-        control.request_action(model_name=model.name, action=action, requested_by=requested_by)  # type: ignore[arg-type]
+        checked = cast("control.Action", action)  # one of control.ACTIONS, checked above
+        control.request_action(model_name=model.name, action=checked, requested_by=requested_by)
 
 
 @transaction.atomic
@@ -221,7 +222,7 @@ def _free_model_name(wanted: str) -> str:
     return name
 
 
-def apikey_create(*, owner: AbstractBaseUser, name: str) -> tuple[ApiKey, str]:
+def apikey_create(*, owner: User, name: str) -> tuple[ApiKey, str]:
     """Create a key; returns the row and the full key, which is never retrievable again."""
     raw = key_generate()
     key = ApiKey.objects.create(owner=owner, name=name, prefix=key_prefix(raw), secret_hash=key_hash(raw))
@@ -229,7 +230,7 @@ def apikey_create(*, owner: AbstractBaseUser, name: str) -> tuple[ApiKey, str]:
     return key, raw
 
 
-def apikey_ensure(*, owner: AbstractBaseUser, raw_key: str, name: str) -> ApiKey:
+def apikey_ensure(*, owner: User, raw_key: str, name: str) -> ApiKey:
     """Make sure a live key with exactly this value exists for `owner` (bootstrap from the environment).
 
     Raises:

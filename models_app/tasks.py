@@ -6,12 +6,12 @@ from typing import Any
 
 from django.db import OperationalError
 
-from mlxhost.celery import app
+from mlxhost.celery import task
 
 
 # acks_late + an idempotent upsert: a worker killed mid-task gets the task redelivered, and the
 # second run finds the row (or writes it once); never a duplicate (PER-1, PER-3).
-@app.task(
+@task(
     acks_late=True,
     reject_on_worker_lost=True,
     autoretry_for=(OperationalError,),
@@ -24,14 +24,14 @@ def response_persist(payload: dict[str, Any]) -> None:
     persist(payload=payload)
 
 
-@app.task(acks_late=True)
+@task(acks_late=True)
 def responses_purge_expired() -> int:
     from models_app.services import responses_purge_expired as purge
 
     return purge()
 
 
-@app.task(acks_late=True)
+@task(acks_late=True)
 def tombstones_purge() -> int:
     from models_app.services import tombstones_purge as purge
 

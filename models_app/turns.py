@@ -21,7 +21,7 @@ from models_app import lookups, selectors
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+    from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 
     from mlxhost.engine import Engine, Event, Generation, Permit
     from models_app.models import ModelAlias
@@ -92,7 +92,7 @@ class StartedTurn:
     def headers(self) -> dict[str, str]:
         return {"X-Session-Cache": self.generation.session_outcome, "X-Request-Id": self.request_id}
 
-    async def events(self) -> AsyncIterator[Event]:
+    async def events(self) -> AsyncGenerator[Event, None]:
         """The generation's events. Before the terminal one is yielded, `hooks.ended` runs and its
         handoff is awaited (PER-1); a listener that stops early (closes this iterator) still gets
         the turn recorded, in the background, as cut short.

@@ -50,7 +50,7 @@ def blocks_text(value: Any) -> str:
     return BLOCK_SEPARATOR.join(texts)
 
 
-class MessageInput(serializers.Serializer):
+class MessageInput(serializers.Serializer[Any]):
     role = serializers.ChoiceField(choices=["user", "assistant"])
     content = serializers.JSONField()
 
@@ -61,11 +61,11 @@ class MessageInput(serializers.Serializer):
         return blocks_text(value)
 
 
-class MetadataInput(serializers.Serializer):
+class MetadataInput(serializers.Serializer[Any]):
     user_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=256)
 
 
-class PromptInput(serializers.Serializer):
+class PromptInput(serializers.Serializer[Any]):
     """What both /v1/messages and /v1/messages/count_tokens take: the model and the prompt."""
 
     model = serializers.CharField(max_length=64)
@@ -112,13 +112,13 @@ class MessagesInput(PromptInput, SamplingInput):
     stream = StrictBooleanField(required=False, default=False)
     service_tier = serializers.CharField(required=False, allow_null=True)  # accepted, ignored
     # Not Anthropic parameters: the wire names stay unknown (ignored), as Anthropic's API has them.
-    stop = None  # type: ignore[assignment]
-    min_p = None  # type: ignore[assignment]
-    repetition_penalty = None  # type: ignore[assignment]
-    presence_penalty = None  # type: ignore[assignment]
-    frequency_penalty = None  # type: ignore[assignment]
-    seed = None  # type: ignore[assignment]
-    logit_bias = None  # type: ignore[assignment]
+    stop = None
+    min_p = None
+    repetition_penalty = None
+    presence_penalty = None
+    frequency_penalty = None
+    seed = None
+    logit_bias = None
 
 
 class CountTokensInput(PromptInput):

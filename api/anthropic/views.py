@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 
 from api.anthropic.messages import MessageTurn, message_complete, message_sse
 from api.anthropic.serializers import CountTokensInput, MessagesInput
@@ -30,7 +30,7 @@ def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
 
 
 @api_endpoint(dialect="anthropic", methods=("POST",))
-async def messages(request: HttpRequest) -> HttpResponse:
+async def messages(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/messages (Anthropic-compatible; SSE events when `stream` is true).
 
     `anthropic-version` and `anthropic-beta` headers are accepted and ignored.

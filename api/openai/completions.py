@@ -21,7 +21,7 @@ from models_app.turns import CacheScope, TurnRequest, turn_start
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
 
-    from django.http import HttpRequest, HttpResponse
+    from django.http import HttpRequest, HttpResponseBase
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint, not the alias's
 OBJECT = "text_completion"
@@ -112,7 +112,7 @@ async def completion_collect(turn: ChatTurn, generation: Generation) -> dict[str
 
 
 @api_endpoint(dialect="openai", methods=("POST",))
-async def completions(request: HttpRequest) -> HttpResponse:
+async def completions(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/completions (OpenAI legacy text completion; SSE when `stream` is true)."""
     data = validated(CompletionInput, json_body(request))
     # Admitted before any header goes out: a queue timeout or drain is a status code.

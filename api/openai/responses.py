@@ -12,7 +12,7 @@ from mlxhost.engine import Delta, Done, Failed, Usage
 from models_app.response_turns import STATUS, StartedResponse, output_message, usage_body
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncGenerator, AsyncIterator
 
     from models_app.turns import StartedTurn
 
@@ -120,7 +120,7 @@ async def response_sse(response: ResponseTurn, turn: StartedTurn) -> AsyncIterat
         yield sse_event(event, event=event["type"])
 
 
-async def response_events(response: ResponseTurn, turn: StartedTurn) -> AsyncIterator[dict[str, Any]]:
+async def response_events(response: ResponseTurn, turn: StartedTurn) -> AsyncGenerator[dict[str, Any], None]:
     """Stream a turn as Responses event objects, ending with completed / incomplete / failed.
 
     The SSE stream and the WebSocket send these same objects. The turn service records the

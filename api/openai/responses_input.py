@@ -24,7 +24,8 @@ UNSUPPORTED = {
 
 def _part_text(part: Any) -> str:
     if isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES and isinstance(part.get("text"), str):
-        return part["text"]
+        text: str = part["text"]
+        return text
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
     raise serializers.ValidationError(f"Only text content is supported, not {kind!r}.")
 
@@ -60,7 +61,7 @@ def input_turns(value: Any) -> list[dict[str, str]]:
     return turns
 
 
-class TextConfigInput(serializers.Serializer):
+class TextConfigInput(serializers.Serializer[Any]):
     format = serializers.DictField(required=False)
 
     def validate_format(self, value: dict[str, Any]) -> dict[str, Any]:
@@ -92,9 +93,9 @@ class ResponsesInput(SamplingInput):
     )
     # mlxhost extensions (send with the SDK's extra_body): the chat-completions sampling knobs,
     # less the penalties; `max_output_tokens` is Responses' name for `max_tokens`.
-    max_tokens = None  # type: ignore[assignment]
-    presence_penalty = None  # type: ignore[assignment]
-    frequency_penalty = None  # type: ignore[assignment]
+    max_tokens = None
+    presence_penalty = None
+    frequency_penalty = None
 
     def validate_input(self, value: Any) -> Any:
         input_turns(value)

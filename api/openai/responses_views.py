@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 
 from api.auth import api_endpoint, caller_of, json_body
 from api.openai.responses import ResponseTurn, response_collect, response_shape, response_sse
@@ -21,7 +21,7 @@ from models_app.response_turns import live_owner, not_found, response_start
 
 
 @api_endpoint(dialect="openai", methods=("POST",))
-async def responses_create(request: HttpRequest) -> HttpResponse:
+async def responses_create(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/responses (OpenAI-compatible; continues a stored chain by `previous_response_id`)."""
     data = validated(ResponsesInput, json_body(request))
     started = await response_start(data, caller_of(request).owner_id, sampling_overrides(data))

@@ -35,7 +35,7 @@ def content_text(value: Any) -> str:
     raise serializers.ValidationError("Content must be a string or a list of text parts.")
 
 
-class MessageInput(serializers.Serializer):
+class MessageInput(serializers.Serializer[Any]):
     role = serializers.ChoiceField(choices=["system", "developer", "user", "assistant"])
     content = serializers.JSONField()
     name = serializers.CharField(required=False, max_length=64)
@@ -47,7 +47,7 @@ class MessageInput(serializers.Serializer):
         return ROLE_ALIASES.get(value, value)
 
 
-class StreamOptionsInput(serializers.Serializer):
+class StreamOptionsInput(serializers.Serializer[Any]):
     include_usage = serializers.BooleanField(required=False, default=False)
 
 

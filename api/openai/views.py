@@ -6,7 +6,7 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 
 from api.auth import Caller, api_endpoint, caller_of, json_body, request_context
 from api.errors import ApiError
@@ -22,10 +22,12 @@ from models_app.turns import CacheScope, StartedTurn, TurnRequest, turn_start
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
 
+    from rest_framework import serializers
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def validated(serializer_class: type, body: dict[str, Any]) -> dict[str, Any]:
+def validated(serializer_class: type[serializers.Serializer[Any]], body: dict[str, Any]) -> dict[str, Any]:
     """Run a DRF serializer for validation only; the first error becomes a 400 with its `param`."""
     serializer = serializer_class(data=body)
     if not serializer.is_valid():
@@ -33,7 +35,8 @@ def validated(serializer_class: type, body: dict[str, Any]) -> dict[str, Any]:
         raise ApiError(
             400, f"{param}: {message}" if param else message, code="invalid_value", param=param or None
         )
-    return serializer.validated_data
+    data: dict[str, Any] = serializer.validated_data
+    return data
 
 
 def _chat_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
@@ -51,7 +54,7 @@ def _chat_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
 
 
 @api_endpoint(dialect="openai", methods=("POST",))
-async def chat_completions(request: HttpRequest) -> HttpResponse:
+async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/chat/completions (OpenAI-compatible; SSE when `stream` is true)."""
     data = validated(ChatCompletionInput, json_body(request))
     # Admitted before any header goes out, so a queue timeout or drain is a 503 (LANE-7/8).
@@ -67,7 +70,7 @@ async def chat_shaped_response(
     *,
     stream: Callable[[ChatTurn, Generation], AsyncIterator[bytes]],
     collect: Callable[[ChatTurn, Generation], Awaitable[dict[str, Any]]],
-) -> HttpResponse:
+) -> HttpResponseBase:
     """The answer of an admitted chat or text completion: SSE chunks, or one JSON body."""
     include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
     generation = turn.generation
@@ -90,6 +93,10 @@ def _engine_states() -> dict[int, str]:
     return {snap["instance_id"]: snap["state"] for snap in engine.snapshot()} if engine else {}
 
 
+def _state_of(instance_id: int | None, states: dict[int, str]) -> str:
+    return states.get(instance_id, "unloaded") if instance_id is not None else "unloaded"
+
+
 def _model_list(states: dict[int, str]) -> list[dict[str, Any]]:
     return [
         {
@@ -98,7 +105,7 @@ def _model_list(states: dict[int, str]) -> list[dict[str, Any]]:
             "created": int(alias.created_at.timestamp()),
             "owned_by": "mlxhost",
             "instance_id": alias.instance_id,
-            "state": states.get(alias.instance_id, "unloaded"),
+            "state": _state_of(alias.instance_id, states),
         }
         for alias in selectors.aliases_enabled()
     ]

@@ -7,7 +7,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mlxhost.engine import limits
 from mlxhost.engine.backends import make_backend
@@ -626,7 +626,7 @@ class Engine:
         """Bytes every instance holds now: weights plus warm sessions (the budget's measure)."""
         return self.residency.resident_bytes()
 
-    def snapshot(self) -> list[dict[str, object]]:
+    def snapshot(self) -> list[dict[str, Any]]:
         snapshots = []
         for instance in self.registry.instances():
             snap = instance.snapshot()

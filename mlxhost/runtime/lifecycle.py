@@ -186,7 +186,9 @@ def schedule_engine_start() -> None:
     # task at the same moment, but Django runs the view and its streaming response in a task of
     # its own that outlives that cancel, so streams still end with their terminal event
     # (tests/e2e/test_shutdown.py proves it with a real daphne).
-    reactor.addSystemEventTrigger("before", "shutdown", _drain_before_shutdown)
+    # Twisted declares IReactorCore's methods zope-style, without `self`; with no mypy-zope
+    # plugin mypy reads the first parameter as `self` and shifts the rest by one.
+    reactor.addSystemEventTrigger("before", "shutdown", _drain_before_shutdown)  # type: ignore[arg-type]
 
 
 def _start_on_running_loop() -> None:
