@@ -21,8 +21,7 @@ if TYPE_CHECKING:
     import asyncio
     from collections.abc import Awaitable, Callable
 
-    from mlxhost.engine import Engine, Permit, Retention
-    from mlxhost.engine.types import Role
+    from mlxhost.engine import Engine, Permit, Retention, Role
     from models_app.models import ModelAlias
 
 # The id is not echoed: a foreign id and a missing one answer the very same bytes (PER-6).

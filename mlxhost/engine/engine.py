@@ -488,7 +488,8 @@ class Engine:
                     retry_after=getattr(error, "retry_after", None),
                 )
             )
-        generation.refuse(error)  # type: ignore[arg-type]
+        assert isinstance(error, Exception), error  # the lane fails tickets with EngineErrors
+        generation.refuse(error)
         instance.lane.release(ticket)
         self._forget(instance, generation)
 

@@ -187,8 +187,9 @@ class Generation:
             QueueTimeoutError, DrainingError: as `admitted()`.
         """
         while not self._admission.done():
-            while self._events and isinstance(self._events[0], Queued):
-                yield self._events.popleft().position  # type: ignore[union-attr]
+            while self._events and isinstance(head := self._events[0], Queued):
+                self._events.popleft()
+                yield head.position
             if self._admission.done():
                 break
             self._wakeup = self._loop.create_future()

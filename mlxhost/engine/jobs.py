@@ -110,6 +110,7 @@ def post_done(
         decode_tps=decode_tps,
     )
     usage = Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=count, cached_tokens=turn.cached)
+    # `finish` is one of the backend's StepEnd reasons or the worker's own, all FinishReasons.
     done = Done(finish_reason=finish, usage=usage, timings=timings, stop_sequence=stop_sequence)  # type: ignore[arg-type]
     job.generation.post_threadsafe(done)
 

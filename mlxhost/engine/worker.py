@@ -358,7 +358,7 @@ class InstanceWorker:
                     finish = "cancelled"
                     break
         finally:
-            steps.close()  # type: ignore[attr-defined]
+            steps.close()  # type: ignore[attr-defined]  # every backend's generate() is a generator
         if tail or sent < len(generated):
             generation.post_threadsafe(Delta(text=tail, token_ids=tuple(generated[sent:])))
         return finish, generated, first_at, matcher.matched if finish == "stop" else None

@@ -46,7 +46,7 @@ def outcome(events: list) -> tuple:
 def chat(spec: ModelSpec, request_id: str, messages, session=None, **sampling) -> GenerationRequest:
     return GenerationRequest(
         request_id=request_id,
-        model=spec,
+        binding=f"instance:{spec.instance_id}",  # what `engine.load(spec)` bound
         sampling=SamplingParams(**{"temperature": 0.0, **sampling}),
         messages=tuple(Message(role, content) for role, content in messages),
         session=session,

@@ -77,7 +77,7 @@ class MlxModel:
         return sum(int(layer.nbytes) for layer in _layers(kv))
 
     def dispose_cache(self, kv: object) -> None:
-        kv.clear()  # type: ignore[attr-defined]  # dropping the arrays frees them
+        kv.clear()  # type: ignore[attr-defined]  # a list of mlx-lm caches, typed `object` at the seam; dropping the arrays frees them
 
     def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, kv: object
@@ -224,7 +224,7 @@ def _reporting_bar(progress: ProgressCallback) -> type:
     """A tqdm class for `snapshot_download` that reports files fetched as load progress (OPS-4)."""
     from tqdm.auto import tqdm
 
-    class ReportingBar(tqdm):  # type: ignore[misc]
+    class ReportingBar(tqdm):  # type: ignore[misc]  # tqdm ships no types: a subclass of Any
         def update(self, n: float | None = 1) -> bool | None:
             shown: bool | None = super().update(n)
             progress(int(self.n), int(self.total or 0), "files")
