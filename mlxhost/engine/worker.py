@@ -330,7 +330,7 @@ class InstanceWorker:
         the stop string that ended the turn (None unless a stop string did)."""
         generation = job.generation
         matcher = StopMatcher(job.sampling.stop)
-        steps = model.generate(job.prompt_ids[reuse:], job.sampling, kv)
+        steps = model.generate(job.prompt_ids[reuse:], job.sampling, kv, context=job.prompt_ids[:reuse])
         generated: list[int] = []
         sent = 0  # how many of `generated` the reader has been sent
         first_at, finish, tail = None, "length", ""

@@ -62,6 +62,11 @@ async def test_turn_two_reuses_the_cached_prefix(engine, backend):
     _, fed, _ = backend.history[-1]
     assert len(fed) == TURN_2_PROMPT - TURN_1_PROMPT
     assert "".join(map(chr, fed)) == "Hello<user>and more?<assistant>"
+    # The cached start goes along as context, so penalties see the whole prompt (SES-7).
+    first_prompt = backend.history[0][1]
+    assert backend.contexts[0] == []  # turn 1 started fresh
+    assert len(backend.contexts[-1]) == TURN_1_PROMPT
+    assert backend.contexts[-1][: len(first_prompt)] == first_prompt
     assert sessions(engine)["hits"] == 1
 
 

@@ -118,11 +118,13 @@ class LoadedModel(Protocol):
         ...
 
     def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, kv: object
+        self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
     ) -> Iterator[TokenStep | StepEnd]:
         """Feed `prompt_ids` on top of `kv`, then yield one `TokenStep` per token and one `StepEnd`.
 
-        The cache grows in place; `cache_length(kv)` says how many tokens it then holds.
+        `context` is the prompt's start that `kv` already holds (a cached prefix): the penalties
+        look back over it too, so a cached prefix never changes the answer. The cache grows in
+        place; `cache_length(kv)` says how many tokens it then holds.
         """
         ...
 

@@ -56,10 +56,11 @@ class FakeModel:
         return [ord(ch) for ch in text]
 
     def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, kv: object
+        self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
     ) -> Iterator[TokenStep | StepEnd]:
         backend, cache = self._backend, _fake(kv)
         backend.history.append((self.spec.instance_id, list(prompt_ids), sampling))
+        backend.contexts.append(list(context))
         if backend.generate_failures:
             backend.generate_failures -= 1
             raise RuntimeError("fake generation failure")
@@ -222,6 +223,7 @@ class FakeBackend:
 
     def __init__(self) -> None:
         self.history: list[tuple[int, list[int], SamplingParams]] = []
+        self.contexts: list[list[int]] = []  # per exclusive generate: the cached prompt start it was told
         self.loads: list[int] = []
         self.tokens_generated = 0
         self.gate = threading.Event()

@@ -93,3 +93,45 @@ def test_a_seed_draws_from_its_own_key_and_leaves_the_global_random_state_alone(
     assert _tokens(model, seeded) == first
     assert _tokens(model, SamplingParams(temperature=1.0, max_tokens=16, seed=8)) != first
     model.close()
+
+
+def _greedy_after_prefix(
+    model, prompt: list[int], cached: int, sampling: SamplingParams, *, context: bool
+) -> list[int]:
+    """Greedy tokens for `prompt` with its first `cached` tokens already in the cache."""
+    kv = model.new_cache()
+    if cached:
+        warm = SamplingParams(temperature=0.0, max_tokens=1)
+        list(model.generate(prompt[:cached], warm, kv))
+        model.trim_cache(kv, model.cache_length(kv) - cached)  # keep the prefix only
+    steps = model.generate(prompt[cached:], sampling, kv, context=prompt[:cached] if context else ())
+    return [s.token_id for s in steps if isinstance(s, TokenStep)]
+
+
+def _echo_prompt(model) -> list[int]:
+    """A prompt whose greedy next token also sits in it, just before its last token: in the part
+    a cache would hold, and inside the penalties' look-back window."""
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    for text in ("snow on the roofs of the town", "a quiet morning", "bread and butter", "the river"):
+        plain = model.encode(text)
+        [favourite] = _greedy_after_prefix(model, plain, 0, one, context=True)
+        prompt = [*plain, favourite, plain[-1]]
+        if _greedy_after_prefix(model, prompt, 0, one, context=True) == [favourite]:
+            return prompt
+    raise AssertionError("no prompt of the tiny model repeats its own greedy token")
+
+
+@pytest.mark.parametrize("penalty", [None, 1.5], ids=["no-penalty", "repetition-penalty"])
+def test_a_cached_prefix_never_changes_a_greedy_answer(tiny_model_dir: Path, penalty):
+    """SES-7: starting from a cached prefix gives exactly the tokens of a fresh run, penalties
+    included: they look back over the cached part of the prompt too (issue 12, item 6)."""
+    model = MlxBackend().load(ModelSpec(1, str(tiny_model_dir), "f" * 64), lambda *_: None)
+    sampling = SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=penalty)
+    prompt = _echo_prompt(model)
+    fresh = _greedy_after_prefix(model, prompt, 0, sampling, context=True)
+    for cached in (2, len(prompt) - 1):
+        assert _greedy_after_prefix(model, prompt, cached, sampling, context=True) == fresh, cached
+    # Told nothing of the cached part, the penalty misses the repeated token: the bug this guards.
+    blind = _greedy_after_prefix(model, prompt, len(prompt) - 1, sampling, context=False)
+    assert (blind != fresh) == (penalty is not None)
+    model.close()

@@ -18,6 +18,7 @@ from mlxhost.engine.backends.mlx.batch import (
     make_processors,
     make_request_sampler,
     reseed_global_random,
+    with_context,
 )
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.weights import validate_model_folder
@@ -80,10 +81,14 @@ class MlxModel:
         kv.clear()  # type: ignore[attr-defined]  # a list of mlx-lm caches, typed `object` at the seam; dropping the arrays frees them
 
     def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, kv: object
+        self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
     ) -> Iterator[TokenStep | StepEnd]:
         sampler = make_request_sampler(sampling)
-        processors = make_processors(sampling)
+        processors = (
+            [with_context(p, context) for p in make_processors(sampling)]
+            if context
+            else make_processors(sampling)
+        )
         eos = set(self._tokenizer.eos_token_ids)
         responses = stream_generate(
             self._model,

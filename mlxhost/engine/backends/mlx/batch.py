@@ -105,6 +105,18 @@ class _Guard:
         return guarded
 
 
+def with_context(processor: Any, context: Sequence[int]) -> Callable[[mx.array, mx.array], mx.array]:
+    """`processor` seeing `context` (the prompt's cached start) before the tokens mlx-lm passes it,
+    which are only what was fed this time: a penalty then looks back over the whole prompt, as
+    it would on a fresh run, and a cached prefix never changes the answer."""
+    prefix = mx.array(list(context), dtype=mx.uint32)
+
+    def process(tokens: mx.array, logits: mx.array) -> mx.array:
+        return cast("mx.array", processor(mx.concatenate([prefix, tokens.astype(mx.uint32)]), logits))
+
+    return process
+
+
 def make_processors(sampling: SamplingParams) -> list[Any]:
     """mlx-lm logits processors for `sampling`: logit bias and the three penalties."""
     return make_logits_processors(
