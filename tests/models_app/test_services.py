@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from datetime import timedelta
@@ -186,3 +187,20 @@ def _edit_config(folder, **changes):
     config = json.loads((folder / "config.json").read_text())
     config.update(changes)
     (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_the_demo_batches_by_default_and_keeps_a_lane_staff_changed(db):
+    """Issue 12, item 5: `make run`'s demo serves up to 8 requests at once, like mlx_lm.server;
+    preparing it again (every `make run`) leaves a lane staff have edited alone."""
+    from django.core.management import call_command
+
+    from models_app.models import ModelAlias
+
+    call_command("mlxhost_prepare_demo", alias="demo-test", stdout=io.StringIO())
+    model = ModelAlias.objects.select_related("model").get(name="demo-test").model
+    assert (model.concurrency, model.pinned) == (8, True)
+    model.concurrency = 3
+    services.model_save(model=model)
+    call_command("mlxhost_prepare_demo", alias="demo-test", stdout=io.StringIO())
+    model.refresh_from_db()
+    assert model.concurrency == 3

