@@ -27,8 +27,12 @@ class RuntimeSettings:
     # False for a process that only serves the admin and dashboard: no engine, no model, and the
     # generation endpoints answer 503 (another process's engine serves them, ADM-3).
     run_engine: bool = True
-    # Load pinned aliases when the server starts (ADM-3).
+    # Load pinned models when the server starts (ADM-3).
     preload: bool = True
+    # Reconcile with the database this often even without a `models.changed` message, so an
+    # edit made where no channel layer reaches this process (a shell, a second process without
+    # Redis) still applies: only control binds names (REG-5). 0 turns it off.
+    reconcile_interval_s: float = 5.0
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -74,5 +78,6 @@ def runtime_settings_from(env: Mapping[str, str]) -> RuntimeSettings:
     return RuntimeSettings(
         run_engine=_bool(env, "MLXHOST_RUN_ENGINE", base.run_engine),
         preload=_bool(env, "MLXHOST_PRELOAD", base.preload),
+        reconcile_interval_s=_float(env, "MLXHOST_RECONCILE_INTERVAL_S", base.reconcile_interval_s),
         engine=engine_config_from(env),
     )

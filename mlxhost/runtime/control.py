@@ -302,8 +302,21 @@ def start_control(engine: Engine) -> None:
     # action computes the fingerprint again, gets a new instance id and swaps to it.
     engine.on_weights_changed(actions.weights_changed)
     lifecycle.spawn(run_control_listener(engine, actions), name="engine-control")
-    load_pinned = lifecycle.runtime_settings().preload
-    lifecycle.spawn(reconcile(engine, load_pinned=load_pinned), name="engine-reconcile")
+    runtime = lifecycle.runtime_settings()
+    lifecycle.spawn(reconcile(engine, load_pinned=runtime.preload), name="engine-reconcile")
+    if runtime.reconcile_interval_s > 0:
+        lifecycle.spawn(run_periodic_reconcile(engine, runtime.reconcile_interval_s), name="engine-resync")
+
+
+async def run_periodic_reconcile(engine: Engine, interval_s: float) -> None:
+    """Reconcile every `interval_s` until cancelled: the fallback for edits no message announced.
+    Pinned models are not loaded here (an admin's unload of one stands until the next start)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await reconcile(engine, load_pinned=False)
+        except Exception:  # the database away for a moment: the next round tries again
+            logger.warning("periodic reconcile failed", exc_info=True)
 
 
 lifecycle.on_start(start_control)

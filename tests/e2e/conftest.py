@@ -92,6 +92,26 @@ def instance_snapshot(server: Server, alias: str, api_key: str) -> dict:
     return next(i for i in body["instances"] if alias in i["aliases"])
 
 
+def set_lane(server: Server, api_key: str, alias, *, concurrency: int, queue_depth: int) -> None:
+    """Edit the lane of `alias`'s model as the admin does, then wait until the server's engine
+    serves it with that lane: its control plane re-reads the database (MLXHOST_RECONCILE_INTERVAL_S)
+    when no channel layer carries the change from this process."""
+    from models_app import services
+
+    model = alias.model
+    model.concurrency, model.queue_depth = concurrency, queue_depth
+    services.model_save(model=model)
+
+    def applied() -> bool:
+        try:
+            lane = instance_snapshot(server, alias.name, api_key)["lane"]
+        except StopIteration:
+            return True  # not bound there yet: its first request binds it from the new row
+        return (lane["capacity"], lane["limit"]) == (concurrency, concurrency + queue_depth)
+
+    wait_until(applied, timeout=30, what=f"the server to serve {alias.name} with the new lane")
+
+
 @pytest.fixture(scope="module")
 def daphne_server(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Server]:
     with django_db_blocker.unblock():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from tests.e2e.conftest import endless, holding_stream, instance_snapshot
+from tests.e2e.conftest import endless, holding_stream, instance_snapshot, set_lane
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -88,10 +88,7 @@ def test_sdk_raises_typed_errors(client, daphne_server, tiny_alias):
 
 def test_sdk_raises_overloaded_error_for_a_full_lane(client, daphne_server, api_key, tiny_alias, tiny_eos_id):
     """LANE-2: a full lane is 529 overloaded_error, which the SDK raises as OverloadedError."""
-    from models_app import services
-
-    tiny_alias.concurrency, tiny_alias.queue_depth = 1, 0
-    services.alias_save(alias=tiny_alias)
+    set_lane(daphne_server, api_key, tiny_alias, concurrency=1, queue_depth=0)
     body = endless(tiny_eos_id, messages=HELLO, max_tokens=100_000)
     with holding_stream(daphne_server, api_key, "/v1/chat/completions", body) as holder:
         assert holder.status_code == 200

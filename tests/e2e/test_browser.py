@@ -95,19 +95,27 @@ def sign_in(page) -> None:
 
 
 def register_alias(page) -> None:
-    page.goto("/admin/models_app/modelalias/add/")
+    """Register the weights as a model, then an alias of it from the model page's link; end on the
+    model's change page, where the load and unload buttons are."""
+    page.goto("/admin/models_app/model/add/")
     page.fill("#id_name", ALIAS)
     page.select_option("#id_source_kind", "local")
     page.fill("#id_local_path", "tiny-llama")
-    page.fill("#id_temperature", "0")
     page.click("input[name=_continue]")  # save, and stay on the change page with its action buttons
-    page.wait_for_url(re.compile(r"/admin/models_app/modelalias/\d+/change/"))
+    page.wait_for_url(re.compile(r"/admin/models_app/model/\d+/change/"))
+    model_page = page.url
+    page.click("text=Add an alias of this model")
+    page.fill("#id_name", ALIAS)
+    page.fill("#id_temperature", "0")
+    page.click("input[name=_save]")
+    page.wait_for_url(re.compile(r"/admin/models_app/modelalias/$"))
+    page.goto(model_page)
 
 
 def alias_action(page, action: str, state: str) -> None:
-    """Press the change page's load/unload button, then reload until the alias is in `state`."""
+    """Press the model page's load/unload button, then reload until it is in `state`."""
     page.click(f"button[name=action][value={action}]")
-    page.wait_for_url(re.compile(r"/admin/models_app/modelalias/\d+/change/"))
+    page.wait_for_url(re.compile(r"/admin/models_app/model/\d+/change/"))
     for _ in range(120):
         if page.locator(f"#mlxhost-live .mlxhost-state-{state}").count():
             return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.e2e.conftest import endless, holding_stream
+from tests.e2e.conftest import endless, holding_stream, set_lane
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -73,10 +73,7 @@ def test_a_full_lane_is_a_rate_limit_error_through_the_sdk(
     client, tiny_alias, daphne_server, api_key, tiny_eos_id
 ):
     """LANE-2, API-4: over budget, the SDK raises RateLimitError with code queue_full and Retry-After."""
-    from models_app import services
-
-    tiny_alias.queue_depth = 0
-    services.alias_save(alias=tiny_alias)
+    set_lane(daphne_server, api_key, tiny_alias, concurrency=1, queue_depth=0)
     body = endless(tiny_eos_id, input="hold the slot", max_output_tokens=100_000)
     with holding_stream(daphne_server, api_key, "/v1/responses", body) as holder:
         lines = holder.iter_lines()  # keep a reference: a collected iterator closes the stream

@@ -45,7 +45,7 @@ class Command(BaseCommand):
         # A new demo batches up to DEMO_CONCURRENCY streams, as mlx_lm.server does out of the box;
         # an existing one keeps whatever lane staff have set since.
         first_time = not ModelAlias.objects.filter(name=options["alias"]).exists()
-        lane = {"concurrency": DEMO_CONCURRENCY} if first_time else {}
+        lane: dict[str, Any] = {"concurrency": DEMO_CONCURRENCY} if first_time else {}
         alias = services.alias_register(
             name=options["alias"],
             source_kind="local",
