@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 EARLY_CANCEL_LIMIT = 4096
+# Turns whose cache becomes a warm session (SES-1): `kv_tokens` lists exactly what it holds.
+KEPT_FINISHES = frozenset({"stop", "length", "cancelled"})
 FINISHED_IDS_LIMIT = 4096
 SHUTDOWN_MESSAGE = "The server is shutting down; retry shortly."
 
@@ -517,7 +519,7 @@ class Engine:
         self,
         instance: Instance,
         ticket: Ticket,
-        generation: Generation,
+        generation: _CountedGeneration,
         lease: SessionLease | None,
         result: JobResult,
     ) -> None:
@@ -527,8 +529,9 @@ class Engine:
             instance.sessions.give_back(lease)
         if result.kv is not None:
             query = generation.request.session
-            # Only clean finishes become warm sessions (SES-1): never cancelled, failed or truncated.
-            if query is not None and result.finish_reason == "stop" and not generation.cancelled:
+            # What the cache holds is kept (SES-1): a turn that finished, was cut by its length or
+            # was cancelled, up to the tokens it produced; never a failed or aborted one.
+            if query is not None and result.finish_reason in KEPT_FINISHES and not generation.aborted:
                 instance.sessions.adopt(
                     response_id=generation.request_id,
                     query=query,

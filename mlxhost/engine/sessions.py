@@ -187,8 +187,8 @@ class SessionCache:
     ) -> bool:
         """Keep a finished turn's kv as the warm session of `response_id`.
 
-        Only clean finishes may be adopted (SES-1): after an abort, error or truncation the
-        caller must `discard(kv)` instead. An older entry with the same response id, or with
+        A finished, length-cut or cancelled turn may be adopted (SES-1); after an error or a
+        server abort the caller must `discard(kv)` instead. An older entry with the same response id, or with
         the same cache key in the same domain, is replaced and disposed.
 
         Returns:
@@ -220,7 +220,7 @@ class SessionCache:
         return self._entries.get(response_id) is entry
 
     def discard(self, kv: object) -> None:
-        """Dispose a kv that will not be adopted (cancelled, failed or truncated turn)."""
+        """Dispose a kv that will not be adopted (a failed or aborted turn)."""
         self._dispose(kv)
 
     def sweep(self) -> int:

@@ -126,14 +126,15 @@ async def test_a_cancel_mid_batch_leaves_the_others_intact_with_exact_counts(eng
 
 
 async def test_finished_sequences_hand_back_exact_caches_and_many_are_kept(engine, backend):
-    """SES-1 / SES-5: each batched turn that ends cleanly is adopted with its exact tokens; a batching instance keeps many."""
+    """SES-1 / SES-5: each batched turn is adopted with its exact tokens, one cut by its length
+    too; a batching instance keeps many."""
     x = batching(4)
     await engine.load(x)
     backend.gated = True
     queries = [engine.scoper.query(tenant=f"t{i}") for i in range(4)]
     backend.enqueue(["Hello"])  # ends with "stop": the script is done before max_tokens
     backend.enqueue(["x", "END", "y"])  # a text stop string ends it: removed from the batch mid-flight
-    backend.enqueue(["z"] * 5)  # max_tokens: truncated, never adopted
+    backend.enqueue(["z"] * 5)  # max_tokens: truncated, kept with the tokens its cache holds
     backend.enqueue(["a", "b"])
     sampling = [{"max_tokens": 9}, {"max_tokens": 9, "stop": ("END",)}, {"max_tokens": 2}, {"max_tokens": 9}]
     generations = [
@@ -146,14 +147,14 @@ async def test_finished_sequences_hand_back_exact_caches_and_many_are_kept(engin
     await lane_idle(engine)
 
     instance = engine.get(1)
-    assert instance.sessions.stats.entries == 3
+    assert instance.sessions.stats.entries == 4
     entries = instance.sessions._entries  # the exact tokens each cache holds
-    for rid, produced in (("r0", 1), ("r1", 2), ("r3", 2)):
+    for rid, produced in (("r0", 1), ("r1", 2), ("r2", 2), ("r3", 2)):
         prompt = [ord(ch) for ch in f"<user>turn {rid[1]}<assistant>"]
         # Every returned token is already in the cache (the "END" token too), the stop marker is not.
         assert entries[rid].tokens == (*prompt, *(GENERATED_ID_BASE + i for i in range(produced)))
         assert len(entries[rid].kv.tokens) == len(entries[rid].tokens)
-    assert backend.dispose_calls == 1  # the truncated turn's cache
+    assert backend.dispose_calls == 0
 
     # All three continue at once, each on its own warm cache.
     follow_ups = [

@@ -106,7 +106,7 @@ async def test_a_session_lease_is_single_use_under_overlap(engine, backend):
 async def test_salt_and_tenant_scope_the_cache(engine, backend):
     """SES-3: another salt or tenant misses (cold replay, full prompt fed); the same salt and tenant hits."""
     await first_turn(engine, backend, tenant="t1", salt="s1")
-    # Misses end with "length" so they are never adopted and the paired hit below stays clean.
+    # Each miss is kept in its own domain (SES-1), never in "p"'s.
     for tenant, salt in (("t1", "s2"), ("t2", "s1")):
         generation, events = await turn(
             engine,
@@ -118,10 +118,11 @@ async def test_salt_and_tenant_scope_the_cache(engine, backend):
         assert generation.session_outcome == "cold_replay"
         assert started_of(events).cached_tokens == 0
         assert len(backend.history[-1][1]) == TURN_2_PROMPT
-    generation, events = await turn(engine, "t2-stateless", TURN_2, query(engine, "t2", "s1"), max_tokens=1)
-    assert generation.session_outcome == "fresh"  # prefix reuse never crosses domains (SES-8)
+    assert sessions(engine)["entries"] == 3
+    # A domain with no session of its own: three sessions share the prefix, none is reused (SES-8).
+    generation, events = await turn(engine, "t3-stateless", TURN_2, query(engine, "t3", "s1"), max_tokens=1)
+    assert generation.session_outcome == "fresh"
     assert started_of(events).cached_tokens == 0
-    assert sessions(engine)["entries"] == 1
 
     generation, events = await turn(
         engine, "same", TURN_2, query(engine, previous_response_id="p"), max_tokens=1
@@ -131,8 +132,9 @@ async def test_salt_and_tenant_scope_the_cache(engine, backend):
     assert len(backend.history[-1][1]) == TURN_2_PROMPT - TURN_1_PROMPT
 
 
-async def test_a_cancelled_turn_is_not_adopted(engine, backend):
-    """SES-1 / LANE-6: a cancelled turn's cache is disposed, never kept; its id has no warm session."""
+async def test_a_cancelled_turn_is_kept_up_to_the_tokens_it_produced(engine, backend):
+    """SES-1 / LANE-6: a cancelled turn's cache is kept, holding its prompt and what it produced
+    before the cancel (issue 12: a client that stops early still leaves its prefix)."""
     await engine.load(spec(1))
     backend.gated = True
     generation = await engine.submit(request("c", messages=TURN_1, session=query(engine), max_tokens=10_000))
@@ -146,23 +148,40 @@ async def test_a_cancelled_turn_is_not_adopted(engine, backend):
     events = [event async for event in stream]
     assert events[-1].finish_reason == "cancelled"
     await lane_idle(engine)
+    assert sessions(engine)["entries"] == 1
+    assert backend.dispose_calls == 0
+
+    follow_up, events = await turn(engine, "n", TURN_2, query(engine, previous_response_id="c"), max_tokens=1)
+    assert follow_up.session_outcome == "hit"
+    assert started_of(events).cached_tokens == TURN_1_PROMPT  # the prompt; the reply text differs
+
+
+async def test_an_aborted_turn_is_never_kept(engine, backend):
+    """SES-1 / LANE-7: a turn the server cut short (a drain ran out of time) leaves no session."""
+    await engine.load(spec(1))
+    backend.gated = True
+    generation = await engine.submit(request("a", messages=TURN_1, session=query(engine), max_tokens=10_000))
+    stream = generation.stream()
+    assert isinstance(await next_event(stream), Started)
+    drain = asyncio.create_task(engine.drain(1, "abort"))
+    backend.gated = False
+    backend.gate.set()
+    events = [event async for event in stream]
+    assert events[-1].finish_reason == "aborted"
+    await drain
     assert sessions(engine)["entries"] == 0
-    assert backend.dispose_calls == 1
-
-    follow_up, _ = await turn(engine, "n", TURN_2, query(engine, previous_response_id="c"), max_tokens=1)
-    assert follow_up.session_outcome == "cold_replay"
 
 
-async def test_a_truncated_turn_is_not_adopted(engine, backend):
-    """SES-1: a turn that ends with "length" is disposed, never kept as a warm session."""
+async def test_a_turn_cut_by_length_is_reused(engine, backend):
+    """SES-1 (issue 12): a turn that ends with "length" is kept; the next turn starts from it."""
     _generation, events = await turn(engine, "t", TURN_1, query(engine), max_tokens=2)
     assert events[-1].finish_reason == "length"
-    assert sessions(engine)["entries"] == 0
-    assert backend.dispose_calls == 1
+    assert sessions(engine)["entries"] == 1
+    assert backend.dispose_calls == 0
 
     follow_up, events = await turn(engine, "n", TURN_2, query(engine, previous_response_id="t"), max_tokens=1)
-    assert follow_up.session_outcome == "cold_replay"
-    assert started_of(events).cached_tokens == 0
+    assert follow_up.session_outcome == "hit"
+    assert started_of(events).cached_tokens == TURN_1_PROMPT
 
 
 @pytest.mark.parametrize(("shared", "kept"), [(True, 1), (False, 2)])
