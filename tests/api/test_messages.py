@@ -41,6 +41,12 @@ async def make_key(django_user_model, username: str) -> str:
     return (await sync_to_async(user_with_key)(django_user_model, username))[1]
 
 
+def prompt_tokens(usage: dict) -> int:
+    """The whole prompt: Anthropic's `input_tokens` leave out what was read from the cache, and
+    the same prompt sent twice may start from the first one's cache (SES-8)."""
+    return usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+
+
 async def test_non_streaming_message_has_anthropic_shape(tiny_alias, api_key, mlx_engine):
     """API-2: a `message` object with text content, stop_reason and Anthropic usage."""
     response = await post(message_body(), api_key)
@@ -76,7 +82,7 @@ async def test_streaming_follows_anthropic_event_sequence(tiny_alias, api_key, m
 
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None
-    assert start["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+    assert prompt_tokens(start["usage"]) == prompt_tokens(whole["usage"])
     assert start["usage"]["output_tokens"] == 0
     assert events[1][1] == {
         "type": "content_block_start",
@@ -103,7 +109,7 @@ async def test_system_prompt_and_text_blocks_are_rendered(tiny_alias, api_key, m
         api_key,
     )
     bare = await post(message_body(max_tokens=4), api_key)
-    assert plain.json()["usage"]["input_tokens"] == blocks.json()["usage"]["input_tokens"]
+    assert prompt_tokens(plain.json()["usage"]) == prompt_tokens(blocks.json()["usage"])
     assert plain.json()["content"] == blocks.json()["content"]
     assert plain.json()["usage"]["input_tokens"] > bare.json()["usage"]["input_tokens"]
 
