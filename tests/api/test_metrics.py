@@ -57,8 +57,8 @@ async def test_metrics_count_outcomes_rejections_tokens_and_lane_state(
     histograms, queue depth, active, warm sessions and memory, all exact after real requests."""
     await set_lane(tiny_alias, concurrency=1, queue_depth=0)
     no_eos = {str(tiny_eos_id): -100}
-    # 1: cut by max_tokens ("incomplete"), so it never becomes a warm session.
-    probe = (await post_chat(api_key, max_tokens=8, logit_bias=no_eos)).json()
+    # 1: cut by max_tokens ("incomplete"), in a cache domain of its own so 2 starts fresh.
+    probe = (await post_chat(api_key, max_tokens=8, logit_bias=no_eos, cache_salt="probe")).json()
     text = probe["choices"][0]["message"]["content"]
     stop = text[len(text) // 2 : len(text) // 2 + 2]
     # 2 and 3: clean finishes ("completed"); 3 resends 2's conversation and reuses its cache.
@@ -112,7 +112,8 @@ async def test_metrics_count_outcomes_rejections_tokens_and_lane_state(
     assert metrics.get("mlxhost_queue_depth", **instance) == 0
     assert metrics.get("mlxhost_active_requests", **instance) == 0
     assert metrics.get("mlxhost_lane_capacity", **instance) == 1
-    assert metrics.get("mlxhost_warm_sessions", **instance) == 1  # 3's turn; 2's was leased by 3
+    # 1 (cut by length), 3 and 4 (cancelled) are kept (SES-1); 2 was leased by 3.
+    assert metrics.get("mlxhost_warm_sessions", **instance) == 3
     assert metrics.get("mlxhost_warm_session_bytes", **instance) == snap["sessions"]["bytes"] > 0
     assert metrics.get("mlxhost_resident_memory_bytes", **instance) == snap["memory_bytes"] > 0
     assert metrics.get("mlxhost_instance_state", state="ready", **instance) == 1
