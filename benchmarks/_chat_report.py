@@ -254,9 +254,7 @@ class ChatReport:
                 ax.margins(y=0.2)  # room for the legend above the bars
             row[0].legend(loc="upper center", ncol=len(SYSTEMS), fontsize=8)
         when = self.when.strftime("%Y-%m-%d") if self.when else ""
-        workload = self.settings.split(",")[
-            0
-        ]  # "4 users × 4 turns at once": the rest is too long for a title
+        workload = self.settings.split(",")[0]  # users and turns: the rest is too long for a title
         fig.suptitle(f"Multi-user chat, {workload}, {machine()['nproc']} CPU cores, {when}")
         save_chart(fig, path)
 
