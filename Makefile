@@ -82,11 +82,13 @@ api-key: install
 worker: install
 	$(VENV)/bin/celery -A mlxhost.celery worker --beat --loglevel INFO
 
-# Throughput at 1-8 streams: raw mlx-lm vs mlx_lm.server vs mlxhost (benchmarks/README.md).
-# Appends to benchmarks/RESULTS.md and writes docs/bench-throughput.png; `make bench BENCH_ARGS=--quick` smoke-tests.
+# Throughput at 1-8 streams (raw mlx-lm vs mlx_lm.server vs mlxhost), then multi-user chat on a shared
+# system prompt (mlxhost vs mlx_lm.server); see benchmarks/README.md. Both append to benchmarks/RESULTS.md
+# and write a chart under docs/. `make bench BENCH_ARGS=--quick BENCH_CHAT_ARGS=--quick` smoke-tests.
 bench: install-dev openblas
 	$(PIP) install -q -r benchmarks/requirements.txt
 	$(PY) benchmarks/bench_concurrency.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_chat.py $(BENCH_CHAT_ARGS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -244,3 +244,75 @@ def machine() -> dict[str, str]:
 
 def loadavg() -> float:
     return round(os.getloadavg()[0], 2)
+
+
+def text_bias(tokenizer, *, random_weights: bool) -> dict[int, float]:
+    """logit_bias for every system: −100 on EOS (exactly max_tokens), and for random-weights models
+    on tokens that are not text alone (stray UTF-8 bytes), which would hold back all text to the end."""
+    banned = set(tokenizer.eos_token_ids)
+    if random_weights:
+        banned |= {i for i in range(tokenizer.vocab_size) if "\ufffd" in tokenizer.decode([i])}
+    return {int(i): -100.0 for i in sorted(banned)}
+
+
+class Servers:
+    """mlx_lm.server and mlxhost (daphne) on free ports, on the same model folder; stopped on exit."""
+
+    def __init__(self, folder: Path, state: Path, env: dict[str, str]) -> None:
+        self.folder, self.state, self.env = folder, state, env
+        self.procs: list[tuple[object, Path]] = []
+
+    def __enter__(self) -> Servers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc, _ in self.procs:
+            stop_process(proc)
+
+    def logs_tail(self) -> str:
+        return "\n".join(
+            f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for _, log in self.procs
+        )
+
+    def mlx_lm_server(self) -> str:
+        port, log = free_port(), self.state / "mlx_lm_server.log"
+        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(self.folder), "--port", str(port)]
+        env = {**self.env, "HF_HUB_OFFLINE": "1"}
+        if BLAS_STATUS.startswith("openblas:"):  # the same OpenBLAS mlxhost preloads (MLX-NOTES.md)
+            env["LD_PRELOAD"] = BLAS_STATUS.split(":", 1)[1]
+        proc = start_process([*cmd, "--host", "127.0.0.1"], env, log)
+        self.procs.append((proc, log))
+        url = f"http://127.0.0.1:{port}"
+        wait_http(proc, url, lambda u: httpx.get(f"{u}/health", timeout=2).status_code == 200, log)
+        return url
+
+    def mlxhost(self, key: str) -> str:
+        log = self.state / "daphne.log"
+        proc, url = start_daphne(self.env, log)
+        self.procs.append((proc, log))
+        wait_ready(proc, url, key, log)
+        return url
+
+
+def append_results(path: Path, text: str) -> None:
+    """Append a dated section to RESULTS.md (created with its title when missing)."""
+    existing = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
+    path.write_text(existing.rstrip("\n") + "\n\n" + text, encoding="utf-8")
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (installed by `make bench`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    return plt
+
+
+def save_chart(fig, path: Path) -> None:
+    plt = pyplot()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from _common import machine, median, percentile
+from _common import append_results, machine, median, percentile, pyplot, save_chart
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -213,15 +213,10 @@ class Report:
         return rows
 
     def append_to(self, path: Path, text: str) -> None:
-        existing = path.read_text(encoding="utf-8") if path.exists() else "# Benchmark results\n"
-        path.write_text(existing.rstrip("\n") + "\n\n" + text, encoding="utf-8")
+        append_results(path, text)
 
     def chart(self, path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt
-
+        plt = pyplot()
         models = self.models()
         fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
         for ax, model in zip(axes[0], models, strict=True):
@@ -237,10 +232,7 @@ class Report:
             ax.legend()
         when = self.when.strftime("%Y-%m-%d") if self.when else ""
         fig.suptitle(f"Throughput vs concurrency, {machine()['nproc']} CPU cores, {when}")
-        fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_chart(fig, path)
 
 
 def _span(values) -> str:

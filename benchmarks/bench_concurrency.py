@@ -16,23 +16,18 @@ from pathlib import Path
 import httpx
 from _common import (
     ALIAS,
-    BLAS_STATUS,
     DEFAULT_MODELS_ROOT,
     MODELS,
     ROOT,
+    Servers,
     SseStream,
     chat_body,
     ensure_model,
-    free_port,
     loadavg,
     register_alias,
     render,
-    start_daphne,
-    start_process,
     state_env,
-    stop_process,
-    wait_http,
-    wait_ready,
+    text_bias,
 )
 from _concurrency_report import SYSTEMS, Report
 from mlx_lm import load, stream_generate
@@ -74,15 +69,6 @@ def messages_for(tag: str, index: int) -> list[dict[str, str]]:
         {"role": "system", "content": f"[{tag}-{index}] {SYSTEM}"},
         {"role": "user", "content": QUESTIONS[index % len(QUESTIONS)]},
     ]
-
-
-def text_bias(tokenizer, *, random_weights: bool) -> dict[int, float]:
-    """logit_bias for every system: −100 on EOS (exactly max_tokens), and for random-weights models
-    on tokens that are not text alone (stray UTF-8 bytes), which would hold back all text to the end."""
-    banned = set(tokenizer.eos_token_ids)
-    if random_weights:
-        banned |= {i for i in range(tokenizer.vocab_size) if "\ufffd" in tokenizer.decode([i])}
-    return {int(i): -100.0 for i in sorted(banned)}
 
 
 class RawSide:
@@ -179,45 +165,6 @@ class HttpSide:
         else:
             out.error = "no content"
         return out
-
-
-class Servers:
-    """mlx_lm.server and mlxhost (daphne) on free ports, on the same model folder; stopped on exit."""
-
-    def __init__(self, folder: Path, state: Path, env: dict[str, str]) -> None:
-        self.folder, self.state, self.env = folder, state, env
-        self.procs: list[tuple[object, Path]] = []
-
-    def __enter__(self) -> Servers:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for proc, _ in self.procs:
-            stop_process(proc)
-
-    def logs_tail(self) -> str:
-        return "\n".join(
-            f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}" for _, log in self.procs
-        )
-
-    def mlx_lm_server(self) -> str:
-        port, log = free_port(), self.state / "mlx_lm_server.log"
-        cmd = [sys.executable, "-m", "mlx_lm.server", "--model", str(self.folder), "--port", str(port)]
-        env = {**self.env, "HF_HUB_OFFLINE": "1"}
-        if BLAS_STATUS.startswith("openblas:"):  # the same OpenBLAS mlxhost preloads (MLX-NOTES.md)
-            env["LD_PRELOAD"] = BLAS_STATUS.split(":", 1)[1]
-        proc = start_process([*cmd, "--host", "127.0.0.1"], env, log)
-        self.procs.append((proc, log))
-        url = f"http://127.0.0.1:{port}"
-        wait_http(proc, url, lambda u: httpx.get(f"{u}/health", timeout=2).status_code == 200, log)
-        return url
-
-    def mlxhost(self, key: str) -> str:
-        log = self.state / "daphne.log"
-        proc, url = start_daphne(self.env, log)
-        self.procs.append((proc, log))
-        wait_ready(proc, url, key, log)
-        return url
 
 
 def run_model(model: str, args: argparse.Namespace, report: Report) -> None:
