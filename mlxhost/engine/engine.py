@@ -289,10 +289,11 @@ class Engine:
         return self.registry.resolve(name).instance_id
 
     def bound(self, name: str) -> bool:
-        return name in self.registry.names()
+        """Whether `name` is bound now (every request asks, through `bind_on_demand`)."""
+        return self.registry.is_bound(name)
 
     def bound_names(self) -> list[str]:
-        """Every name bound now (aliases, and internal names such as "reload:<model>")."""
+        """Every name bound now (aliases, and internal names such as "reload:<id>")."""
         return self.registry.names()
 
     def hosts(self, instance_id: int) -> bool:

@@ -111,6 +111,9 @@ class Registry:
         """Every bound name."""
         return sorted(self._bindings)
 
+    def is_bound(self, name: str) -> bool:
+        return name in self._bindings
+
     def names_of(self, instance: Instance) -> list[str]:
         return sorted(name for name, bound in self._bindings.items() if bound is instance)
 
