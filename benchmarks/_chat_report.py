@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from _common import append_results, machine, median, percentile, pyplot, save_chart
+from _common import append_results, machine, machine_line, median, percentile, pyplot, save_chart
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -164,7 +164,6 @@ class ChatReport:
     # Output
 
     def markdown(self) -> str:
-        info = machine()
         when = self.when.strftime("%Y-%m-%d %H:%M UTC") if self.when else "?"
         lines = [
             f"## {when} — multi-user chat: mlxhost vs mlx_lm.server, shared system prompt (issue 12)",
@@ -172,9 +171,7 @@ class ChatReport:
             f"Command: `{self.command}` ({self.settings}; {self.runs} run(s), systems interleaved within each"
             " run, order rotated each run).",
             "",
-            f"Machine: `nproc` = {info['nproc']}, CPU {info['cpu']}, Python {info['python']}, mlx {info['mlx']},"
-            f" mlx-lm {info['mlx_lm']}, BLAS `{info['blas']}` (mlx_lm.server gets the same library through"
-            f" `LD_PRELOAD`). Load average (1 min) start → end: {self.load[0]} → {self.load[-1]}.",
+            machine_line(self.load),
             "",
             "Turns/min and tokens/s: the median over runs of (turns, or completion tokens) / (first request"
             " sent → last turn's stream end) per session. First-token times are request sent → first content"

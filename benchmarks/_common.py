@@ -242,6 +242,16 @@ def machine() -> dict[str, str]:
     }
 
 
+def machine_line(load: list[float] | tuple[float, ...]) -> str:
+    """The results page's machine sentence: CPUs, versions, BLAS, and the load average start → end."""
+    info = machine()
+    return (
+        f"Machine: `nproc` = {info['nproc']}, CPU {info['cpu']}, Python {info['python']}, mlx {info['mlx']},"
+        f" mlx-lm {info['mlx_lm']}, BLAS `{info['blas']}` (mlx_lm.server gets the same library through"
+        f" `LD_PRELOAD`). Load average (1 min) start → end: {load[0]} → {load[-1]}."
+    )
+
+
 def loadavg() -> float:
     return round(os.getloadavg()[0], 2)
 

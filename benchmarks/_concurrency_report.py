@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from _common import append_results, machine, median, percentile, pyplot, save_chart
+from _common import append_results, machine, machine_line, median, percentile, pyplot, save_chart
 
 if TYPE_CHECKING:
     from datetime import datetime
@@ -149,7 +149,6 @@ class Report:
     # Output
 
     def markdown(self) -> str:
-        info = machine()
         when = self.when.strftime("%Y-%m-%d %H:%M UTC") if self.when else "?"
         lines = [
             f"## {when} — concurrency: raw mlx-lm vs mlx_lm.server vs mlxhost over HTTP (issue 6)",
@@ -157,9 +156,7 @@ class Report:
             f"Command: `{self.command}` (max_tokens {self.tokens}, EOS suppressed with logit_bias −100,"
             f" greedy; {self.runs} run(s), systems interleaved within each run).",
             "",
-            f"Machine: `nproc` = {info['nproc']}, CPU {info['cpu']}, Python {info['python']}, mlx {info['mlx']},"
-            f" mlx-lm {info['mlx_lm']}, BLAS `{info['blas']}` (mlx_lm.server gets the same library through"
-            f" `LD_PRELOAD`). Load average (1 min) start → end: {self.load[0]} → {self.load[-1]}.",
+            machine_line(self.load),
             "",
             "Decode tok/s is the median over runs of Σ(tokens − 1) / (last content chunk − first content chunk)"
             " per wave; wall tok/s is Σ tokens / (last content chunk − first request sent). TTFT and end-to-end"
