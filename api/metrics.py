@@ -43,8 +43,16 @@ INSTANCE_GAUGES: tuple[tuple[str, str, Any], ...] = (
         lambda s: s["lane"]["permits"],
     ),
     ("mlxhost_lane_capacity", "Requests the instance runs at once.", lambda s: s["lane"]["capacity"]),
-    ("mlxhost_warm_sessions", "Warm sessions (KV caches) kept.", lambda s: s["sessions"]["entries"]),
-    ("mlxhost_warm_session_bytes", "Bytes held by warm sessions.", lambda s: s["sessions"]["bytes"]),
+    (
+        "mlxhost_warm_sessions",
+        "Prefix-cache entries (turns' KV caches) kept in memory.",
+        lambda s: s["prefix_cache"]["memory"]["entries"],
+    ),
+    (
+        "mlxhost_warm_session_bytes",
+        "Bytes held by the prefix cache in memory.",
+        lambda s: s["prefix_cache"]["memory"]["bytes"],
+    ),
     ("mlxhost_resident_memory_bytes", "Bytes of resident model weights.", lambda s: s["memory_bytes"]),
     ("mlxhost_instance_idle_seconds", "Seconds since the last request left.", lambda s: s["idle_s"]),
 )
@@ -156,6 +164,14 @@ def _instance_metrics(engine: Engine) -> Iterator[Metric]:
         (GaugeMetricFamily(name, text, labels=["instance"]), read) for name, text, read in INSTANCE_GAUGES
     ]
     generated = CounterMetricFamily("mlxhost_tokens_generated", "Tokens generated.", labels=["instance"])
+    cache_counters = [
+        (CounterMetricFamily(f"mlxhost_prefix_cache_{key}", text, labels=["instance", "tier"]), key)
+        for key, text in (
+            ("hits", "Requests that started from a cached prefix."),
+            ("misses", "Requests that found no cached prefix to start from."),
+            ("tokens_saved", "Prompt tokens that cached prefixes spared from computing."),
+        )
+    ]
     unloads = CounterMetricFamily(
         "mlxhost_instance_unloads",
         "Weights freed without an admin action: keep_alive (idle) or memory_budget (evicted).",
@@ -170,10 +186,14 @@ def _instance_metrics(engine: Engine) -> Iterator[Metric]:
         for family, read in gauges:
             family.add_metric([instance], read(snap))
         generated.add_metric([instance], snap["tokens_generated"])
+        for tier, cache in snap["prefix_cache"].items():
+            for counter, key in cache_counters:
+                counter.add_metric([instance, tier], cache[key])
     for instance_id, reasons in sorted(engine.stats.unloads.items()):
         for reason, count in reasons.items():
             unloads.add_metric([str(instance_id), reason], count)
     yield from (bound, state, *(family for family, _ in gauges), generated, unloads)
+    yield from (counter for counter, _ in cache_counters)
     budget = engine.config.memory_budget_bytes
     if budget is not None:
         yield GaugeMetricFamily("mlxhost_memory_budget_bytes", "The memory budget (OPS-3).", value=budget)

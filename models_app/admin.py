@@ -118,10 +118,13 @@ class _LiveColumns:
         def requests_live(obj: Model | ModelAlias) -> str:
             return live_load_text(self.state_of(obj), short=True)
 
-        @admin.display(description="warm sessions")
+        @admin.display(description="prefix cache")
         def warm_sessions(obj: Model | ModelAlias) -> str:
             live = self.state_of(obj)
-            return str(live.warm_sessions) if live.resident_counts else DASH
+            if not live.resident_counts:
+                return DASH
+            hits = live.cache_hit_percent
+            return f"{live.warm_sessions} · {hits}% hits" if hits is not None else str(live.warm_sessions)
 
         @admin.display(description="last action")
         def last_action(obj: Model | ModelAlias) -> SafeString | str:

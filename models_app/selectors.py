@@ -175,6 +175,9 @@ class AliasLiveState:
     queued: int = 0
     capacity: int = 0
     warm_sessions: int = 0
+    warm_bytes: int = 0
+    cache_hit_rate: float | None = None  # of the prefix cache's lookups; None before the first
+    cache_tokens_saved: int = 0
     progress_done: int = 0
     progress_total: int = 0
     last_action: str = ""  # "reload failed: <reason>", "load done", "unload running"
@@ -188,6 +191,10 @@ class AliasLiveState:
     def resident_counts(self) -> bool:
         """Whether the request and session counters mean anything (an engine holds the instance)."""
         return self.state not in ("unreported", "unloaded", "disabled")
+
+    @property
+    def cache_hit_percent(self) -> int | None:
+        return None if self.cache_hit_rate is None else round(100 * self.cache_hit_rate)
 
     @property
     def progress_percent(self) -> int | None:
@@ -241,6 +248,9 @@ def model_live_state(
         queued=int(view.get("queued") or 0),
         capacity=int(view.get("capacity") or 0),
         warm_sessions=int(view.get("warm_sessions") or 0),
+        warm_bytes=int(view.get("warm_bytes") or 0),
+        cache_hit_rate=view.get("cache_hit_rate"),
+        cache_tokens_saved=int(view.get("cache_tokens_saved") or 0),
         progress_done=int(progress.get("done") or 0),
         progress_total=int(progress.get("total") or 0),
         last_action=action,

@@ -92,7 +92,12 @@ def instance_rows(statuses: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "engine": f"{status.get('host', '?')} · pid {status.get('pid', '?')}",
             "label": view.get("label") or control.LIVE_LABELS["unloaded"],  # as the engine published it
             "load_percent": load_percent(view.get("load_progress") or {}),
+            "cache_hit_percent": _percent(view.get("cache_hit_rate")),
         }
         for status in statuses
         for view in status.get("instances", [])
     ]
+
+
+def _percent(rate: object) -> int | None:
+    return round(100 * rate) if isinstance(rate, int | float) else None

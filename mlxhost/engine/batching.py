@@ -67,11 +67,10 @@ class BatchScheduler:
         if generation.stop_flag.is_set():  # cancelled while it waited: never touches the model
             end_unstarted(job, self._stats, now)
             return
-        kv, reuse = job.session_kv, job.reuse_tokens if job.session_kv is not None else 0
         sampling = job.sampling
+        reuse = 0
         try:
-            if kv is not None:  # keep only the prefix this prompt shares, as the exclusive path does
-                self.model.trim_cache(kv, self.model.cache_length(kv) - reuse)
+            kv, reuse = job.start_kv(self.model)  # the cached prefix, as on the exclusive path
             handle = self.runner.insert(job.prompt_ids, sampling, kv, reuse)
         except Exception:
             logger.exception("inserting generation %s into the batch failed", generation.request_id)
@@ -165,7 +164,7 @@ class BatchScheduler:
     def _fail(self, job: GenerateJob) -> None:
         self._stats.requests_failed += 1
         job.generation.post_threadsafe(Failed(code="generation_failed", message=FAILED_MESSAGE))
-        job.on_end(JobResult("error", kv=job.session_kv, touched=True))
+        job.on_end(JobResult("error", kv=job.unused_kv(), touched=True))
 
     def _sync_stats(self) -> None:
         sequences = self._sequences

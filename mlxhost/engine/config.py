@@ -11,9 +11,10 @@ class EngineConfig:
     backend: str = "mlx"  # "mlx" or "fake"
     load_timeout_s: float = 600.0
     shutdown_timeout_s: float = 10.0
-    # Warm sessions per instance (SES-1): entries, bytes and time to live.
-    max_sessions: int = 8
-    max_session_bytes: int = 2 << 30
+    # The prefix cache of each instance (SES-1): entries, bytes and time to live. Bytes None:
+    # a quarter of the memory budget, or of the machine's RAM without one (`prefix_cache_bytes`).
+    max_sessions: int = 64
+    max_session_bytes: int | None = None
     session_ttl_s: float = 1800.0
     # A worker that holds a request this long without a token is reported as stuck (OPS-2).
     stall_after_s: float = 30.0
@@ -36,3 +37,12 @@ class EngineConfig:
     max_request_kv_bytes: int | None = None
     # Unattributed worker failures in a row after which the model is dropped and loaded afresh.
     reload_after_faults: int = 3
+
+
+def prefix_cache_bytes(config: EngineConfig, ram_bytes: int | None) -> int:
+    """The byte bound of one instance's prefix cache: the setting, else a quarter of the memory
+    budget, else a quarter of RAM (2 GiB where the OS does not say)."""
+    if config.max_session_bytes is not None:
+        return config.max_session_bytes
+    basis = config.memory_budget_bytes or ram_bytes
+    return basis // 4 if basis else 2 << 30

@@ -512,7 +512,7 @@ class Engine:
         job = GenerateJob(generation, prompt_ids, admission.entered_at, on_end, sampling)
         if lease is not None:
             job.session_kv, job.session_tokens = lease.entry.kv, lease.entry.tokens
-            job.reuse_tokens = lease.reuse_tokens
+            job.reuse_tokens, job.owns_session = lease.reuse_tokens, lease.owned
         generation.admit()
         instance.dispatch(job)
 
@@ -526,8 +526,8 @@ class Engine:
     ) -> None:
         # Adopt before releasing the slot: release admits (and leases for) the next waiter at
         # once, and a continuation queued behind its parent must find the parent's session.
-        if lease is not None and not result.touched:
-            instance.sessions.give_back(lease)
+        if lease is not None:
+            instance.sessions.release(lease, consumed=result.touched)
         if result.kv is not None:
             query = generation.request.session
             # What the cache holds is kept (SES-1): a turn that finished, was cut by its length or

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from mlxhost.engine.config import prefix_cache_bytes
 from mlxhost.engine.errors import ModelLoadError, WeightsChangedError
 from mlxhost.engine.lane import Lane
-from mlxhost.engine.sessions import SessionCache
+from mlxhost.engine.limits import physical_memory_bytes
+from mlxhost.engine.sessions import SessionCache, SessionStats
 from mlxhost.engine.weights import folder_fingerprint
 from mlxhost.engine.worker import CallJob, GenerateJob, InstanceWorker
 
@@ -61,7 +63,7 @@ class Instance:
         self._configure_lane(spec)
         self.sessions = SessionCache(
             max_entries=config.max_sessions,
-            max_bytes=config.max_session_bytes,
+            max_bytes=prefix_cache_bytes(config, physical_memory_bytes()),
             ttl_s=config.session_ttl_s,
             clock=clock,
             dispose=self._dispose_kv,
@@ -186,7 +188,7 @@ class Instance:
                 "total": self.progress.total,
                 "unit": self.progress.unit,
             },
-            "sessions": {"entries": sessions.entries, "bytes": sessions.bytes, "hits": sessions.hits},
+            "prefix_cache": {"memory": _cache_snapshot(sessions, self.sessions.max_bytes)},
             "worker_alive": self._worker.alive,
         }
 
@@ -207,7 +209,7 @@ class Instance:
             self.state = "ready"
             self.touch()  # a fresh load is not idle yet: its keep-alive starts now
             if self.model is not None and self.model.shared_cache:
-                self.sessions.max_entries = 1  # one shared mutable cache: one warm session (SES-5)
+                self.sessions.single_use()  # one shared mutable cache: one entry, taken out (SES-5)
 
     def _configure_lane(self, spec: ModelSpec) -> None:
         settings = spec.lane
@@ -286,3 +288,18 @@ def _describe(error: BaseException) -> str:
     # A short reason for the admin and clients: the exception type and first line, no traceback.
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{type(error).__name__}: {text}"[:300] if text else type(error).__name__
+
+
+def _cache_snapshot(stats: SessionStats, max_bytes: int) -> dict[str, Any]:
+    """The prefix cache as /readyz, /metrics and the dashboard show it (memory tier)."""
+    lookups = stats.hits + stats.misses
+    return {
+        "entries": stats.entries,
+        "bytes": stats.bytes,
+        "max_bytes": max_bytes,
+        "hits": stats.hits,
+        "misses": stats.misses,
+        "hit_rate": round(stats.hits / lookups, 3) if lookups else None,
+        "tokens_saved": stats.tokens_saved,
+        "evicted": stats.evicted,
+    }

@@ -10,6 +10,7 @@ from mlxhost.engine.types import Done, Timings, Usage
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from mlxhost.engine.backends.base import LoadedModel
     from mlxhost.engine.generation import Generation
     from mlxhost.engine.types import SamplingParams
 
@@ -36,9 +37,30 @@ class GenerateJob:
     submitted_at: float  # when it entered the lane: queue time counts from here
     on_end: Callable[[JobResult], None]  # called once on the worker thread
     sampling: SamplingParams  # the request's settings after the model's checks (limits.py)
-    session_kv: object | None = None  # a leased warm session's cache...
+    session_kv: object | None = None  # a cached entry's kv: read only, unless owned...
     session_tokens: tuple[int, ...] = ()  # ...the tokens it holds...
-    reuse_tokens: int = 0  # ...and how many of them prefix this prompt (SES-8)
+    reuse_tokens: int = 0  # ...how many of them prefix this prompt (SES-8)...
+    owns_session: bool = False  # ...and whether the job took it out of the cache (SES-5)
+
+    def start_kv(self, model: LoadedModel) -> tuple[object | None, int]:
+        """The cache this job starts from and how many prompt tokens it holds (worker thread).
+
+        A shared entry is copied (its first `reuse_tokens` tokens) and never changed; an owned
+        one is trimmed to them in place. None: start from a fresh cache.
+        """
+        kv, reuse = self.session_kv, self.reuse_tokens
+        if kv is None or (reuse == 0 and not self.owns_session):
+            return None, 0
+        if self.owns_session:
+            model.trim_cache(kv, model.cache_length(kv) - reuse)
+            return kv, reuse
+        copy = model.copy_cache(kv, reuse)
+        return (copy, reuse) if copy is not None else (None, 0)
+
+    def unused_kv(self) -> object | None:
+        """What a job that failed must hand back for disposal: an owned entry's kv, else nothing
+        (a shared entry stays cached; a copy is freed with the job)."""
+        return self.session_kv if self.owns_session else None
 
 
 @dataclass(slots=True)

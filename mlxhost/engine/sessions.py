@@ -1,4 +1,11 @@
-"""Warm sessions: finished turns' KV caches, scoped by HMAC fingerprints, leased out single-use."""
+"""The prefix cache: KV caches of finished turns, scoped by HMAC fingerprints, shared by every request.
+
+Each entry is the KV of one turn (prompt plus what it produced) in one cache domain. A request
+takes the longest cached prefix of its prompt without removing it: it works on its own copy of
+that prefix (the backend's `copy_cache`, made on the worker thread), so any number of requests
+start from the same system prompt at once and no entry ever changes after it is adopted. Models
+whose cache is one shared mutable state (SES-5) cannot copy; there a lease takes the entry out.
+"""
 
 from __future__ import annotations
 
@@ -81,13 +88,19 @@ class SessionEntry:
     created_at: float
     last_used_at: float
     expires_at: float
+    pins: int = 0  # leases being copied from now: disposal waits for the last one
+    cached: bool = True  # false once evicted, replaced or expired
 
 
 @dataclass(frozen=True, slots=True)
 class SessionLease:
+    """A request's claim on an entry: copy `reuse_tokens` of `entry.kv`, or (when `owned`) use
+    the kv itself, which left the cache with this lease (SES-5)."""
+
     entry: SessionEntry
     reuse_tokens: int  # common prefix with the new prompt, capped so at least one token is fed
     tier: Tier
+    owned: bool = False
 
 
 @dataclass(slots=True)
@@ -96,6 +109,7 @@ class SessionStats:
     bytes: int = 0
     hits: int = 0
     misses: int = 0
+    tokens_saved: int = 0  # prompt tokens that hits did not have to compute
     adopted: int = 0
     evicted: int = 0
     expired: int = 0
@@ -105,7 +119,7 @@ class SessionStats:
 
 
 class SessionCache:
-    """Warm sessions of one model instance, bounded by entries, bytes and TTL (SES-1).
+    """The prefix cache of one model instance, bounded by entries, bytes and TTL (SES-1).
 
     Not thread-safe: the engine calls it from the asyncio loop thread only.
     """
@@ -113,7 +127,7 @@ class SessionCache:
     def __init__(
         self,
         *,
-        max_entries: int = 8,
+        max_entries: int = 64,
         max_bytes: int = 2 << 30,
         ttl_s: float = 1800.0,
         clock: Callable[[], float] = time.monotonic,
@@ -128,16 +142,15 @@ class SessionCache:
         self._clock = clock
         self._dispose_fn = dispose
         self._stats = SessionStats()
+        self._shared_kv = False
 
     @property
     def max_entries(self) -> int:
         return self._max_entries
 
-    @max_entries.setter
-    def max_entries(self, value: int) -> None:
-        # Single-stream models set 1 (SES-5); the bound applies at once.
-        self._max_entries = value
-        self._evict()
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
 
     @property
     def stats(self) -> SessionStats:
@@ -146,68 +159,99 @@ class SessionCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lease(self, query: SessionQuery, prompt_ids: Sequence[int]) -> tuple[SessionLease | None, Outcome]:
-        """Take the best warm session for `query` out of the cache (single use, SES-4).
+    def single_use(self) -> None:
+        """The model's cache is one shared mutable state (SES-5): it cannot be copied, so a lease
+        takes its entry out and at most one entry is kept. Applies at once."""
+        self._shared_kv = True
+        self._max_entries = 1
+        self._evict()
 
-        Tiers (SES-2): `previous_response_id` exact, with no fallthrough on a miss; else
-        `cache_key`, else `warm_any`, each falling back to the longest in-domain token
-        prefix (SES-8). A keyed lease with nothing reusable is still returned, so the kv
-        object can be recycled, but its outcome is not "hit".
+    def lease(self, query: SessionQuery, prompt_ids: Sequence[int]) -> tuple[SessionLease | None, Outcome]:
+        """Find the entry `query` may start from, and pin it until `release`.
+
+        Tiers (SES-2): `previous_response_id` exact, else `cache_key`, else `warm_any`, each
+        falling back to the longest in-domain token prefix (SES-8); a `previous_response_id`
+        never falls through to a cache key. The entry stays cached (SES-4), except on a
+        single-use cache, where it is taken out; there a keyed lease with nothing reusable is
+        still returned, so its kv can be recycled, but its outcome is not "hit".
         """
         self.sweep()
         prompt = tuple(prompt_ids)
         found = self._find(query, prompt)
         cold: Outcome = "cold_replay" if query.previous_response_id is not None else "fresh"
-        if found is None:
+        reuse = 0 if found is None else _reuse(found[0].tokens, prompt)
+        if found is None or (reuse == 0 and not self._shared_kv):
             self._stats.misses += 1
             return None, cold
         entry, tier = found
-        self._remove(entry)
-        lease = SessionLease(entry=entry, reuse_tokens=_reuse(entry.tokens, prompt), tier=tier)
-        if lease.reuse_tokens == 0:
+        if self._shared_kv:
+            self._remove(entry)
+        else:
+            entry.pins += 1
+            entry.last_used_at = self._clock()
+        lease = SessionLease(entry=entry, reuse_tokens=reuse, tier=tier, owned=self._shared_kv)
+        if reuse == 0:
             self._stats.misses += 1
             return lease, cold
         self._stats.hits += 1
+        self._stats.tokens_saved += reuse
         return lease, "hit"
 
-    def give_back(self, lease: SessionLease) -> None:
-        """Reinsert a leased entry whose kv was never touched (request cancelled in queue)."""
+    def release(self, lease: SessionLease, *, consumed: bool) -> None:
+        """End a lease. A shared entry is unpinned (and disposed if it left the cache meanwhile);
+        an owned one is reinserted unless the request `consumed` its kv (it ran on it)."""
         entry = lease.entry
+        if not lease.owned:
+            entry.pins -= 1
+            if not entry.cached and entry.pins == 0:
+                self._dispose(entry.kv)
+            return
+        if consumed:
+            return
         if entry.expires_at <= self._clock():
             self._stats.expired += 1
             self._dispose(entry.kv)
         elif entry.response_id in self._entries:
             self._dispose(entry.kv)
         else:
+            entry.cached = True
             self._insert(entry)
             self._evict()
 
     def adopt(
         self, *, response_id: str, query: SessionQuery, tokens: Sequence[int], kv: object, nbytes: int
     ) -> bool:
-        """Keep a finished turn's kv as the warm session of `response_id`.
+        """Keep a turn's kv as the entry of `response_id`.
 
         A finished, length-cut or cancelled turn may be adopted (SES-1); after an error or a
-        server abort the caller must `discard(kv)` instead. An older entry with the same response id, or with
-        the same cache key in the same domain, is replaced and disposed.
+        server abort the caller must `discard(kv)` instead. An older entry with the same response
+        id, with the same cache key in the same domain, or whose tokens are a prefix of `tokens`
+        in the same domain (the new entry serves every prompt it served), is dropped.
 
         Returns:
-            Whether the session is now cached; False when `nbytes` alone exceeds `max_bytes`
+            Whether the entry is now cached; False when `nbytes` alone exceeds `max_bytes`
             (the kv is then disposed).
         """
         if nbytes > self._max_bytes:
             self._dispose(kv)
             return False
-        self._replace(self._entries.get(response_id), kv)
+        tokens = tuple(tokens)
+        self._drop(self._entries.get(response_id), kv)
         if query.cache_key is not None:
-            self._replace(self._keyed(query.domain, query.cache_key), kv)
+            self._drop(self._keyed(query.domain, query.cache_key), kv)
+        if not self._shared_kv:
+            for older in [e for e in self._entries.values() if e.domain == query.domain]:
+                if len(older.tokens) <= len(tokens) and _common_prefix(older.tokens, tokens) == len(
+                    older.tokens
+                ):
+                    self._drop(older, kv)
         now = self._clock()
         entry = SessionEntry(
             response_id=response_id,
             domain=query.domain,
             instructions=query.instructions,
             cache_key=query.cache_key,
-            tokens=tuple(tokens),
+            tokens=tokens,
             kv=kv,
             nbytes=nbytes,
             created_at=now,
@@ -224,26 +268,25 @@ class SessionCache:
         self._dispose(kv)
 
     def sweep(self) -> int:
-        """Dispose expired entries; return how many there were."""
+        """Drop expired entries; return how many there were."""
         now = self._clock()
         expired = [e for e in self._entries.values() if e.expires_at <= now]
         for entry in expired:
-            self._remove(entry)
+            self._uncache(entry)
             self._stats.expired += 1
-            self._dispose(entry.kv)
         return len(expired)
 
     def clear(self) -> None:
-        """Dispose every entry (model unload)."""
+        """Drop every entry (model unload)."""
         for entry in list(self._entries.values()):
-            self._remove(entry)
-            self._dispose(entry.kv)
+            self._uncache(entry)
 
     def _find(self, query: SessionQuery, prompt: tuple[int, ...]) -> tuple[SessionEntry, Tier] | None:
         if query.previous_response_id is not None:
             entry = self._entries.get(query.previous_response_id)
-            return (entry, "response_id") if entry is not None and _scoped(entry, query) else None
-        if query.cache_key is not None:
+            if entry is not None and _scoped(entry, query):
+                return entry, "response_id"
+        elif query.cache_key is not None:
             entry = self._keyed(query.domain, query.cache_key)
             if entry is not None and _scoped(entry, query):
                 return entry, "cache_key"
@@ -277,8 +320,10 @@ class SessionCache:
             self._by_key[(entry.domain, entry.cache_key)] = entry.response_id
 
     def _remove(self, entry: SessionEntry) -> None:
+        """Take `entry` out of the index (it may live on in a lease)."""
         if self._entries.get(entry.response_id) is not entry:
             return
+        entry.cached = False
         del self._entries[entry.response_id]
         self._bytes -= entry.nbytes
         if entry.cache_key is None:
@@ -287,21 +332,27 @@ class SessionCache:
         if self._by_key.get(slot) == entry.response_id:
             del self._by_key[slot]
 
-    def _replace(self, old: SessionEntry | None, kv: object) -> None:
-        if old is None:
+    def _uncache(self, entry: SessionEntry) -> None:
+        """Remove `entry` and free its kv, now or when its last lease ends."""
+        self._remove(entry)
+        if entry.pins == 0:
+            self._dispose(entry.kv)
+
+    def _drop(self, old: SessionEntry | None, kv: object) -> None:
+        if old is None or not old.cached:
             return
-        self._remove(old)
         self._stats.evicted += 1
-        if old.kv is not kv:
-            self._dispose(old.kv)
+        if old.kv is kv:  # a single-use lease's kv, adopted again: it lives on in the new entry
+            self._remove(old)
+        else:
+            self._uncache(old)
 
     def _evict(self) -> None:
         self.sweep()
         while self._entries and (len(self._entries) > self._max_entries or self._bytes > self._max_bytes):
             victim = min(self._entries.values(), key=lambda e: e.last_used_at)  # first wins ties
-            self._remove(victim)
+            self._uncache(victim)
             self._stats.evicted += 1
-            self._dispose(victim.kv)
 
     def _dispose(self, kv: object) -> None:
         # SES-6: the client already has its answer, so a failing dispose is logged, never raised.
@@ -313,7 +364,7 @@ class SessionCache:
                     self._stats.dispose_retries += 1
                     continue
                 self._stats.dispose_failures += 1
-                logger.warning("Disposing a warm session KV cache failed twice", exc_info=True)
+                logger.warning("Disposing a cached KV failed twice", exc_info=True)
                 return
             self._stats.disposed += 1
             return

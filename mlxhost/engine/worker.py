@@ -39,7 +39,7 @@ class InstanceWorker:
     Two schedulers share this thread. The exclusive one runs a GenerateJob alone through
     `model.generate`. When the lane's capacity (`batch_capacity`) is above 1 and the model
     can batch, GenerateJobs join a `BatchScheduler` between decode steps instead. A job that
-    cannot batch (a `seed`, see `BatchRunner.accepts`), a load or unload (`CallJob`, a lane
+    cannot batch (see `BatchRunner.accepts`), a load or unload (`CallJob`, a lane
     writer) and shutdown wait at the head of the FIFO until the batch drains, then run alone;
     everything behind them waits too, so neither side starves.
     """
@@ -257,7 +257,7 @@ class InstanceWorker:
             generation.post_threadsafe(
                 Failed(code="generation_failed", message="The model failed while generating.")
             )
-            result = JobResult("error", kv=job.session_kv, touched=True)
+            result = JobResult("error", kv=job.unused_kv(), touched=True)
             self._fault(exc)
         finally:
             self.stats.active_request = None
@@ -309,11 +309,9 @@ class InstanceWorker:
         if generation.stop_flag.is_set():  # cancelled while it waited: never touches the model
             post_done(job, turn, self.stats, self._clock(), "cancelled", 0)
             return JobResult("cancelled")
-        kv, reuse = job.session_kv, job.reuse_tokens
+        kv, reuse = job.start_kv(model)  # the cached prefix this prompt shares; the rest is fed
         if kv is None:
             kv, reuse = model.new_cache(), 0
-        else:  # keep only the prefix this prompt shares, feed the rest (MLX-NOTES: trim, then suffix)
-            model.trim_cache(kv, model.cache_length(kv) - reuse)
         generation.post_threadsafe(Started(prompt_tokens=len(job.prompt_ids), cached_tokens=reuse))
         turn.cached = reuse
         finish, generated, turn.first_at, matched = self._decode(job, model, kv, reuse)

@@ -61,7 +61,7 @@ def engine_config_from(env: Mapping[str, str]) -> EngineConfig:
     return EngineConfig(
         backend=env.get("MLXHOST_ENGINE_BACKEND", "").strip() or base.backend,
         max_sessions=_int(env, "MLXHOST_MAX_SESSIONS", base.max_sessions),
-        max_session_bytes=_int(env, "MLXHOST_MAX_SESSION_BYTES", base.max_session_bytes),
+        max_session_bytes=_limit(env, "MLXHOST_MAX_SESSION_BYTES"),
         session_ttl_s=_float(env, "MLXHOST_SESSION_TTL_S", base.session_ttl_s),
         shutdown_timeout_s=_float(env, "MLXHOST_SHUTDOWN_TIMEOUT_S", base.shutdown_timeout_s),
         drain_timeout_s=_float(env, "MLXHOST_DRAIN_TIMEOUT_S", base.drain_timeout_s),

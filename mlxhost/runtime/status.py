@@ -90,6 +90,7 @@ class StatusBuilder:
         self._last[instance_id] = (tokens, now)
         elapsed = now - last_at
         lane, progress = snap["lane"], snap["load_progress"]
+        cache = snap["prefix_cache"]["memory"]
         status = instance_status(snap)
         return {
             "instance_id": instance_id,
@@ -106,8 +107,10 @@ class StatusBuilder:
             "decode_tps": snap["decode_tps"],
             "ttft_ms": snap["ttft_ms"],
             "batch_size": snap["batch_size"],
-            "warm_sessions": snap["sessions"]["entries"],
-            "warm_bytes": snap["sessions"]["bytes"],
+            "warm_sessions": cache["entries"],
+            "warm_bytes": cache["bytes"],
+            "cache_hit_rate": cache["hit_rate"],
+            "cache_tokens_saved": cache["tokens_saved"],
             "memory_bytes": snap["memory_bytes"],
             "load_progress": progress,
             "requests_finished": snap["requests_finished"],

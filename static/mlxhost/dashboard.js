@@ -281,7 +281,11 @@
       el("td", { className: "num lane", text: lane + (view.draining ? " (draining)" : "") }),
       el("td", { className: "num tps", text: formatNumber(view.tokens_per_s) }),
       el("td", { className: "num ttft", text: view.ttft_ms ? formatNumber(view.ttft_ms) : DASH }),
-      el("td", { className: "num warm", text: String(view.warm_sessions) }),
+      el("td", {
+        className: "num warm",
+        title: (view.cache_tokens_saved || 0) + " prompt tokens saved",
+        text: String(view.warm_sessions) + (view.cache_hit_rate == null ? "" : " \u00b7 " + Math.round(view.cache_hit_rate * 100) + "% hits"),
+      }),
       el("td", { className: "num warm-bytes", text: formatBytes(view.warm_bytes) }),
       el("td", { className: "num memory", text: formatBytes(view.memory_bytes) })
     );

@@ -112,9 +112,15 @@ async def test_metrics_count_outcomes_rejections_tokens_and_lane_state(
     assert metrics.get("mlxhost_queue_depth", **instance) == 0
     assert metrics.get("mlxhost_active_requests", **instance) == 0
     assert metrics.get("mlxhost_lane_capacity", **instance) == 1
-    # 1 (cut by length), 3 and 4 (cancelled) are kept (SES-1); 2 was leased by 3.
+    # 1 (cut by length), 3 and 4 (cancelled) are kept (SES-1); 3 holds 2's tokens, so it replaced 2.
     assert metrics.get("mlxhost_warm_sessions", **instance) == 3
-    assert metrics.get("mlxhost_warm_session_bytes", **instance) == snap["sessions"]["bytes"] > 0
+    memory = {"tier": "memory", **instance}
+    assert metrics.get("mlxhost_prefix_cache_hits_total", **memory) == 1  # 3
+    assert metrics.get("mlxhost_prefix_cache_misses_total", **memory) == 3  # 1, 2 and 4
+    assert metrics.get("mlxhost_prefix_cache_tokens_saved_total", **memory) == cached
+    assert (
+        metrics.get("mlxhost_warm_session_bytes", **instance) == snap["prefix_cache"]["memory"]["bytes"] > 0
+    )
     assert metrics.get("mlxhost_resident_memory_bytes", **instance) == snap["memory_bytes"] > 0
     assert metrics.get("mlxhost_instance_state", state="ready", **instance) == 1
     assert metrics.get("mlxhost_instance_state", state="unloaded", **instance) == 0

@@ -253,7 +253,7 @@ async def test_cancel_stops_a_running_response_and_it_is_stored_as_cancelled(
     assert row.status == "cancelled"
     assert row.output_text == last["response"]["output"][0]["content"][0]["text"]
     # Kept up to the tokens it produced (SES-1, issue 12), though a cancelled response cannot be continued.
-    assert mlx_engine.snapshot()[0]["sessions"]["entries"] == 1
+    assert mlx_engine.snapshot()[0]["prefix_cache"]["memory"]["entries"] == 1
 
 
 async def test_a_hung_up_stream_is_stored_as_cancelled_without_claimed_usage(

@@ -178,8 +178,25 @@ async def test_finished_sequences_hand_back_exact_caches_and_many_are_kept(engin
     assert [events[0].cached_tokens for events in results] == [len("<user>turn 0<assistant>")] * 3
 
 
-async def test_a_seed_request_runs_alone_in_fifo_order_without_starving(engine, backend):
-    """LANE-1: a seeded request cannot share the batch: it waits for the batch to drain, runs alone, then batching resumes."""
+async def test_a_seed_request_joins_the_running_batch(engine, backend):
+    """LANE-1 (issue 12): a seeded request shares the batch like any other: it joins between steps."""
+    x = batching(2)
+    await engine.load(x)
+    backend.gated = True
+    a, generations = await first_then_rest(
+        engine, backend, x, [{"max_tokens": 3}, {"max_tokens": 2, "seed": 7}]
+    )
+    ungate(backend)
+    results = await asyncio.wait_for(asyncio.gather(collect_rest(a), collect(generations[1])), 5)
+    assert [events[-1].usage.completion_tokens for events in results] == [3, 2]
+    assert [h[2].seed for h in backend.history] == [None, 7]
+    assert len(backend.batches) == 1 and 2 in backend.batch_steps  # they shared steps
+
+
+async def test_a_request_the_batch_refuses_runs_alone_in_fifo_order_without_starving(engine, backend):
+    """LANE-1: a request the batch cannot take (here: seeds, on a backend that refuses them) waits
+    for the batch to drain, runs alone, then batching resumes."""
+    backend.exclusive_seeds = True
     x = batching(3)
     await engine.load(x)
     backend.gated = True
@@ -205,7 +222,8 @@ async def test_a_seed_request_runs_alone_in_fifo_order_without_starving(engine, 
 
 
 async def test_a_cancelled_waiter_behind_an_exclusive_turn_frees_its_slot_at_once(engine, backend):
-    """LANE-6: a request queued on the worker behind a seeded one is cancelled without waiting for the batch."""
+    """LANE-6: a request queued on the worker behind an exclusive one is cancelled without waiting for the batch."""
+    backend.exclusive_seeds = True
     x = batching(3)
     await engine.load(x)
     backend.gated = True

@@ -1,4 +1,4 @@
-"""Warm sessions through the engine (SES-*): prefix reuse, single-use leases, scoping, adoption, bounds."""
+"""The prefix cache through the engine (SES-*): shared prefixes, copies, scoping, adoption, bounds."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def query(engine, tenant: str = "t1", salt: str = "s1", **kwargs):
 
 def sessions(engine, instance_id: int = 1) -> dict:
     snap = next(s for s in engine.snapshot() if s["instance_id"] == instance_id)
-    return snap["sessions"]  # type: ignore[return-value]
+    return snap["prefix_cache"]["memory"]  # type: ignore[return-value]
 
 
 async def turn(engine, request_id: str, messages, session, *, model=None, **sampling):
@@ -70,11 +70,17 @@ async def test_turn_two_reuses_the_cached_prefix(engine, backend):
     assert sessions(engine)["hits"] == 1
 
 
-async def test_a_session_lease_is_single_use_under_overlap(engine, backend):
-    """SES-4: two overlapping requests naming the same parent: exactly one hit, the other runs cold."""
-    batching = spec(1, lane=LaneSettings(capacity=2))
-    await engine.load(batching)
+@pytest.mark.parametrize("batching", [True, False])
+async def test_overlapping_continuations_of_one_parent_all_hit(engine, backend, batching: bool):
+    """SES-4: two overlapping requests naming the same parent both start from its cached prefix,
+    each on its own copy; the parent's entry is neither consumed nor changed (both schedulers)."""
+    backend.batching = batching
+    model = spec(1, lane=LaneSettings(capacity=2))
+    await engine.load(model)
     await first_turn(engine, backend)
+    instance = next(i for i in engine.registry.instances() if i.instance_id == 1)
+    entry = next(iter(instance.sessions._entries.values()))
+    parent_tokens = entry.tokens
     backend.gated = True
     generations = await asyncio.gather(
         *(
@@ -83,24 +89,107 @@ async def test_a_session_lease_is_single_use_under_overlap(engine, backend):
                     f"c{i}",
                     messages=TURN_2,
                     session=query(engine, previous_response_id="p"),
-                    spec_=batching,
+                    spec_=model,
                     max_tokens=1,
                 )
             )
             for i in range(2)
         )
     )
-    assert sorted(g.session_outcome for g in generations) == ["cold_replay", "hit"]
+    assert [g.session_outcome for g in generations] == ["hit", "hit"]
     backend.gated = False
     backend.gate.set()
     results = await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 5)
-    cached = {
-        g.session_outcome: started_of(events).cached_tokens
-        for g, events in zip(generations, results, strict=True)
-    }
-    assert cached == {"hit": TURN_1_PROMPT, "cold_replay": 0}
-    fed = sorted(len(prompt) for _, prompt, _ in backend.history[1:])
-    assert fed == [TURN_2_PROMPT - TURN_1_PROMPT, TURN_2_PROMPT]
+    assert [started_of(events).cached_tokens for events in results] == [TURN_1_PROMPT] * 2
+    fed = [len(prompt) for _, prompt, _ in backend.history[1:]]
+    assert fed == [TURN_2_PROMPT - TURN_1_PROMPT] * 2
+    assert backend.copies == 2
+    assert entry.kv.tokens == list(parent_tokens)  # copied from, never written to
+    await lane_idle(engine)
+    assert sessions(engine)["hits"] == 2
+
+
+async def test_a_shared_cache_lease_is_single_use_under_overlap(engine, backend):
+    """SES-4 / SES-5: a model with one shared mutable cache cannot copy: of two requests naming
+    the same parent exactly one hits, the other runs cold."""
+    backend.shared_cache = True
+    model = spec(1, lane=LaneSettings(capacity=2))  # both admitted at once; they run one by one
+    await engine.load(model)
+    await first_turn(engine, backend)
+    backend.gated = True
+    generations = [
+        await engine.submit(
+            request(
+                f"c{i}",
+                messages=TURN_2,
+                session=query(engine, previous_response_id="p"),
+                spec_=model,
+                max_tokens=1,
+            )
+        )
+        for i in range(2)
+    ]
+    backend.gated = False
+    backend.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 5)
+    assert sorted(g.session_outcome for g in generations) == ["cold_replay", "hit"]
+    cached = sorted(started_of(events).cached_tokens for events in results)
+    assert cached == [0, TURN_1_PROMPT]
+    assert backend.copies == 0
+
+
+@pytest.mark.parametrize("batching", [True, False])
+async def test_eight_users_share_one_system_prompt(engine, backend, batching: bool):
+    """Issue 12: eight new conversations behind one system prompt all start from the first
+    user's cached turn, at once, each computing only its own part (exact token counts)."""
+    backend.batching = batching
+    model = spec(1, lane=LaneSettings(capacity=8))
+    await engine.load(model)
+    system = Message("system", "You are a careful assistant. " * 10)
+    backend.enqueue(["Hi"])
+    await turn(engine, "u0", (system, Message("user", "first")), query(engine), model=model, max_tokens=5)
+    shared = len(f"<system>{system.content}<user>")
+    backend.gated = True
+    generations = [
+        await engine.submit(
+            request(
+                f"u{i}",
+                messages=(system, Message("user", f"question {i}")),
+                session=query(engine),
+                spec_=model,
+                max_tokens=1,
+            )
+        )
+        for i in range(1, 9)
+    ]
+    assert [g.session_outcome for g in generations] == ["hit"] * 8
+    backend.gated = False
+    backend.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 5)
+    assert [started_of(events).cached_tokens for events in results] == [shared] * 8
+    assert [len(prompt) for _, prompt, _ in backend.history[1:]] == [
+        len(f"question {i}<assistant>") for i in range(1, 9)
+    ]
+    await lane_idle(engine)
+    stats = sessions(engine)
+    assert (stats["hits"], stats["tokens_saved"]) == (8, 8 * shared)
+
+
+async def test_two_conversations_each_continue_from_their_own_turn(engine, backend):
+    """Two users behind one system prompt: each one's second turn reuses its own first turn,
+    not just the shared start."""
+    system = Message("system", "Be brief.")
+    histories = {}
+    for user in ("a", "b"):
+        backend.enqueue([f"Hello {user}"])
+        messages = (system, Message("user", f"I am {user}"))
+        await turn(engine, f"{user}1", messages, query(engine), max_tokens=50)
+        histories[user] = (*messages, Message("assistant", f"Hello {user}"), Message("user", "again"))
+    for user in ("a", "b"):
+        generation, events = await turn(engine, f"{user}2", histories[user], query(engine), max_tokens=1)
+        assert generation.session_outcome == "hit"
+        own = len(f"<system>Be brief.<user>I am {user}<assistant>")
+        assert started_of(events).cached_tokens == own
 
 
 async def test_salt_and_tenant_scope_the_cache(engine, backend):

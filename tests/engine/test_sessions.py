@@ -1,4 +1,4 @@
-"""Warm-session cache: tiers, scoping, single-use leases, bounds and disposal."""
+"""The prefix cache: tiers, scoping, shared and single-use leases, bounds and disposal."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import fields
 
 import pytest
 
+from mlxhost.engine.config import EngineConfig, prefix_cache_bytes
 from mlxhost.engine.sessions import SessionCache, SessionQuery, SessionScoper
 from tests.support import FakeClock
 
@@ -59,28 +60,60 @@ def adopt(cache: SessionCache, q: SessionQuery, rid: str, tokens=PROMPT, nbytes:
     return cache.adopt(response_id=rid, query=q, tokens=tokens, kv=f"kv-{rid}", nbytes=nbytes)
 
 
-def test_lease_is_single_use(cache: SessionCache, scoper: SessionScoper) -> None:
-    """SES-4: two lookups for the same parent: the first hits, the second runs cold."""
+def test_leases_share_the_entry(cache: SessionCache, scoper: SessionScoper, disposer: Disposer) -> None:
+    """SES-4: two lookups for the same parent both hit the one entry, which stays cached."""
+    adopt(cache, query(scoper), "resp_1")
+    follow_up = query(scoper, previous_response_id="resp_1")
+    leases = [cache.lease(follow_up, (*PROMPT, 7, 8)) for _ in range(2)]
+    for lease, outcome in leases:
+        assert outcome == "hit"
+        assert lease is not None and lease.tier == "response_id" and lease.reuse_tokens == 6
+        assert lease.entry.kv == "kv-resp_1" and not lease.owned
+    entry = leases[0][0].entry  # type: ignore[union-attr]
+    assert entry.pins == 2 and len(cache) == 1
+    stats = cache.stats
+    assert (stats.hits, stats.misses, stats.tokens_saved) == (2, 0, 12)
+    for lease, _ in leases:
+        cache.release(lease, consumed=True)  # type: ignore[arg-type]
+    assert entry.pins == 0 and len(cache) == 1 and disposer.disposed == []
+
+
+def test_a_single_use_lease_takes_the_entry(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-4, SES-5: where the cache cannot be copied, the first lookup takes it; the second runs cold."""
+    cache.single_use()
     adopt(cache, query(scoper), "resp_1")
     follow_up = query(scoper, previous_response_id="resp_1")
     lease, outcome = cache.lease(follow_up, (*PROMPT, 7, 8))
-    assert outcome == "hit"
-    assert lease is not None and lease.tier == "response_id" and lease.reuse_tokens == 6
-    assert lease.entry.kv == "kv-resp_1"
+    assert outcome == "hit" and lease is not None and lease.owned and lease.reuse_tokens == 6
     assert cache.lease(follow_up, (*PROMPT, 7, 8)) == (None, "cold_replay")
     assert (cache.stats.hits, cache.stats.misses, len(cache)) == (1, 1, 0)
 
 
+def test_eight_requests_start_from_one_entry(cache: SessionCache, scoper: SessionScoper) -> None:
+    """A shared system prompt: eight new conversations all reuse the one cached turn's prefix."""
+    system = tuple(range(300))
+    adopt(cache, query(scoper), "resp_1", tokens=(*system, 1000, 1001))
+    leases = [cache.lease(query(scoper), (*system, 2000 + i, 7)) for i in range(8)]
+    assert [(outcome, lease.reuse_tokens) for lease, outcome in leases if lease] == [("hit", 300)] * 8
+    assert len(cache) == 1 and cache.stats.tokens_saved == 8 * 300
+
+
 def test_same_salt_hits_and_different_salt_misses(scoper: SessionScoper, clock: FakeClock) -> None:
-    """SES-3: the same salt hits; a different salt or different instructions is a cold replay."""
+    """SES-3: the same salt hits; a different salt is a cold replay; different instructions fall
+    back to the token prefix (the entry is not named, its shared tokens are)."""
     cases = {"same": ("s1", "be brief"), "salt": ("s2", "be brief"), "instr": ("s1", "be verbose")}
-    outcomes = {}
+    outcomes, tiers = {}, {}
     for name, (salt, instructions) in cases.items():
         cache = SessionCache(clock=clock)
         adopt(cache, query(scoper, salt="s1"), "resp_1")
         q = query(scoper, salt=salt, instructions=instructions, previous_response_id="resp_1")
         outcomes[name] = cache.lease(q, (*PROMPT, 7))[1]
-    assert outcomes == {"same": "hit", "salt": "cold_replay", "instr": "cold_replay"}
+        lease = cache.lease(q, (*PROMPT, 7))[0]
+        if lease is not None:
+            tiers[name] = lease.tier
+    assert outcomes == {"same": "hit", "salt": "cold_replay", "instr": "hit"}
+    # Other instructions never name the entry; only the tokens they share can be reused.
+    assert tiers == {"same": "response_id", "instr": "prefix"}
 
 
 def test_cache_key_is_bound_to_tenant(cache: SessionCache, scoper: SessionScoper) -> None:
@@ -103,12 +136,15 @@ def test_raw_key_and_salt_are_never_stored(cache: SessionCache, scoper: SessionS
     assert raw_key not in repr(scoper) and SECRET.decode() not in repr(scoper)
 
 
-def test_tier1_miss_never_falls_through(cache: SessionCache, scoper: SessionScoper) -> None:
-    """SES-2: a tier-1 miss is a cold replay even when a tier-2 and a prefix entry would match."""
-    adopt(cache, query(scoper, prompt_cache_key="k"), "resp_1")
+def test_tier1_miss_never_falls_through_to_the_key(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-2: a tier-1 miss takes the longest prefix, never the entry of its cache key."""
+    adopt(cache, query(scoper, prompt_cache_key="k"), "resp_1", tokens=(9, 9, 9))
     q = query(scoper, previous_response_id="resp_gone", prompt_cache_key="k")
     assert cache.lease(q, (*PROMPT, 7)) == (None, "cold_replay")
-    assert len(cache) == 1
+    adopt(cache, query(scoper), "resp_2")
+    lease, outcome = cache.lease(q, (*PROMPT, 7))
+    assert outcome == "hit" and lease is not None
+    assert (lease.entry.response_id, lease.tier, lease.reuse_tokens) == ("resp_2", "prefix", 6)
 
 
 def test_tier2_hits_by_cache_key(cache: SessionCache, scoper: SessionScoper) -> None:
@@ -121,11 +157,14 @@ def test_tier2_hits_by_cache_key(cache: SessionCache, scoper: SessionScoper) -> 
 
 
 def test_keyed_lease_without_reusable_prefix_is_fresh(cache: SessionCache, scoper: SessionScoper) -> None:
-    """SES-2: a keyed entry with no common prefix is still leased (kv reusable) but reported fresh."""
+    """SES-2: a keyed entry with no common prefix is a miss; a single-use cache still leases it
+    (its kv object is recycled) but reports fresh."""
     adopt(cache, query(scoper, prompt_cache_key="k"), "resp_1", tokens=(9, 9))
+    assert cache.lease(query(scoper, prompt_cache_key="k"), (1, 2, 3)) == (None, "fresh")
+    cache.single_use()
     lease, outcome = cache.lease(query(scoper, prompt_cache_key="k"), (1, 2, 3))
     assert outcome == "fresh" and lease is not None and lease.reuse_tokens == 0
-    assert (cache.stats.hits, cache.stats.misses) == (0, 1)
+    assert (cache.stats.hits, cache.stats.misses) == (0, 2)
 
 
 def test_cache_key_adopt_replaces_older_entry(
@@ -193,7 +232,7 @@ def test_ttl_expiry_disposes(
     """SES-1, SES-6: entries expire after the TTL; expired ones are disposed and counted."""
     adopt(cache, query(scoper), "resp_1")
     clock.advance(1799)
-    adopt(cache, query(scoper), "resp_2")
+    adopt(cache, query(scoper), "resp_2", tokens=(8, 9))
     clock.advance(1)
     q = query(scoper, previous_response_id="resp_1")
     assert cache.lease(q, (*PROMPT, 7)) == (None, "cold_replay")
@@ -209,7 +248,7 @@ def test_byte_bound_eviction(clock: FakeClock, disposer: Disposer, scoper: Sessi
     cache = SessionCache(max_bytes=100, clock=clock, dispose=disposer)
     for i, nbytes in enumerate((40, 40, 40)):
         clock.advance(1)
-        assert adopt(cache, query(scoper), f"resp_{i}", nbytes=nbytes)
+        assert adopt(cache, query(scoper), f"resp_{i}", tokens=(i, 1), nbytes=nbytes)
     assert disposer.disposed == ["kv-resp_0"]
     stats = cache.stats
     assert (stats.entries, stats.bytes, stats.evicted, stats.adopted) == (2, 80, 1, 3)
@@ -220,7 +259,7 @@ def test_entry_bound_lru_eviction(clock: FakeClock, disposer: Disposer, scoper: 
     cache = SessionCache(max_entries=3, clock=clock, dispose=disposer)
     for i in range(5):
         clock.advance(1)
-        adopt(cache, query(scoper), f"resp_{i}")
+        adopt(cache, query(scoper), f"resp_{i}", tokens=(i, 1))
     assert disposer.disposed == ["kv-resp_0", "kv-resp_1"]
     assert (len(cache), cache.stats.evicted, cache.stats.disposed) == (3, 2, 2)
 
@@ -228,10 +267,10 @@ def test_entry_bound_lru_eviction(clock: FakeClock, disposer: Disposer, scoper: 
 def test_single_stream_keeps_one_session(
     cache: SessionCache, scoper: SessionScoper, disposer: Disposer
 ) -> None:
-    """SES-5: max_entries = 1 keeps at most one warm session; lowering it evicts at once."""
-    adopt(cache, query(scoper), "resp_0")
-    adopt(cache, query(scoper), "resp_1")
-    cache.max_entries = 1
+    """SES-5: a single-use cache keeps at most one entry; switching evicts at once."""
+    adopt(cache, query(scoper), "resp_0", tokens=(1, 2))
+    adopt(cache, query(scoper), "resp_1", tokens=(3, 4))
+    cache.single_use()
     assert len(cache) == 1 and disposer.disposed == ["kv-resp_0"]
     adopt(cache, query(scoper, tenant="other"), "resp_2")
     assert len(cache) == 1 and disposer.disposed == ["kv-resp_0", "kv-resp_1"]
@@ -260,12 +299,15 @@ def test_dispose_failing_twice_is_counted_not_raised(
     assert "failed twice" in caplog.text
 
 
-def test_give_back_reinserts(cache: SessionCache, scoper: SessionScoper, disposer: Disposer) -> None:
-    """SES-4: a lease cancelled before use is given back unchanged and can be leased again."""
+def test_an_unused_single_use_lease_goes_back(
+    cache: SessionCache, scoper: SessionScoper, disposer: Disposer
+) -> None:
+    """SES-4: a single-use lease cancelled before use is given back unchanged and can be leased again."""
+    cache.single_use()
     adopt(cache, query(scoper, prompt_cache_key="k"), "resp_1")
     lease, _ = cache.lease(query(scoper, prompt_cache_key="k"), (*PROMPT, 7))
     assert lease is not None and len(cache) == 0
-    cache.give_back(lease)
+    cache.release(lease, consumed=False)
     assert len(cache) == 1 and cache.stats.bytes == 10 and disposer.disposed == []
     again, outcome = cache.lease(query(scoper, prompt_cache_key="k"), (*PROMPT, 7))
     assert outcome == "hit" and again is not None and again.entry is lease.entry
@@ -274,12 +316,13 @@ def test_give_back_reinserts(cache: SessionCache, scoper: SessionScoper, dispose
 def test_give_back_after_expiry_disposes(
     cache: SessionCache, scoper: SessionScoper, clock: FakeClock, disposer: Disposer
 ) -> None:
-    """SES-1: give_back keeps the original expiry, so an expired entry is disposed instead."""
+    """SES-1: a returned lease keeps the original expiry, so an expired entry is disposed instead."""
+    cache.single_use()
     adopt(cache, query(scoper), "resp_1")
     lease, _ = cache.lease(query(scoper, previous_response_id="resp_1"), (*PROMPT, 7))
     assert lease is not None
     clock.advance(1800)
-    cache.give_back(lease)
+    cache.release(lease, consumed=False)
     assert len(cache) == 0 and disposer.disposed == ["kv-resp_1"] and cache.stats.expired == 1
 
 
@@ -304,3 +347,54 @@ def test_clear_disposes_everything(cache: SessionCache, scoper: SessionScoper, d
     cache.clear()
     assert len(cache) == 0 and sorted(disposer.disposed) == ["kv-resp_0", "kv-resp_1"]
     assert cache.stats.bytes == 0
+
+
+def test_an_entry_evicted_while_leased_is_freed_by_its_last_lease(
+    clock: FakeClock, disposer: Disposer, scoper: SessionScoper
+) -> None:
+    """SES-6: eviction never frees a kv a request is still copying from; the last release does."""
+    cache = SessionCache(max_entries=1, clock=clock, dispose=disposer)
+    adopt(cache, query(scoper), "resp_0", tokens=(1, 2, 3))
+    lease, _ = cache.lease(query(scoper), (1, 2, 3, 4))
+    assert lease is not None
+    adopt(cache, query(scoper), "resp_1", tokens=(7, 8))  # evicts resp_0 while it is leased
+    assert [e.response_id for e in cache._entries.values()] == ["resp_1"] and disposer.disposed == []
+    cache.release(lease, consumed=True)
+    assert disposer.disposed == ["kv-resp_0"]
+
+
+def test_a_longer_turn_replaces_its_prefix(
+    cache: SessionCache, scoper: SessionScoper, disposer: Disposer
+) -> None:
+    """An entry whose tokens start the new one's is dropped: the new entry serves its prompts too,
+    in the same domain only."""
+    adopt(cache, query(scoper), "resp_1", tokens=(1, 2, 3))
+    adopt(cache, query(scoper, tenant="other"), "resp_x", tokens=(1, 2, 3))
+    adopt(cache, query(scoper), "resp_2", tokens=(1, 2, 3, 4, 5))
+    assert sorted(cache._entries) == ["resp_2", "resp_x"] and disposer.disposed == ["kv-resp_1"]
+    lease, outcome = cache.lease(query(scoper, previous_response_id="resp_1"), (1, 2, 3, 9))
+    assert outcome == "hit" and lease is not None
+    assert (lease.entry.response_id, lease.reuse_tokens) == ("resp_2", 3)
+
+
+def test_hits_refresh_recency(clock: FakeClock, disposer: Disposer, scoper: SessionScoper) -> None:
+    """LRU: an entry that was just used outlives an older unused one."""
+    cache = SessionCache(max_entries=2, clock=clock, dispose=disposer)
+    adopt(cache, query(scoper), "resp_a", tokens=(1, 2, 3))
+    clock.advance(1)
+    adopt(cache, query(scoper), "resp_b", tokens=(4, 5, 6))
+    clock.advance(1)
+    lease, _ = cache.lease(query(scoper), (1, 2, 3, 9))
+    assert lease is not None
+    cache.release(lease, consumed=True)
+    clock.advance(1)
+    adopt(cache, query(scoper), "resp_c", tokens=(7, 8))
+    assert sorted(cache._entries) == ["resp_a", "resp_c"] and disposer.disposed == ["kv-resp_b"]
+
+
+def test_the_byte_bound_is_sized_from_the_memory_budget() -> None:
+    """Issue 12: unset, the bound is a quarter of the memory budget, else of RAM; a setting wins."""
+    assert prefix_cache_bytes(EngineConfig(memory_budget_bytes=8 << 30), 64 << 30) == 2 << 30
+    assert prefix_cache_bytes(EngineConfig(), 24 << 30) == 6 << 30
+    assert prefix_cache_bytes(EngineConfig(max_session_bytes=5), 24 << 30) == 5
+    assert prefix_cache_bytes(EngineConfig(), None) == 2 << 30

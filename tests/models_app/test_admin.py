@@ -505,6 +505,23 @@ def test_model_and_alias_pages_show_the_live_state(admin_client, tiny_alias, vie
         assert text in page, url
 
 
+def test_model_and_alias_pages_show_the_prefix_cache(admin_client, tiny_alias):
+    """Issue 12: the model list, the model page and the alias page show the prefix cache's
+    entries, bytes, hit rate and tokens saved."""
+    view = _view(
+        tiny_alias.instance_id, warm_sessions=5, warm_bytes=4096, cache_hit_rate=0.5, cache_tokens_saved=900
+    )
+    _publish(view)
+    detail = "5 entries, 4.0\xa0KB; 50% of requests hit, 900 prompt tokens saved"
+    pages = [
+        (MODELS_URL, "5 · 50% hits"),
+        (f"{MODELS_URL}{tiny_alias.model_id}/change/", detail),
+        (f"{ALIASES_URL}{tiny_alias.pk}/change/", detail),
+    ]
+    for url, text in pages:
+        assert text in admin_client.get(url).content.decode(), url
+
+
 def test_live_state_selector_maps_each_engine_state(tiny_alias):
     """OPS-4: the selector turns an engine's instance view into the state the admin shows."""
     from models_app import selectors

@@ -45,6 +45,8 @@ def engine_status(**instance) -> dict:
         "batch_size": 1,
         "warm_sessions": 3,
         "warm_bytes": 2048,
+        "cache_hit_rate": 0.625,
+        "cache_tokens_saved": 1200,
         "memory_bytes": 5 * 1024 * 1024,
         "load_progress": {"done": 0, "total": 0},
         "requests_finished": 9,
@@ -89,7 +91,7 @@ def test_staff_sees_the_instance_table_skeleton_and_the_enabled_aliases(staff_cl
     assert 'id="instances-body"' in page
     for column in ("Instance", "Aliases", "State", "Active / queued / capacity", "Tokens/s", "TTFT (ms)"):
         assert column in page
-    assert "Warm sessions" in page and "Warm bytes" in page and "Memory" in page
+    assert "Prefix cache" in page and "Cache bytes" in page and "Memory" in page
     assert 'id="charts-grid"' in page
     assert '<option value="tiny-dash"' in page
     assert 'value="tiny-off"' not in page
@@ -108,6 +110,7 @@ def test_the_first_paint_shows_the_engines_last_status(staff_client, tiny_enable
     assert "1 / 2 / 4" in page
     assert '<progress max="2048" value="512"' in page
     assert "25%" in page
+    assert "3 · 62% hits" in page and "1200 prompt tokens saved" in page  # the prefix cache
     assert 'id="initial-status"' in page
 
 

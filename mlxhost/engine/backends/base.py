@@ -96,7 +96,8 @@ class LoadedModel(Protocol):
     """A model resident in memory. Only the instance's worker thread calls `generate`.
 
     A KV cache (`kv`) is an opaque per-request object holding the tokens fed so far; the
-    engine keeps finished ones as warm sessions and feeds only a new prompt's suffix.
+    engine keeps finished ones in its prefix cache, and a new prompt starts from a copy of the
+    longest cached prefix and feeds only the rest.
     `shared_cache` is true for models whose cache is one shared mutable state (SES-5).
     `vocab_size` bounds every token id a request may name (logit_bias); `context_length` (None:
     unknown) bounds prompt plus output; `kv_bytes_per_token` (0: unknown) sizes a request's KV
@@ -132,6 +133,11 @@ class LoadedModel(Protocol):
 
     def trim_cache(self, kv: object, n: int) -> None:
         """Drop the last `n` tokens from `kv`."""
+        ...
+
+    def copy_cache(self, kv: object, n: int) -> object | None:
+        """A new cache holding the first `n` tokens of `kv`, which stays exactly as it was (the
+        prefix cache lends one entry to many requests); None when this cache cannot be cut there."""
         ...
 
     def cache_length(self, kv: object) -> int: ...

@@ -87,6 +87,14 @@ class FakeModel:
         cache = _fake(kv)
         del cache.tokens[len(cache.tokens) - n :]
 
+    def copy_cache(self, kv: object, n: int) -> FakeCache:
+        source = _fake(kv)
+        assert not source.disposed, "a disposed cache was copied"
+        self._backend.copies += 1
+        copy = FakeCache()
+        copy.tokens = source.tokens[:n]
+        return copy
+
     def cache_length(self, kv: object) -> int:
         return len(_fake(kv).tokens)
 
@@ -147,7 +155,7 @@ class FakeBatch:
         backend.batches.append(self)
 
     def accepts(self, sampling: SamplingParams) -> bool:
-        return sampling.seed is None  # as the mlx batch: one shared RNG cannot honour a seed
+        return not self._backend.exclusive_seeds or sampling.seed is None
 
     def insert(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
@@ -232,10 +240,12 @@ class FakeBackend:
         self.load_failures = 0
         self.dispose_failures = 0
         self.dispose_calls = 0
+        self.copies = 0  # prefix copies handed to requests (copy_cache)
         self.render_calls = 0
         self.before_render: Callable[[Sequence[Message]], None] | None = None
         self.shared_cache = False
         self.batching = True
+        self.exclusive_seeds = False  # batches refuse seeded requests (they then run alone)
         self.generate_failures = 0
         self.batch_step_failures = 0
         self.recoveries = 0

@@ -135,3 +135,74 @@ def test_a_cached_prefix_never_changes_a_greedy_answer(tiny_model_dir: Path, pen
     blind = _greedy_after_prefix(model, prompt, len(prompt) - 1, sampling, context=False)
     assert (blind != fresh) == (penalty is not None)
     model.close()
+
+
+def _batched(model, prompt: list[int], starts: list[tuple[object | None, int]], sampling) -> list[list[int]]:
+    """Greedy tokens of `prompt` for each (kv, cached) start, all in one batch."""
+    batch = model.open_batch(len(starts))
+    handles = [batch.insert(prompt, sampling, kv, cached) for kv, cached in starts]
+    tokens: dict[int, list[int]] = {h: [] for h in handles}
+    done: set[int] = set()
+    while len(done) < len(handles):
+        for step in batch.step():
+            if step.token_id is not None:
+                tokens[step.handle].append(step.token_id)
+            if step.finish_reason is not None:
+                done.add(step.handle)
+    batch.close()
+    return [tokens[h] for h in handles]
+
+
+@pytest.mark.parametrize("penalty", [None, 1.5])
+def test_copies_of_one_cached_prefix_give_the_fresh_answer_and_leave_it_unchanged(
+    tiny_model_dir: Path, penalty
+):
+    """Issue 12: requests start from copies of one cached entry (`copy_cache`), in a batch and
+    alone, and each gives exactly the tokens of a fresh run; the entry itself never changes."""
+    model = MlxBackend().load(ModelSpec(1, str(tiny_model_dir), "f" * 64), lambda *_: None)
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=penalty)
+    prompt = _echo_prompt(model)
+    entry = model.new_cache()
+    list(model.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), entry))
+    length = model.cache_length(entry)
+    before = [mx.array(layer.keys[..., :length, :]) for layer in entry]
+    mx.eval(before)
+    fresh = _greedy_after_prefix(model, prompt, 0, sampling, context=True)
+    [fresh_batched] = _batched(model, prompt, [(None, 0)], sampling)
+    for cached in (2, len(prompt) - 1):
+        starts = [(model.copy_cache(entry, cached), cached) for _ in range(2)]
+        assert _batched(model, prompt, starts, sampling) == [fresh_batched] * 2, cached
+        alone = model.copy_cache(entry, cached)
+        steps = model.generate(prompt[cached:], sampling, alone, context=prompt[:cached])
+        assert [s.token_id for s in steps if isinstance(s, TokenStep)] == fresh, cached
+    assert model.cache_length(entry) == length
+    for layer, keys in zip(entry, before, strict=True):
+        assert mx.array_equal(layer.keys[..., :length, :], keys).item()
+    model.close()
+
+
+def test_a_seed_gives_the_same_text_in_a_batch_warm_or_cold(tiny_model_dir: Path):
+    """Issue 12: seeded requests share the batch; each draws from its own key, so the same seed
+    gives the same tokens beside other sequences and from a cached prefix, another seed others."""
+    model = MlxBackend().load(ModelSpec(1, str(tiny_model_dir), "f" * 64), lambda *_: None)
+    prompt = _echo_prompt(model)
+    seeded = [SamplingParams(temperature=2.0, max_tokens=12, seed=seed) for seed in (7, 7, 8)]
+    batch = model.open_batch(4)
+    entry = model.new_cache()
+    list(model.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), entry))
+    starts = [(None, 0), (model.copy_cache(entry, len(prompt) - 1), len(prompt) - 1), (None, 0)]
+    handles = [batch.insert(prompt, s, kv, cached) for s, (kv, cached) in zip(seeded, starts, strict=True)]
+    greedy = batch.insert(prompt, SamplingParams(temperature=0.0, max_tokens=12), None, 0)
+    tokens: dict[int, list[int]] = {h: [] for h in (*handles, greedy)}
+    done: set[int] = set()
+    while len(done) < len(tokens):
+        for step in batch.step():
+            if step.token_id is not None:
+                tokens[step.handle].append(step.token_id)
+            if step.finish_reason is not None:
+                done.add(step.handle)
+    batch.close()
+    cold, warm, other = (tokens[h] for h in handles)
+    assert cold == warm and len(cold) > 1
+    assert other != cold
+    model.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import copy
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -10,7 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
 from mlxhost.engine.backends.mlx.batch import (
@@ -69,6 +70,20 @@ class MlxModel:
             raise ValueError("This model's cache cannot be trimmed.")
         if n:
             trim_prompt_cache(layers, n)
+
+    def copy_cache(self, kv: object, n: int) -> list[Any] | None:
+        layers = _layers(kv)
+        if all(type(layer) is KVCache for layer in layers):
+            # New slices of the same buffers: MLX copies on the first write (a slice is never
+            # donated), so the cached entry stays exactly as it was, at no cost until then.
+            return [_kv_prefix(layer, n) for layer in layers]
+        copied = copy.deepcopy(layers)  # other cache kinds (rotating, recurrent): as mlx-lm's server does
+        extra = self.cache_length(copied) - n
+        if extra and not can_trim_prompt_cache(copied):
+            return None
+        if extra:
+            trim_prompt_cache(copied, extra)
+        return copied
 
     def cache_length(self, kv: object) -> int:
         layers = _layers(kv)
@@ -138,6 +153,14 @@ class MlxModel:
 def _layers(kv: object) -> list[Any]:
     # The engine holds caches as opaque objects; here they are mlx-lm's per-layer lists.
     return cast("list[Any]", kv)
+
+
+def _kv_prefix(layer: KVCache, n: int) -> KVCache:
+    prefix = KVCache()
+    keys, values = layer.keys, layer.values
+    if n and keys is not None and values is not None:
+        prefix.keys, prefix.values, prefix.offset = keys[..., :n, :], values[..., :n, :], n
+    return prefix
 
 
 def _kv_bytes_per_token(model: Any) -> int:

@@ -164,9 +164,9 @@ class MlxBatch:
         self._guards: dict[int, tuple[_Guard, _Guard]] = {}  # handle -> (its sampler's, its own)
 
     def accepts(self, sampling: SamplingParams) -> bool:
-        # The batch samples from MLX's one global RNG, so a per-request seed cannot be honoured
-        # (mlx_lm.server serves seeded requests alone too).
-        return sampling.seed is None
+        # Every request can share the batch: a seeded one gets a sampler of its own (its own
+        # random key), which BatchGenerator applies to that sequence's row alone.
+        return True
 
     def insert(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
@@ -240,7 +240,11 @@ class MlxBatch:
         self._generator.close()
 
     def _sampler(self, sampling: SamplingParams) -> tuple[_Guard, Any]:
-        # Sequences holding the same sampler object are sampled in one batched call.
+        # Sequences holding the same sampler object are sampled in one batched call; a seeded
+        # one draws from its own key, so it never shares.
+        if sampling.seed is not None and sampling.temperature != 0:
+            guard = _Guard()
+            return guard, guard.sampler(make_request_sampler(sampling))
         key = (sampling.temperature, sampling.top_p, sampling.min_p, sampling.top_k)
         memo = self._samplers.get(key)
         if memo is None:
