@@ -218,7 +218,8 @@ MODELS_ROOT = Path(env.str("MODELS_ROOT", default=str(VAR_DIR / "models"))).reso
 # The engine and the serving process (MLXHOST_RUN_ENGINE, MLXHOST_PRELOAD, MLXHOST_ENGINE_BACKEND,
 # sessions, timeouts, memory budget, burst wait): parsed once into frozen dataclasses whose
 # defaults live in mlxhost/runtime/config.py and mlxhost/engine/config.py, not here.
-MLXHOST_RUNTIME = runtime_settings_from(os.environ)
+MLXHOST_KV_DIR = Path(env.str("MLXHOST_KV_DIR", default=str(VAR_DIR / "kv")))
+MLXHOST_RUNTIME = runtime_settings_from(os.environ, kv_dir=MLXHOST_KV_DIR, secret_key=SECRET_KEY)
 # /metrics (OPS-1) needs an API key or a staff login unless this is true (scrapers without auth).
 MLXHOST_METRICS_PUBLIC = env.bool("MLXHOST_METRICS_PUBLIC", default=False)
 MLXHOST_MAX_REQUEST_BYTES = env.int("MLXHOST_MAX_REQUEST_BYTES", default=4 * 1024 * 1024)

@@ -177,6 +177,7 @@ class ResponseHooks(TurnHooks):
             prompt_cache_key=self.data.get("prompt_cache_key"),
             instructions=self.instructions or "",
             previous_response_id=self.data.get("previous_response_id"),
+            keep_on_disk=bool(self.data["store"]),
         )
         return TurnRequest(turn.model, turn.owner_id, turn.sampling, messages=self.messages(), cache=cache)
 

@@ -18,6 +18,7 @@ from mlxhost.engine import (
     InvalidModelFolderError,
     folder_fingerprint,
     hub_fingerprint,
+    remove_saved,
     resolve_under,
     validate_model_folder,
 )
@@ -272,8 +273,17 @@ def apikey_touch(*, key: ApiKey) -> None:
 
 def responses_purge_expired() -> int:
     """Delete stored responses past their expiry; idempotent. Returns how many rows went."""
-    deleted, _ = StoredResponse.objects.filter(expires_at__lt=timezone.now()).delete()
+    expired = StoredResponse.objects.filter(expires_at__lt=timezone.now())
+    saved_kv_forget(list(expired.values_list("public_id", flat=True)))
+    deleted, _ = expired.delete()
     return deleted
+
+
+def saved_kv_forget(public_ids: list[str]) -> None:
+    """Delete the disk tier's files of these responses once the transaction commits: a response
+    that is gone (deleted, expired, tombstoned unlanded) leaves no KV behind."""
+    if public_ids:
+        transaction.on_commit(lambda: remove_saved(settings.MLXHOST_KV_DIR, public_ids))
 
 
 def response_retention(*, retention_s: int | None) -> timedelta:
@@ -335,6 +345,8 @@ def response_persist(*, payload: dict[str, Any]) -> StoredResponse | None:
 def response_delete(*, public_id: str, owner_id: int) -> bool:
     """Delete the caller's stored response (PER-6: scoped to its owner). Returns whether one went."""
     deleted, _ = StoredResponse.objects.filter(public_id=public_id, owner_id=owner_id).delete()
+    if deleted:
+        saved_kv_forget([public_id])
     return deleted > 0
 
 
@@ -356,6 +368,8 @@ def tombstone_record(
 def tombstones_purge() -> int:
     """Delete tombstones whose row has landed or that expired; idempotent. Returns how many went."""
     landed = StoredResponse.objects.filter(public_id=OuterRef("response_public_id"))
+    unlanded = InstanceTombstone.objects.filter(expires_at__lt=timezone.now()).exclude(Exists(landed))
+    saved_kv_forget(list(unlanded.values_list("response_public_id", flat=True)))
     deleted, _ = InstanceTombstone.objects.filter(
         Q(expires_at__lt=timezone.now()) | Q(Exists(landed))
     ).delete()

@@ -36,6 +36,7 @@ class CacheScope:
     instructions: str = ""
     previous_response_id: str | None = None
     warm_any: bool = False  # any slot with the same instructions (clients that never name one)
+    keep_on_disk: bool = False  # a stored response: its KV also goes to the disk tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +136,7 @@ def generation_request(
         prompt=turn.prompt,
         session=session,
         max_input_tokens=alias.max_input_tokens,
+        keep_on_disk=cache.keep_on_disk,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlxhost.engine.config import EngineConfig
+from mlxhost.engine.disk import remove_saved
 from mlxhost.engine.engine import Engine, Permit, is_internal_name
 from mlxhost.engine.errors import (
     DrainingError,
@@ -87,6 +88,7 @@ __all__ = [
     "folder_fingerprint",
     "hub_fingerprint",
     "is_internal_name",
+    "remove_saved",
     "resolve_under",
     "validate_model_folder",
 ]

@@ -16,6 +16,12 @@ class EngineConfig:
     max_sessions: int = 64
     max_session_bytes: int | None = None
     session_ttl_s: float = 1800.0
+    # The secret under which cache domains are fingerprinted (SES-3); None: one made at boot.
+    # The disk tier only matches after a restart when it is derived from a lasting secret.
+    session_secret: bytes | None = None
+    # The disk tier (None: off): stored turns' KV caches under this folder, within these bytes.
+    kv_dir: str | None = None
+    kv_disk_bytes: int = 4 << 30
     # A worker that holds a request this long without a token is reported as stuck (OPS-2).
     stall_after_s: float = 30.0
     # A cancel for an id the engine has not seen yet is remembered this long (LANE-6), unless

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -30,15 +31,16 @@ from mlxhost.engine.retention import Retention
 from mlxhost.engine.sessions import SessionScoper
 from mlxhost.engine.stats import REJECTIONS, EngineStats
 from mlxhost.engine.types import Done, Failed, Timings, Usage
-from mlxhost.engine.worker import GenerateJob, JobResult
+from mlxhost.engine.worker import GenerateJob, JobResult, WriteJob
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
-    from mlxhost.engine.backends.base import Backend
+    from mlxhost.engine.backends.base import Backend, LoadedModel
+    from mlxhost.engine.disk import DiskEntry
     from mlxhost.engine.lane import Ticket
     from mlxhost.engine.residency import MemoryPolicy
-    from mlxhost.engine.sessions import SessionLease
+    from mlxhost.engine.sessions import SessionLease, SessionQuery
     from mlxhost.engine.stats import Key
     from mlxhost.engine.types import Event, GenerationRequest, ModelSpec, SamplingParams
 
@@ -84,6 +86,7 @@ class _Prepared:
 
     prompt_ids: list[int]
     sampling: SamplingParams
+    disk: DiskEntry | None = None  # the parent's saved KV, checked, when memory no longer holds it
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +150,7 @@ class Engine:
     ) -> None:
         self.config = config or EngineConfig()
         self.backend = backend or make_backend(self.config.backend)
-        self.scoper = SessionScoper()
+        self.scoper = SessionScoper(self.config.session_secret)
         self.registry = Registry(self._create_instance, self._schedule_teardown)
         self._clock = clock
         self._live: dict[str, Generation] = {}
@@ -450,7 +453,21 @@ class Engine:
             bytes_per_token=model.kv_bytes_per_token,
             budget_bytes=self._kv_budget(model.memory_bytes()),
         )
-        return _Prepared(prompt_ids, sampling)
+        return _Prepared(prompt_ids, sampling, await self._probe_disk(instance, request.session, prompt_ids))
+
+    async def _probe_disk(
+        self, instance: Instance, query: SessionQuery | None, prompt_ids: list[int]
+    ) -> DiskEntry | None:
+        """The saved KV of the parent a continuation names, when memory lacks it (the disk tier)."""
+        disk = instance.disk
+        if disk is None or query is None or query.previous_response_id is None:
+            return None
+        if instance.sessions.entry(query.previous_response_id) is not None:
+            return None
+        found = await asyncio.to_thread(disk.probe, query.previous_response_id, query, prompt_ids)
+        if found is None:
+            disk.counted(None)
+        return found
 
     def _kv_budget(self, weights_bytes: int) -> int | None:
         """The most KV cache one request may need: the configured cap, else what the memory
@@ -503,7 +520,18 @@ class Engine:
         lease = None
         if query is not None:
             lease, generation.session_outcome = instance.sessions.lease(query, prompt_ids)
-        generation.cached_tokens = lease.reuse_tokens if lease else 0
+        saved = admission.prepared.disk
+        if saved is not None and (lease is None or lease.reuse_tokens < saved.reuse_tokens):
+            if lease is not None:
+                instance.sessions.unlease(lease)
+                lease = None
+            assert instance.disk is not None
+            instance.disk.counted(saved)
+            generation.session_outcome = "disk"
+        elif saved is not None and instance.disk is not None:
+            instance.disk.counted(None)
+            saved = None
+        generation.cached_tokens = lease.reuse_tokens if lease else saved.reuse_tokens if saved else 0
         loop = asyncio.get_running_loop()
 
         def on_end(result: JobResult) -> None:
@@ -513,6 +541,9 @@ class Engine:
         if lease is not None:
             job.session_kv, job.session_tokens = lease.entry.kv, lease.entry.tokens
             job.reuse_tokens, job.owns_session = lease.reuse_tokens, lease.owned
+        elif saved is not None:
+            assert instance.disk is not None
+            job.disk, job.reuse_tokens = (instance.disk, saved), saved.reuse_tokens
         generation.admit()
         instance.dispatch(job)
 
@@ -533,17 +564,38 @@ class Engine:
             # What the cache holds is kept (SES-1): a turn that finished, was cut by its length or
             # was cancelled, up to the tokens it produced; never a failed or aborted one.
             if query is not None and result.finish_reason in KEPT_FINISHES and not generation.aborted:
-                instance.sessions.adopt(
+                kept = instance.sessions.adopt(
                     response_id=generation.request_id,
                     query=query,
                     tokens=result.kv_tokens,
                     kv=result.kv,
                     nbytes=result.kv_nbytes,
                 )
+                if kept and generation.request.keep_on_disk:
+                    self._write_behind(instance, generation.request_id, query)
             else:
                 instance.sessions.discard(result.kv)
         instance.lane.release(ticket)
         self._forget(instance, generation)
+
+    def _write_behind(self, instance: Instance, response_id: str, query: SessionQuery) -> None:
+        """Save a stored turn's kept KV to the disk tier, from the worker when it is idle; the
+        entry stays pinned (its kv alive even if evicted) until the write is done."""
+        disk, entry = instance.disk, instance.sessions.entry(response_id)
+        if disk is None or entry is None or not instance.sessions.copies:
+            return  # a single-use cache's kv may be reused in place before the write runs
+        sessions, loop = instance.sessions, asyncio.get_running_loop()
+        sessions.pin(entry)
+
+        def write(model: LoadedModel) -> None:
+            disk.save(response_id, query, entry.tokens, lambda path: model.save_cache(entry.kv, path))
+
+        def done() -> None:
+            # RuntimeError: the loop closed first (shutdown), and the process frees it anyway.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(sessions.unpin, entry)
+
+        instance.write_behind(WriteJob(write, urgent=lambda: not entry.cached, done=done))
 
     def _forget(self, instance: Instance, generation: Generation) -> None:
         if self._live.get(generation.request_id) is generation:

@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from mlxhost.engine.config import prefix_cache_bytes
+from mlxhost.engine.disk import DiskTier, weights_folder
+from mlxhost.engine.disk import snapshot as disk_snapshot
 from mlxhost.engine.errors import ModelLoadError, WeightsChangedError
 from mlxhost.engine.lane import Lane
 from mlxhost.engine.limits import physical_memory_bytes
 from mlxhost.engine.sessions import SessionCache, SessionStats
 from mlxhost.engine.weights import folder_fingerprint
-from mlxhost.engine.worker import CallJob, GenerateJob, InstanceWorker
+from mlxhost.engine.worker import CallJob, GenerateJob, InstanceWorker, WriteJob
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -67,6 +69,12 @@ class Instance:
             ttl_s=config.session_ttl_s,
             clock=clock,
             dispose=self._dispose_kv,
+        )
+        # The disk tier of these weights (None: off); every instance of the same weights shares it.
+        self.disk = (
+            DiskTier(weights_folder(Path(config.kv_dir), spec.weights_key), config.kv_disk_bytes)
+            if config.kv_dir and config.kv_disk_bytes > 0
+            else None
         )
         # The lane's capacity is the batch's sequence capacity (LANE-1); the worker reads it per job.
         self._worker = InstanceWorker(
@@ -160,7 +168,7 @@ class Instance:
         return max(0.0, self._clock() - self.stats.last_progress_at)
 
     def snapshot(self) -> dict[str, Any]:
-        stats, model, sessions = self._worker.stats, self._worker.model, self.sessions.stats
+        stats, model = self._worker.stats, self._worker.model
         return {
             "instance_id": self.instance_id,
             "state": self.state,
@@ -188,9 +196,19 @@ class Instance:
                 "total": self.progress.total,
                 "unit": self.progress.unit,
             },
-            "prefix_cache": {"memory": _cache_snapshot(sessions, self.sessions.max_bytes)},
+            "prefix_cache": self._cache_snapshot(),
             "worker_alive": self._worker.alive,
         }
+
+    def _cache_snapshot(self) -> dict[str, Any]:
+        tiers = {"memory": _cache_snapshot(self.sessions.stats, self.sessions.max_bytes)}
+        if self.disk is not None:
+            tiers["disk"] = disk_snapshot(self.disk.stats, self.disk.max_bytes)
+        return tiers
+
+    def write_behind(self, job: WriteJob) -> None:
+        """Hand a disk-tier save to the worker, which runs it when idle (see `WriteJob`)."""
+        self._worker.submit(job)
 
     async def _load_exclusive(self) -> None:
         async with self.lane.exclusive():

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from mlxhost.engine.backends.base import LoadedModel
+    from mlxhost.engine.disk import DiskEntry, DiskTier
     from mlxhost.engine.generation import Generation
     from mlxhost.engine.types import SamplingParams
 
@@ -41,6 +42,7 @@ class GenerateJob:
     session_tokens: tuple[int, ...] = ()  # ...the tokens it holds...
     reuse_tokens: int = 0  # ...how many of them prefix this prompt (SES-8)...
     owns_session: bool = False  # ...and whether the job took it out of the cache (SES-5)
+    disk: tuple[DiskTier, DiskEntry] | None = None  # or a saved KV to load instead (the disk tier)
 
     def start_kv(self, model: LoadedModel) -> tuple[object | None, int]:
         """The cache this job starts from and how many prompt tokens it holds (worker thread).
@@ -48,6 +50,8 @@ class GenerateJob:
         A shared entry is copied (its first `reuse_tokens` tokens) and never changed; an owned
         one is trimmed to them in place. None: start from a fresh cache.
         """
+        if self.disk is not None:
+            return self._load_saved(model, *self.disk)
         kv, reuse = self.session_kv, self.reuse_tokens
         if kv is None or (reuse == 0 and not self.owns_session):
             return None, 0
@@ -57,10 +61,35 @@ class GenerateJob:
         copy = model.copy_cache(kv, reuse)
         return (copy, reuse) if copy is not None else (None, 0)
 
+    def _load_saved(self, model: LoadedModel, tier: DiskTier, entry: DiskEntry) -> tuple[object | None, int]:
+        # A file that will not load is deleted and the turn starts fresh: never a failed request.
+        try:
+            kv = model.load_cache(entry.path)
+            length = model.cache_length(kv)
+            if length != len(entry.tokens):
+                raise ValueError(f"it holds {length} tokens, its record says {len(entry.tokens)}")
+            model.trim_cache(kv, length - self.reuse_tokens)
+        except Exception as exc:
+            tier.discard(entry.response_id, f"it did not load: {exc}")
+            self.generation.session_outcome = "cold_replay"  # read by the loop after Started
+            return None, 0
+        return kv, self.reuse_tokens
+
     def unused_kv(self) -> object | None:
         """What a job that failed must hand back for disposal: an owned entry's kv, else nothing
         (a shared entry stays cached; a copy is freed with the job)."""
         return self.session_kv if self.owns_session else None
+
+
+@dataclass(slots=True)
+class WriteJob:
+    """Save a kept turn's KV to the disk tier. It waits until the worker is idle, or runs between
+    steps once `urgent()` (its entry left the memory tier, so its memory is held for this write
+    alone); a load, an unload and shutdown run every pending write first. `done` always follows."""
+
+    write: Callable[[LoadedModel], None]
+    urgent: Callable[[], bool]
+    done: Callable[[], None]
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Outcome = Literal["hit", "cold_replay", "fresh"]
+Outcome = Literal["hit", "disk", "cold_replay", "fresh"]
 Tier = Literal["response_id", "cache_key", "warm_any", "prefix"]
 
 _PREFIX_CHUNK = 256  # tuple slices compare in C; only the mismatching chunk is walked in Python
@@ -179,7 +179,7 @@ class SessionCache:
         prompt = tuple(prompt_ids)
         found = self._find(query, prompt)
         cold: Outcome = "cold_replay" if query.previous_response_id is not None else "fresh"
-        reuse = 0 if found is None else _reuse(found[0].tokens, prompt)
+        reuse = 0 if found is None else reusable_prefix(found[0].tokens, prompt)
         if found is None or (reuse == 0 and not self._shared_kv):
             self._stats.misses += 1
             return None, cold
@@ -197,14 +197,37 @@ class SessionCache:
         self._stats.tokens_saved += reuse
         return lease, "hit"
 
+    @property
+    def copies(self) -> bool:
+        """Whether leases copy (entries never change); false for a single-use cache (SES-5)."""
+        return not self._shared_kv
+
+    def entry(self, response_id: str) -> SessionEntry | None:
+        return self._entries.get(response_id)
+
+    def pin(self, entry: SessionEntry) -> None:
+        """Keep `entry`'s kv alive past eviction until `unpin` (a disk write reads it)."""
+        entry.pins += 1
+
+    def unpin(self, entry: SessionEntry) -> None:
+        entry.pins -= 1
+        if not entry.cached and entry.pins == 0:
+            self._dispose(entry.kv)
+
+    def unlease(self, lease: SessionLease) -> None:
+        """Give back a shared lease the request will not use (a better start was found elsewhere),
+        counting it as the miss it turned out to be."""
+        self._stats.hits -= 1
+        self._stats.tokens_saved -= lease.reuse_tokens
+        self._stats.misses += 1
+        self.release(lease, consumed=False)
+
     def release(self, lease: SessionLease, *, consumed: bool) -> None:
         """End a lease. A shared entry is unpinned (and disposed if it left the cache meanwhile);
         an owned one is reinserted unless the request `consumed` its kv (it ran on it)."""
         entry = lease.entry
         if not lease.owned:
-            entry.pins -= 1
-            if not entry.cached and entry.pins == 0:
-                self._dispose(entry.kv)
+            self.unpin(entry)
             return
         if consumed:
             return
@@ -306,7 +329,7 @@ class SessionCache:
 
     def _longest_prefix(self, domain: str, prompt: tuple[int, ...]) -> tuple[SessionEntry, Tier] | None:
         ranked = [
-            (_reuse(e.tokens, prompt), e.last_used_at, i, e)
+            (reusable_prefix(e.tokens, prompt), e.last_used_at, i, e)
             for i, e in enumerate(self._entries.values())
             if e.domain == domain
         ]
@@ -374,7 +397,8 @@ def _scoped(entry: SessionEntry, query: SessionQuery) -> bool:
     return entry.domain == query.domain and entry.instructions == query.instructions
 
 
-def _reuse(cached: tuple[int, ...], prompt: tuple[int, ...]) -> int:
+def reusable_prefix(cached: tuple[int, ...], prompt: tuple[int, ...]) -> int:
+    """How many tokens of `cached` may start `prompt`: their common prefix, leaving one to feed."""
     # At least one prompt token must be fed to get logits for the next token.
     return max(0, min(_common_prefix(cached, prompt), len(prompt) - 1))
 

@@ -89,6 +89,9 @@ class GenerationRequest:
     session: SessionQuery | None = None  # warm-session lookup and adoption; None = neither
     # The alias's input limit, below the model's context (None: the context only).
     max_input_tokens: int | None = None
+    # A stored response: its KV cache is also saved to the disk tier (when there is one), so a
+    # continuation after a restart loads it instead of replaying the chain.
+    keep_on_disk: bool = False
 
 
 @dataclass(frozen=True, slots=True)

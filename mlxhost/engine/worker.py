@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING
 
 from mlxhost.engine.backends.base import StepEnd
 from mlxhost.engine.batching import BatchScheduler
-from mlxhost.engine.jobs import CallJob, GenerateJob, JobResult, Turn, WorkerStats, end_unstarted, post_done
+from mlxhost.engine.jobs import (
+    CallJob,
+    GenerateJob,
+    JobResult,
+    Turn,
+    WorkerStats,
+    WriteJob,
+    end_unstarted,
+    post_done,
+)
 from mlxhost.engine.stops import StopMatcher
 from mlxhost.engine.types import Delta, Failed, Started
 
@@ -21,7 +30,7 @@ if TYPE_CHECKING:
     from mlxhost.engine.backends.base import LoadedModel
 
 # The job types live in jobs.py, shared with the batched scheduler; callers import them from here.
-__all__ = ["CallJob", "GenerateJob", "InstanceWorker", "JobResult", "WorkerStats"]
+__all__ = ["CallJob", "GenerateJob", "InstanceWorker", "JobResult", "WorkerStats", "WriteJob"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +75,9 @@ class InstanceWorker:
         self.reload_after_faults = reload_after_faults  # unattributed failures in a row before a reload
         self.stats = WorkerStats()
         self._clock = clock
-        self._jobs: queue.Queue[GenerateJob | CallJob | _Shutdown] = queue.Queue()
+        self._jobs: queue.Queue[GenerateJob | CallJob | WriteJob | _Shutdown] = queue.Queue()
         self._pending: deque[GenerateJob | CallJob | _Shutdown] = deque()  # taken, not yet started
+        self._writes: deque[WriteJob] = deque()  # disk-tier saves, off the FIFO (see WriteJob)
         self._batch: BatchScheduler | None = None
         self._unbatchable: LoadedModel | None = None  # the model whose open_batch said no
         self._on_exit = on_exit  # the backend's per-thread cleanup, run as the thread ends
@@ -78,7 +88,7 @@ class InstanceWorker:
         """The lane's new capacity; the worker reads it per job (LANE-1)."""
         self.batch_capacity = capacity
 
-    def submit(self, job: GenerateJob | CallJob) -> None:
+    def submit(self, job: GenerateJob | CallJob | WriteJob) -> None:
         self._jobs.put(job)
 
     def shutdown(self, timeout: float) -> None:
@@ -102,18 +112,48 @@ class InstanceWorker:
     def _loop(self) -> None:
         while True:
             if not self._pending and not self._batch_busy():
-                self._pending.append(self._jobs.get())  # idle: block until there is work
+                if not self._writes:
+                    self._take(self._jobs.get())  # idle: block until there is work
+                elif self._jobs.empty():
+                    self._write(self._writes.popleft())  # idle: save one kept turn, then look again
+                    continue
             while True:  # never block between decode steps
                 try:
-                    self._pending.append(self._jobs.get_nowait())
+                    self._take(self._jobs.get_nowait())
                 except queue.Empty:
                     break
+            self._write_urgent()
             if self._opens_batch():
                 self._gather_burst()
             if self._start_pending():
                 return
             if self._batch_busy():
                 self._step_batch()
+
+    def _take(self, job: GenerateJob | CallJob | WriteJob | _Shutdown) -> None:
+        if isinstance(job, WriteJob):
+            self._writes.append(job)
+        else:
+            self._pending.append(job)
+
+    def _write_urgent(self) -> None:
+        for job in [j for j in self._writes if j.urgent()]:
+            self._writes.remove(job)
+            self._write(job)
+
+    def _flush_writes(self) -> None:
+        while self._writes:
+            self._write(self._writes.popleft())
+
+    def _write(self, job: WriteJob) -> None:
+        model = self.model
+        try:
+            if model is not None:
+                job.write(model)
+        except Exception:
+            logger.exception("saving a KV cache to disk failed")
+        finally:
+            job.done()
 
     def _start_pending(self) -> bool:
         """Start pending jobs in FIFO order while they can start; True once shutdown is reached."""
@@ -129,9 +169,11 @@ class InstanceWorker:
                 return False
             self._pending.popleft()
             if isinstance(job, _Shutdown):
+                self._flush_writes()
                 self._close_batch()
                 return True
             if isinstance(job, CallJob):
+                self._flush_writes()  # a load, unload or close may take the model they need
                 self._call(job)
                 self._unbatchable = None
                 if self._batch is not None and self._batch.model is not self.model:
@@ -169,7 +211,7 @@ class InstanceWorker:
                     self.stats.gathering = True
                     self.stats.burst_waits += 1
                 try:
-                    self._pending.append(self._jobs.get(timeout=min(left, BURST_POLL_S)))
+                    self._take(self._jobs.get(timeout=min(left, BURST_POLL_S)))
                 except queue.Empty:
                     continue
         finally:

@@ -8,6 +8,8 @@ The defaults live here (and in `EngineConfig`) and nowhere else. `mlxhost/settin
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,6 +17,7 @@ from mlxhost.engine import EngineConfig
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
+    from pathlib import Path
 
 # django-environ's truthy words, so these variables parse like every other setting.
 TRUE_WORDS = frozenset({"true", "on", "ok", "y", "yes", "1"})
@@ -55,10 +58,22 @@ def _limit(env: Mapping[str, str], name: str) -> int | None:
     return _int(env, name, 0) or None  # unset or 0: no limit
 
 
-def engine_config_from(env: Mapping[str, str]) -> EngineConfig:
-    """An `EngineConfig` from `MLXHOST_*` variables; each one unset keeps the dataclass default."""
+def engine_config_from(
+    env: Mapping[str, str], *, kv_dir: Path | None = None, secret_key: str = ""
+) -> EngineConfig:
+    """An `EngineConfig` from `MLXHOST_*` variables; each one unset keeps the dataclass default.
+
+    `kv_dir` is the disk tier's default folder (`MLXHOST_KV_DIR` wins; `MLXHOST_KV_DISK_BYTES` 0
+    turns it off); cache domains are fingerprinted under a secret derived from `secret_key`, so
+    the disk tier still matches after a restart (none given: a secret made at boot).
+    """
     base = EngineConfig()
+    folder = env.get("MLXHOST_KV_DIR", "").strip() or (str(kv_dir) if kv_dir is not None else None)
+    secret = hmac.new(secret_key.encode(), b"mlxhost cache domains", hashlib.sha256).digest()
     return EngineConfig(
+        session_secret=secret if secret_key else None,
+        kv_dir=folder,
+        kv_disk_bytes=_int(env, "MLXHOST_KV_DISK_BYTES", base.kv_disk_bytes),
         backend=env.get("MLXHOST_ENGINE_BACKEND", "").strip() or base.backend,
         max_sessions=_int(env, "MLXHOST_MAX_SESSIONS", base.max_sessions),
         max_session_bytes=_limit(env, "MLXHOST_MAX_SESSION_BYTES"),
@@ -72,12 +87,15 @@ def engine_config_from(env: Mapping[str, str]) -> EngineConfig:
     )
 
 
-def runtime_settings_from(env: Mapping[str, str]) -> RuntimeSettings:
-    """`RuntimeSettings` from `env` (the process environment, or a test's mapping)."""
+def runtime_settings_from(
+    env: Mapping[str, str], *, kv_dir: Path | None = None, secret_key: str = ""
+) -> RuntimeSettings:
+    """`RuntimeSettings` from `env` (the process environment, or a test's mapping); see
+    `engine_config_from` for `kv_dir` and `secret_key`."""
     base = RuntimeSettings()
     return RuntimeSettings(
         run_engine=_bool(env, "MLXHOST_RUN_ENGINE", base.run_engine),
         preload=_bool(env, "MLXHOST_PRELOAD", base.preload),
         reconcile_interval_s=_float(env, "MLXHOST_RECONCILE_INTERVAL_S", base.reconcile_interval_s),
-        engine=engine_config_from(env),
+        engine=engine_config_from(env, kv_dir=kv_dir, secret_key=secret_key),
     )

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from mlxhost.engine.types import Message, ModelSpec, SamplingParams
 
 # (done, total[, unit]): bytes read ("bytes", the default), or files downloaded ("files").
@@ -141,6 +143,14 @@ class LoadedModel(Protocol):
         ...
 
     def cache_length(self, kv: object) -> int: ...
+
+    def save_cache(self, kv: object, path: Path) -> None:
+        """Write exactly the tokens `kv` holds to `path` (the disk tier); `kv` is not changed."""
+        ...
+
+    def load_cache(self, path: Path) -> object:
+        """A cache read back from a `save_cache` file; raises on a file it cannot read."""
+        ...
 
     def cache_nbytes(self, kv: object) -> int: ...
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import deque
 from typing import TYPE_CHECKING
@@ -10,6 +11,7 @@ from mlxhost.engine.backends.base import BatchStep, ProgressCallback, SequenceCa
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
+    from pathlib import Path
 
     from mlxhost.engine.types import Message, ModelSpec, SamplingParams
 
@@ -94,6 +96,16 @@ class FakeModel:
         copy = FakeCache()
         copy.tokens = source.tokens[:n]
         return copy
+
+    def save_cache(self, kv: object, path: Path) -> None:
+        self._backend.saves += 1
+        path.write_text(json.dumps({"tokens": _fake(kv).tokens}))
+
+    def load_cache(self, path: Path) -> FakeCache:
+        self._backend.loads_from_disk += 1
+        cache = FakeCache()
+        cache.tokens = [int(t) for t in json.loads(path.read_text())["tokens"]]
+        return cache
 
     def cache_length(self, kv: object) -> int:
         return len(_fake(kv).tokens)
@@ -241,6 +253,8 @@ class FakeBackend:
         self.dispose_failures = 0
         self.dispose_calls = 0
         self.copies = 0  # prefix copies handed to requests (copy_cache)
+        self.saves = 0  # caches written to the disk tier (save_cache)
+        self.loads_from_disk = 0  # and read back (load_cache)
         self.render_calls = 0
         self.before_render: Callable[[Sequence[Message]], None] | None = None
         self.shared_cache = False

@@ -11,7 +11,14 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
 
 from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
 from mlxhost.engine.backends.mlx.batch import (
@@ -84,6 +91,14 @@ class MlxModel:
         if extra:
             trim_prompt_cache(copied, extra)
         return copied
+
+    def save_cache(self, kv: object, path: Path) -> None:
+        # Slices of exactly the tokens held: the padding past them is never written.
+        layers = self.copy_cache(kv, self.cache_length(kv)) or _layers(kv)
+        save_prompt_cache(str(path), layers, metadata={"writer": "mlxhost"})
+
+    def load_cache(self, path: Path) -> list[Any]:
+        return cast("list[Any]", load_prompt_cache(str(path)))
 
     def cache_length(self, kv: object) -> int:
         layers = _layers(kv)
