@@ -89,6 +89,7 @@ bench: install-dev openblas
 	$(PIP) install -q -r benchmarks/requirements.txt
 	$(PY) benchmarks/bench_concurrency.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_chat.py $(BENCH_CHAT_ARGS)
+	$(PY) benchmarks/bench_disk.py --write
 
 lint: install-dev
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

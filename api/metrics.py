@@ -172,6 +172,13 @@ def _instance_metrics(engine: Engine) -> Iterator[Metric]:
             ("tokens_saved", "Prompt tokens that cached prefixes spared from computing."),
         )
     ]
+    cache_gauges = [
+        (GaugeMetricFamily(f"mlxhost_prefix_cache_{key}", text, labels=["instance", "tier"]), key)
+        for key, text in (
+            ("entries", "Prefix-cache entries kept (memory: turns' KV caches; disk: saved responses)."),
+            ("bytes", "Bytes the prefix cache holds in each tier."),
+        )
+    ]
     unloads = CounterMetricFamily(
         "mlxhost_instance_unloads",
         "Weights freed without an admin action: keep_alive (idle) or memory_budget (evicted).",
@@ -189,11 +196,14 @@ def _instance_metrics(engine: Engine) -> Iterator[Metric]:
         for tier, cache in snap["prefix_cache"].items():
             for counter, key in cache_counters:
                 counter.add_metric([instance, tier], cache[key])
+            for gauge, key in cache_gauges:
+                gauge.add_metric([instance, tier], cache[key])
     for instance_id, reasons in sorted(engine.stats.unloads.items()):
         for reason, count in reasons.items():
             unloads.add_metric([str(instance_id), reason], count)
     yield from (bound, state, *(family for family, _ in gauges), generated, unloads)
     yield from (counter for counter, _ in cache_counters)
+    yield from (gauge for gauge, _ in cache_gauges)
     budget = engine.config.memory_budget_bytes
     if budget is not None:
         yield GaugeMetricFamily("mlxhost_memory_budget_bytes", "The memory budget (OPS-3).", value=budget)

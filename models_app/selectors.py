@@ -178,6 +178,9 @@ class AliasLiveState:
     warm_bytes: int = 0
     cache_hit_rate: float | None = None  # of the prefix cache's lookups; None before the first
     cache_tokens_saved: int = 0
+    disk_entries: int | None = None  # the disk tier (SES-9); None when it is off
+    disk_bytes: int = 0
+    disk_hit_rate: float | None = None
     progress_done: int = 0
     progress_total: int = 0
     last_action: str = ""  # "reload failed: <reason>", "load done", "unload running"
@@ -195,6 +198,10 @@ class AliasLiveState:
     @property
     def cache_hit_percent(self) -> int | None:
         return None if self.cache_hit_rate is None else round(100 * self.cache_hit_rate)
+
+    @property
+    def disk_hit_percent(self) -> int | None:
+        return None if self.disk_hit_rate is None else round(100 * self.disk_hit_rate)
 
     @property
     def progress_percent(self) -> int | None:
@@ -251,6 +258,9 @@ def model_live_state(
         warm_bytes=int(view.get("warm_bytes") or 0),
         cache_hit_rate=view.get("cache_hit_rate"),
         cache_tokens_saved=int(view.get("cache_tokens_saved") or 0),
+        disk_entries=view.get("disk_entries"),
+        disk_bytes=int(view.get("disk_bytes") or 0),
+        disk_hit_rate=view.get("disk_hit_rate"),
         progress_done=int(progress.get("done") or 0),
         progress_total=int(progress.get("total") or 0),
         last_action=action,

@@ -5,6 +5,13 @@ takes the longest cached prefix of its prompt without removing it: it works on i
 that prefix (the backend's `copy_cache`, made on the worker thread), so any number of requests
 start from the same system prompt at once and no entry ever changes after it is adopted. Models
 whose cache is one shared mutable state (SES-5) cannot copy; there a lease takes the entry out.
+
+The index is a flat dict of entries whose token tuples are compared in C-sized chunks, not
+mlx-lm's `PromptTrie` (one dict per token): measured by `benchmarks/bench_prefix_index.py` for 64
+conversations of 4,000 tokens behind one system prompt, the trie holds 52 MB of Python objects
+against 2 MB, every full GC pass walks them (61 ms against 22 ms) and a lookup takes 1.5 ms against
+0.6 ms. The copies and the files are mlx-lm's (`copy_cache` slices its KVCache arrays; the disk tier
+uses `save_prompt_cache` / `load_prompt_cache`).
 """
 
 from __future__ import annotations

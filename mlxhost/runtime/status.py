@@ -90,7 +90,7 @@ class StatusBuilder:
         self._last[instance_id] = (tokens, now)
         elapsed = now - last_at
         lane, progress = snap["lane"], snap["load_progress"]
-        cache = snap["prefix_cache"]["memory"]
+        cache, disk = snap["prefix_cache"]["memory"], snap["prefix_cache"].get("disk")
         status = instance_status(snap)
         return {
             "instance_id": instance_id,
@@ -111,6 +111,10 @@ class StatusBuilder:
             "warm_bytes": cache["bytes"],
             "cache_hit_rate": cache["hit_rate"],
             "cache_tokens_saved": cache["tokens_saved"],
+            # The disk tier (SES-9), when it is on: None otherwise.
+            "disk_entries": disk["entries"] if disk else None,
+            "disk_bytes": disk["bytes"] if disk else None,
+            "disk_hit_rate": disk["hit_rate"] if disk else None,
             "memory_bytes": snap["memory_bytes"],
             "load_progress": progress,
             "requests_finished": snap["requests_finished"],

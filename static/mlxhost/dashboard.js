@@ -286,7 +286,12 @@
         title: (view.cache_tokens_saved || 0) + " prompt tokens saved",
         text: String(view.warm_sessions) + (view.cache_hit_rate == null ? "" : " \u00b7 " + Math.round(view.cache_hit_rate * 100) + "% hits"),
       }),
-      el("td", { className: "num warm-bytes", text: formatBytes(view.warm_bytes) }),
+      el("td", { className: "num warm-bytes" }, [
+        formatBytes(view.warm_bytes),
+        view.disk_entries == null
+          ? null
+          : el("div", { className: "quiet", text: "disk: " + view.disk_entries + " \u00b7 " + formatBytes(view.disk_bytes) }),
+      ]),
       el("td", { className: "num memory", text: formatBytes(view.memory_bytes) })
     );
   };

@@ -118,6 +118,8 @@ async def test_metrics_count_outcomes_rejections_tokens_and_lane_state(
     assert metrics.get("mlxhost_prefix_cache_hits_total", **memory) == 1  # 3
     assert metrics.get("mlxhost_prefix_cache_misses_total", **memory) == 3  # 1, 2 and 4
     assert metrics.get("mlxhost_prefix_cache_tokens_saved_total", **memory) == cached
+    assert metrics.get("mlxhost_prefix_cache_entries", **memory) == 3
+    assert metrics.get("mlxhost_prefix_cache_bytes", **memory) == snap["prefix_cache"]["memory"]["bytes"]
     assert (
         metrics.get("mlxhost_warm_session_bytes", **instance) == snap["prefix_cache"]["memory"]["bytes"] > 0
     )

@@ -509,17 +509,32 @@ def test_model_and_alias_pages_show_the_prefix_cache(admin_client, tiny_alias):
     """Issue 12: the model list, the model page and the alias page show the prefix cache's
     entries, bytes, hit rate and tokens saved."""
     view = _view(
-        tiny_alias.instance_id, warm_sessions=5, warm_bytes=4096, cache_hit_rate=0.5, cache_tokens_saved=900
+        tiny_alias.instance_id,
+        warm_sessions=5,
+        warm_bytes=4096,
+        cache_hit_rate=0.5,
+        cache_tokens_saved=900,
+        disk_entries=2,
+        disk_bytes=2048,
+        disk_hit_rate=0.25,
     )
     _publish(view)
     detail = "5 entries, 4.0\xa0KB; 50% of requests hit, 900 prompt tokens saved"
+    disk = "2 saved responses, 2.0\xa0KB; 25% of continuations it was asked for loaded from it"
     pages = [
-        (MODELS_URL, "5 · 50% hits"),
-        (f"{MODELS_URL}{tiny_alias.model_id}/change/", detail),
-        (f"{ALIASES_URL}{tiny_alias.pk}/change/", detail),
+        (MODELS_URL, ("5 · 50% hits",)),
+        (f"{MODELS_URL}{tiny_alias.model_id}/change/", (detail, disk)),
+        (f"{ALIASES_URL}{tiny_alias.pk}/change/", (detail, disk)),
     ]
-    for url, text in pages:
-        assert text in admin_client.get(url).content.decode(), url
+    for url, texts in pages:
+        page = admin_client.get(url).content.decode()
+        for text in texts:
+            assert text in page, url
+    _publish(_view(tiny_alias.instance_id))  # an engine without a disk tier
+    assert (
+        '<th scope="row">Disk tier</th><td>off</td>'
+        in admin_client.get(f"{MODELS_URL}{tiny_alias.model_id}/change/").content.decode()
+    )
 
 
 def test_live_state_selector_maps_each_engine_state(tiny_alias):

@@ -47,6 +47,9 @@ def engine_status(**instance) -> dict:
         "warm_bytes": 2048,
         "cache_hit_rate": 0.625,
         "cache_tokens_saved": 1200,
+        "disk_entries": 4,
+        "disk_bytes": 3 * 1024 * 1024,
+        "disk_hit_rate": 1.0,
         "memory_bytes": 5 * 1024 * 1024,
         "load_progress": {"done": 0, "total": 0},
         "requests_finished": 9,
@@ -111,6 +114,7 @@ def test_the_first_paint_shows_the_engines_last_status(staff_client, tiny_enable
     assert '<progress max="2048" value="512"' in page
     assert "25%" in page
     assert "3 · 62% hits" in page and "1200 prompt tokens saved" in page  # the prefix cache
+    assert "disk: 4 · 3.0\xa0MB" in page  # and its disk tier
     assert 'id="initial-status"' in page
 
 

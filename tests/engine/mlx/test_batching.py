@@ -230,3 +230,46 @@ def test_a_long_prompt_is_prefilled_between_decode_steps(tiny_model_dir, tiny_eo
     assert len(served) > len(long_ids) // PREFILL_STEP  # one chunk per step, then its first token
     assert all(set(handles) <= got for got in served)  # no step left a running stream out
     assert len(whole_served) < len(served)  # one chunk: the streams waited the whole prefill out
+
+
+@pytest.mark.parametrize("penalty", [None, 1.5], ids=["no-penalty", "repetition-penalty"])
+@pytest.mark.parametrize("cached", [False, True], ids=["fresh", "cached-prefix"])
+def test_an_arrival_mid_decode_gets_its_first_token_on_the_next_step(
+    tiny_model_dir, tiny_eos_id, penalty, cached
+):
+    """Issue 12: a short prompt joining a decoding batch has its first token on the very next
+    step (no batch step runs before it), and then exactly the tokens it gets alone."""
+    from mlxhost.engine.backends.mlx.backend import MlxBackend
+
+    model = MlxBackend().load(ModelSpec(1, str(tiny_model_dir), "f" * 64), lambda *_: None)
+    no_eos = ((tiny_eos_id, -100.0),)
+    running = SamplingParams(temperature=0.0, max_tokens=40, logit_bias=no_eos)
+    arrival = SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=penalty, logit_bias=no_eos)
+    prompt = model.encode("The river ran past the old mill and the baker's shop.")
+    alone = [s.token_id for s in model.generate(prompt, arrival, model.new_cache()) if hasattr(s, "token_id")]
+    kv, reuse = None, 0
+    if cached:  # start from a copy of a cached entry holding most of the prompt
+        entry = model.new_cache()
+        list(model.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), entry))
+        reuse = len(prompt) - 3
+        kv = model.copy_cache(entry, reuse)
+
+    batch = model.open_batch(4)
+    first = batch.insert(model.encode("snow on the roofs of the town"), running, None, 0)
+    while not any(s.handle == first and s.token_id is not None for s in batch.step()):
+        continue  # until the first sequence decodes
+    handle = batch.insert(prompt, arrival, kv, reuse)
+    next_steps = batch.step()
+    assert [(s.handle, s.token_id) for s in next_steps] == [(handle, alone[0])]
+    tokens = [alone[0]]
+    while True:
+        step = next((s for s in batch.step() if s.handle == handle), None)
+        if step is None:
+            continue
+        if step.token_id is not None:
+            tokens.append(step.token_id)
+        if step.finish_reason is not None:
+            break
+    assert tokens == alone
+    batch.close()
+    model.close()

@@ -7,7 +7,8 @@ import os
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, generation_stream
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from mlxhost.engine.backends.base import BatchStep, SequenceCache
@@ -158,8 +159,13 @@ class MlxBatch:
             # The largest chunk; step() narrows it per step through `prefill_step_size`.
             prefill_step_size=self._prefill_step_alone,
         )
+        self._model = model
+        self._eos = set(eos)
         self._detokenizers: dict[int, Any] = {}
         self._decoding: set[int] = set()  # handles past their prompt, producing tokens
+        # First tokens computed at insert (see `_insert_started`), handed out by the next step.
+        self._first: dict[int, BatchStep] = {}
+        self._ended_handles = 0  # handles (negative) of sequences that ended on their first token
         self._samplers: dict[tuple[float, float, float, int], tuple[_Guard, Any]] = {}
         self._guards: dict[int, tuple[_Guard, _Guard]] = {}  # handle -> (its sampler's, its own)
 
@@ -171,6 +177,8 @@ class MlxBatch:
     def insert(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
     ) -> int:
+        if self._decoding and 0 < len(prompt_ids) - cached <= self._prefill_step:
+            return self._insert_started(prompt_ids, sampling, kv, cached)
         sampler_guard, sampler = self._sampler(sampling)
         guard = _Guard()
         (uid,) = self._generator.insert(
@@ -185,7 +193,71 @@ class MlxBatch:
         self._guards[uid] = (sampler_guard, guard)
         return int(uid)
 
+    def _insert_started(
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
+    ) -> int:
+        """Join a decoding batch with the first token already sampled.
+
+        Through the generator alone, an arrival's first token comes three steps after it is
+        inserted: its prompt chunk rides one decode step of the others, its last prompt token
+        the next, and its first token the one after (each a full step of the whole batch). A
+        short uncached suffix is instead fed here, alone, as `stream_generate` feeds it (all but
+        the last token, then the last), so the same tokens come out, and its first token is
+        sampled at once; the generator then continues from that token. The next `step()` hands
+        the first token out before running the batch. Long suffixes keep the chunked path, so a
+        long arrival still never stalls the running streams for its whole prefill.
+        """
+        sampler_guard, sampler = self._sampler(sampling)
+        guard = _Guard()
+        processors = [guard.processor(p) for p in make_processors(sampling)]
+        cache = cast("list[Any]", kv) if kv is not None else make_prompt_cache(self._model)
+        with mx.stream(generation_stream):
+            suffix = mx.array(list(prompt_ids[cached:]), dtype=mx.uint32)
+            if suffix.size > 1:
+                self._model(suffix[None, :-1], cache=cache)
+            logits = self._model(suffix[None, -1:], cache=cache)[:, -1, :]
+            context = mx.array(list(prompt_ids), dtype=mx.uint32)
+            for processor in processors:
+                logits = processor(context, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            token = int(sampler(logprobs).item())
+        detokenizer = self._tokenizer.detokenizer
+        if guard.faulted or sampler_guard.faulted or token in self._eos or sampling.max_tokens <= 1:
+            # Ends on its first token: it never joins the generator (its cache holds the prompt).
+            self._ended_handles -= 1
+            handle = self._ended_handles
+            ended = SequenceCache(cache, tuple(prompt_ids))
+            if guard.faulted or sampler_guard.faulted:
+                reseed_global_random()  # as `_end_faulted` does: a raising sampler spoils it
+                self._first[handle] = BatchStep(handle, "", None, "error", ended, failed=True)
+            elif token in self._eos:
+                self._first[handle] = BatchStep(handle, "", None, "stop", ended)
+            else:
+                detokenizer.add_token(token)
+                detokenizer.finalize()
+                self._first[handle] = BatchStep(handle, detokenizer.last_segment, token, "length", ended)
+            return handle
+        (uid,) = self._generator.insert(
+            [[token]],
+            max_tokens=[sampling.max_tokens - 1],
+            caches=[cache],
+            all_tokens=[list(prompt_ids)],
+            samplers=[sampler],
+            logits_processors=[processors],
+        )
+        detokenizer.add_token(token)
+        self._detokenizers[uid] = detokenizer
+        self._guards[uid] = (sampler_guard, guard)
+        self._first[uid] = BatchStep(uid, detokenizer.last_segment, token)
+        return int(uid)
+
     def step(self) -> list[BatchStep]:
+        if self._first:  # first tokens sampled at insert go out at once, before a batch step
+            first, self._first = list(self._first.values()), {}
+            for step in first:
+                if step.finish_reason is None:
+                    self._decoding.add(step.handle)
+            return first
         # next(), not next_generated(): one decode step plus one prefill chunk, so arrivals and
         # cancels are handled between chunks of a long prompt. The generator reads
         # `prefill_step_size` on every call to cut the next chunk of each pending prompt.
@@ -226,6 +298,10 @@ class MlxBatch:
         return [BatchStep(h, "", None, "error", self.remove(h), failed=True) for h in sorted(handles)]
 
     def remove(self, handle: int) -> SequenceCache:
+        first = self._first.pop(handle, None)
+        if handle < 0:  # ended on its first token, never in the generator
+            assert first is not None and first.cache is not None
+            return first.cache
         caches = self._generator.remove([handle], return_prompt_caches=True)
         self._detokenizers.pop(handle, None)
         self._guards.pop(handle, None)
@@ -234,6 +310,7 @@ class MlxBatch:
         return SequenceCache(kv, tuple(tokens))
 
     def close(self) -> None:
+        self._first.clear()
         self._detokenizers.clear()
         self._guards.clear()
         self._decoding.clear()
