@@ -273,3 +273,25 @@ def test_an_arrival_mid_decode_gets_its_first_token_on_the_next_step(
     assert tokens == alone
     batch.close()
     model.close()
+
+
+def test_a_burst_arriving_mid_decode_is_prefilled_together(tiny_model_dir, tiny_eos_id):
+    """Issue 12: of two arrivals between the same two steps, only the first is fed alone; the
+    second joins the generator's batched prefill (one forward for a burst, not one each)."""
+    from mlxhost.engine.backends.mlx.backend import MlxBackend
+
+    model = MlxBackend().load(ModelSpec(1, str(tiny_model_dir), "f" * 64), lambda *_: None)
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, logit_bias=((tiny_eos_id, -100.0),))
+    batch = model.open_batch(4)
+    running = batch.insert(model.encode("snow on the roofs of the town"), sampling, None, 0)
+    while not any(s.handle == running and s.token_id is not None for s in batch.step()):
+        continue
+    first = batch.insert(model.encode("the river"), sampling, None, 0)
+    second = batch.insert(model.encode("a quiet morning"), sampling, None, 0)
+    assert [s.handle for s in batch.step()] == [first]
+    seen: set[int] = set()
+    for _ in range(6):
+        seen |= {s.handle for s in batch.step() if s.token_id is not None}
+    assert second in seen
+    batch.close()
+    model.close()
