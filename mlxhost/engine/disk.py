@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from mlxhost.engine.sessions import reusable_prefix
+from mlxhost.engine.sessions import reusable_prefix, tier_figures
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -254,16 +254,4 @@ def _size(path: Path) -> int:
 
 
 def snapshot(stats: DiskStats, max_bytes: int) -> dict[str, Any]:
-    lookups = stats.hits + stats.misses
-    return {
-        "entries": stats.entries,
-        "bytes": stats.bytes,
-        "max_bytes": max_bytes,
-        "hits": stats.hits,
-        "misses": stats.misses,
-        "hit_rate": round(stats.hits / lookups, 3) if lookups else None,
-        "tokens_saved": stats.tokens_saved,
-        "evicted": stats.evicted,
-        "written": stats.written,
-        "discarded": stats.discarded,
-    }
+    return {**tier_figures(stats, max_bytes), "written": stats.written, "discarded": stats.discarded}

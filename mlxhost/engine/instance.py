@@ -14,7 +14,7 @@ from mlxhost.engine.disk import snapshot as disk_snapshot
 from mlxhost.engine.errors import ModelLoadError, WeightsChangedError
 from mlxhost.engine.lane import Lane
 from mlxhost.engine.limits import physical_memory_bytes
-from mlxhost.engine.sessions import SessionCache, SessionStats
+from mlxhost.engine.sessions import SessionCache, tier_figures
 from mlxhost.engine.weights import folder_fingerprint
 from mlxhost.engine.worker import CallJob, GenerateJob, InstanceWorker, WriteJob
 
@@ -201,7 +201,7 @@ class Instance:
         }
 
     def _cache_snapshot(self) -> dict[str, Any]:
-        tiers = {"memory": _cache_snapshot(self.sessions.stats, self.sessions.max_bytes)}
+        tiers = {"memory": tier_figures(self.sessions.stats, self.sessions.max_bytes)}
         if self.disk is not None:
             tiers["disk"] = disk_snapshot(self.disk.stats, self.disk.max_bytes)
         return tiers
@@ -306,18 +306,3 @@ def _describe(error: BaseException) -> str:
     # A short reason for the admin and clients: the exception type and first line, no traceback.
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{type(error).__name__}: {text}"[:300] if text else type(error).__name__
-
-
-def _cache_snapshot(stats: SessionStats, max_bytes: int) -> dict[str, Any]:
-    """The prefix cache as /readyz, /metrics and the dashboard show it (memory tier)."""
-    lookups = stats.hits + stats.misses
-    return {
-        "entries": stats.entries,
-        "bytes": stats.bytes,
-        "max_bytes": max_bytes,
-        "hits": stats.hits,
-        "misses": stats.misses,
-        "hit_rate": round(stats.hits / lookups, 3) if lookups else None,
-        "tokens_saved": stats.tokens_saved,
-        "evicted": stats.evicted,
-    }

@@ -22,7 +22,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -123,6 +123,32 @@ class SessionStats:
     disposed: int = 0
     dispose_failures: int = 0
     dispose_retries: int = 0
+
+
+class TierStats(Protocol):
+    """What `tier_figures` reads: `SessionStats` (memory) and `DiskStats` (disk) both have it."""
+
+    entries: int
+    bytes: int
+    hits: int
+    misses: int
+    tokens_saved: int
+    evicted: int
+
+
+def tier_figures(stats: TierStats, max_bytes: int) -> dict[str, Any]:
+    """One prefix-cache tier as /readyz, /metrics and the dashboard show it (memory or disk)."""
+    lookups = stats.hits + stats.misses
+    return {
+        "entries": stats.entries,
+        "bytes": stats.bytes,
+        "max_bytes": max_bytes,
+        "hits": stats.hits,
+        "misses": stats.misses,
+        "hit_rate": round(stats.hits / lookups, 3) if lookups else None,
+        "tokens_saved": stats.tokens_saved,
+        "evicted": stats.evicted,
+    }
 
 
 class SessionCache:

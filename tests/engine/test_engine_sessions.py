@@ -70,6 +70,26 @@ async def test_turn_two_reuses_the_cached_prefix(engine, backend):
     assert sessions(engine)["hits"] == 1
 
 
+async def two_continuations_of_p(engine, backend, model):
+    """Two turns naming "p", both admitted before either runs; their generations and events."""
+    backend.gated = True
+    generations = [
+        await engine.submit(
+            request(
+                f"c{i}",
+                messages=TURN_2,
+                session=query(engine, previous_response_id="p"),
+                spec_=model,
+                max_tokens=1,
+            )
+        )
+        for i in range(2)
+    ]
+    backend.gated = False
+    backend.gate.set()
+    return generations, await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 5)
+
+
 @pytest.mark.parametrize("batching", [True, False])
 async def test_overlapping_continuations_of_one_parent_all_hit(engine, backend, batching: bool):
     """SES-4: two overlapping requests naming the same parent both start from its cached prefix,
@@ -81,25 +101,8 @@ async def test_overlapping_continuations_of_one_parent_all_hit(engine, backend, 
     instance = next(i for i in engine.registry.instances() if i.instance_id == 1)
     entry = next(iter(instance.sessions._entries.values()))
     parent_tokens = entry.tokens
-    backend.gated = True
-    generations = await asyncio.gather(
-        *(
-            engine.submit(
-                request(
-                    f"c{i}",
-                    messages=TURN_2,
-                    session=query(engine, previous_response_id="p"),
-                    spec_=model,
-                    max_tokens=1,
-                )
-            )
-            for i in range(2)
-        )
-    )
+    generations, results = await two_continuations_of_p(engine, backend, model)
     assert [g.session_outcome for g in generations] == ["hit", "hit"]
-    backend.gated = False
-    backend.gate.set()
-    results = await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 5)
     assert [started_of(events).cached_tokens for events in results] == [TURN_1_PROMPT] * 2
     fed = [len(prompt) for _, prompt, _ in backend.history[1:]]
     assert fed == [TURN_2_PROMPT - TURN_1_PROMPT] * 2
@@ -116,22 +119,7 @@ async def test_a_shared_cache_lease_is_single_use_under_overlap(engine, backend)
     model = spec(1, lane=LaneSettings(capacity=2))  # both admitted at once; they run one by one
     await engine.load(model)
     await first_turn(engine, backend)
-    backend.gated = True
-    generations = [
-        await engine.submit(
-            request(
-                f"c{i}",
-                messages=TURN_2,
-                session=query(engine, previous_response_id="p"),
-                spec_=model,
-                max_tokens=1,
-            )
-        )
-        for i in range(2)
-    ]
-    backend.gated = False
-    backend.gate.set()
-    results = await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 5)
+    generations, results = await two_continuations_of_p(engine, backend, model)
     assert sorted(g.session_outcome for g in generations) == ["cold_replay", "hit"]
     cached = sorted(started_of(events).cached_tokens for events in results)
     assert cached == [0, TURN_1_PROMPT]

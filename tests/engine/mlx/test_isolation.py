@@ -139,8 +139,13 @@ def test_a_cached_prefix_never_changes_a_greedy_answer(tiny_model_dir: Path, pen
 
 def _batched(model, prompt: list[int], starts: list[tuple[object | None, int]], sampling) -> list[list[int]]:
     """Greedy tokens of `prompt` for each (kv, cached) start, all in one batch."""
-    batch = model.open_batch(len(starts))
-    handles = [batch.insert(prompt, sampling, kv, cached) for kv, cached in starts]
+    return _in_one_batch(model, [(prompt, sampling, kv, cached) for kv, cached in starts])
+
+
+def _in_one_batch(model, inserts: list[tuple]) -> list[list[int]]:
+    """The tokens of each (prompt, sampling, kv, cached) insert, run to the end in one batch."""
+    batch = model.open_batch(len(inserts))
+    handles = [batch.insert(*insert) for insert in inserts]
     tokens: dict[int, list[int]] = {h: [] for h in handles}
     done: set[int] = set()
     while len(done) < len(handles):
@@ -187,22 +192,12 @@ def test_a_seed_gives_the_same_text_in_a_batch_warm_or_cold(tiny_model_dir: Path
     model = MlxBackend().load(ModelSpec(1, str(tiny_model_dir), "f" * 64), lambda *_: None)
     prompt = _echo_prompt(model)
     seeded = [SamplingParams(temperature=2.0, max_tokens=12, seed=seed) for seed in (7, 7, 8)]
-    batch = model.open_batch(4)
     entry = model.new_cache()
     list(model.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1), entry))
     starts = [(None, 0), (model.copy_cache(entry, len(prompt) - 1), len(prompt) - 1), (None, 0)]
-    handles = [batch.insert(prompt, s, kv, cached) for s, (kv, cached) in zip(seeded, starts, strict=True)]
-    greedy = batch.insert(prompt, SamplingParams(temperature=0.0, max_tokens=12), None, 0)
-    tokens: dict[int, list[int]] = {h: [] for h in (*handles, greedy)}
-    done: set[int] = set()
-    while len(done) < len(tokens):
-        for step in batch.step():
-            if step.token_id is not None:
-                tokens[step.handle].append(step.token_id)
-            if step.finish_reason is not None:
-                done.add(step.handle)
-    batch.close()
-    cold, warm, other = (tokens[h] for h in handles)
+    inserts = [(prompt, s, kv, cached) for s, (kv, cached) in zip(seeded, starts, strict=True)]
+    greedy = (prompt, SamplingParams(temperature=0.0, max_tokens=12), None, 0)  # a shared sampler beside them
+    cold, warm, other, _ = _in_one_batch(model, [*inserts, greedy])
     assert cold == warm and len(cold) > 1
     assert other != cold
     model.close()
