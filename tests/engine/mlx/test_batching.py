@@ -275,9 +275,9 @@ def test_an_arrival_mid_decode_gets_its_first_token_on_the_next_step(
     model.close()
 
 
-def test_a_burst_arriving_mid_decode_is_prefilled_together(tiny_model_dir, tiny_eos_id):
-    """Issue 12: of two arrivals between the same two steps, only the first is fed alone; the
-    second joins the generator's batched prefill (one forward for a burst, not one each)."""
+def test_arrivals_past_the_prefill_budget_are_prefilled_together(tiny_model_dir, tiny_eos_id):
+    """Issue 12: between two steps, arrivals are fed alone only up to one prefill chunk's budget
+    (PREFILL_STEP tokens); the rest join the generator's batched prefill."""
     from mlxhost.engine.backends.mlx.backend import MlxBackend
 
     model = MlxBackend().load(ModelSpec(1, str(tiny_model_dir), "f" * 64), lambda *_: None)
@@ -286,9 +286,12 @@ def test_a_burst_arriving_mid_decode_is_prefilled_together(tiny_model_dir, tiny_
     running = batch.insert(model.encode("snow on the roofs of the town"), sampling, None, 0)
     while not any(s.handle == running and s.token_id is not None for s in batch.step()):
         continue
-    first = batch.insert(model.encode("the river"), sampling, None, 0)
-    second = batch.insert(model.encode("a quiet morning"), sampling, None, 0)
-    assert [s.handle for s in batch.step()] == [first]
+    short, other = model.encode("the river"), model.encode("bread and butter")
+    over = model.encode("a quiet morning " * 40)[: PREFILL_STEP - len(short) - len(other) + 1]
+    first = batch.insert(short, sampling, None, 0)
+    also = batch.insert(other, sampling, None, 0)  # still within the budget: fed alone too
+    second = batch.insert(over, sampling, None, 0)  # one token over it
+    assert [s.handle for s in batch.step()] == [first, also]
     seen: set[int] = set()
     for _ in range(6):
         seen |= {s.handle for s in batch.step() if s.token_id is not None}

@@ -166,7 +166,7 @@ class MlxBatch:
         # First tokens computed at insert (see `_insert_started`), handed out by the next step.
         self._first: dict[int, BatchStep] = {}
         self._ended_handles = 0  # handles (negative) of sequences that ended on their first token
-        self._inserted = 0  # sequences inserted since the last step
+        self._fed_alone = 0  # prompt tokens fed by `_insert_started` since the last step
         self._samplers: dict[tuple[float, float, float, int], tuple[_Guard, Any]] = {}
         self._guards: dict[int, tuple[_Guard, _Guard]] = {}  # handle -> (its sampler's, its own)
 
@@ -178,9 +178,11 @@ class MlxBatch:
     def insert(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
     ) -> int:
-        lone = not self._inserted  # the only arrival since the last step: not part of a burst
-        self._inserted += 1
-        if lone and self._decoding and 0 < len(prompt_ids) - cached <= self._prefill_step:
+        suffix = len(prompt_ids) - cached
+        # Fed alone while the batch decodes, within the per-step prefill budget (`prefill_step`
+        # tokens between two steps, as a prefill chunk has): the running streams wait no longer.
+        if self._decoding and 0 < suffix and self._fed_alone + suffix <= self._prefill_step:
+            self._fed_alone += suffix
             return self._insert_started(prompt_ids, sampling, kv, cached)
         sampler_guard, sampler = self._sampler(sampling)
         guard = _Guard()
@@ -207,10 +209,10 @@ class MlxBatch:
         short uncached suffix is instead fed here, alone, as `stream_generate` feeds it (all but
         the last token, then the last), so the same tokens come out, and its first token is
         sampled at once; the generator then continues from that token. The next `step()` hands
-        the first token out before running the batch. Long suffixes keep the chunked path, so a
-        long arrival still never stalls the running streams for its whole prefill, and so do the
-        other arrivals between the same two steps (a burst): the generator prefills them together,
-        which costs less than one forward each.
+        the first token out before running the batch. Between two steps at most `prefill_step`
+        tokens are fed this way, the budget of one prefill chunk: a long arrival, and arrivals
+        past the budget (a burst), keep the generator's chunked, batched prefill, so the running
+        streams never wait longer than a chunk.
         """
         sampler_guard, sampler = self._sampler(sampling)
         guard = _Guard()
@@ -257,7 +259,7 @@ class MlxBatch:
         return int(uid)
 
     def step(self) -> list[BatchStep]:
-        self._inserted = 0
+        self._fed_alone = 0
         if self._first:  # first tokens sampled at insert go out at once, before a batch step
             first, self._first = list(self._first.values()), {}
             for step in first:
