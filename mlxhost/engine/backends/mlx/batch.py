@@ -181,7 +181,7 @@ class MlxBatch:
         suffix = len(prompt_ids) - cached
         # Fed alone while the batch decodes, within the per-step prefill budget (`prefill_step`
         # tokens between two steps, as a prefill chunk has): the running streams wait no longer.
-        if self._decoding and 0 < suffix and self._fed_alone + suffix <= self._prefill_step:
+        if self._decoding and suffix > 0 and self._fed_alone + suffix <= self._prefill_step:
             self._fed_alone += suffix
             return self._insert_started(prompt_ids, sampling, kv, cached)
         sampler_guard, sampler = self._sampler(sampling)
