@@ -63,6 +63,11 @@ class _CountedGeneration(Generation):
         self._on_end: Callable[[Event], None] | None = on_end
         self.aborted = False  # the server cut it short (drain timeout, shutdown), not the client
 
+    @property
+    def ended(self) -> bool:
+        """Whether its terminal Done or Failed was posted."""
+        return self._on_end is None
+
     def abort(self) -> None:
         """The lane aborts it (LANE-7): stop within one step, and say so in the `Done`."""
         # The lane also aborts on a client's cancel (Generation.cancel marks that first).
@@ -535,7 +540,8 @@ class Engine:
         loop = asyncio.get_running_loop()
 
         def on_end(result: JobResult) -> None:
-            loop.call_soon_threadsafe(self._finished, instance, ticket, generation, lease, result)
+            # The Done travels with the end (not ahead of it by the courier): see `_finished`.
+            loop.call_soon_threadsafe(self._finished, instance, ticket, generation, lease, result, job.done)
 
         job = GenerateJob(generation, prompt_ids, admission.entered_at, on_end, sampling)
         if lease is not None:
@@ -554,6 +560,7 @@ class Engine:
         generation: _CountedGeneration,
         lease: SessionLease | None,
         result: JobResult,
+        done: Done | None = None,
     ) -> None:
         # Adopt before releasing the slot: release admits (and leases for) the next waiter at
         # once, and a continuation queued behind its parent must find the parent's session.
@@ -576,6 +583,10 @@ class Engine:
             else:
                 instance.sessions.discard(result.kv)
         instance.lane.release(ticket)
+        # The answer goes out only now, after the slot is free: a client that sends its next
+        # request the moment it has this one is admitted, not refused as queue_full (API-3).
+        if done is not None and not generation.ended:
+            generation.post(done)
         self._forget(instance, generation)
 
     def _write_behind(self, instance: Instance, response_id: str, query: SessionQuery) -> None:

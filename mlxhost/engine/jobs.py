@@ -43,6 +43,7 @@ class GenerateJob:
     reuse_tokens: int = 0  # ...how many of them prefix this prompt (SES-8)...
     owns_session: bool = False  # ...and whether the job took it out of the cache (SES-5)
     disk: tuple[DiskTier, DiskEntry] | None = None  # or a saved KV to load instead (the disk tier)
+    done: Done | None = None  # the terminal event `post_done` made; `on_end`'s receiver posts it
 
     def start_kv(self, model: LoadedModel) -> tuple[object | None, int]:
         """The cache this job starts from and how many prompt tokens it holds (worker thread).
@@ -141,7 +142,10 @@ def post_done(
     count: int,
     stop_sequence: str | None = None,
 ) -> None:
-    """Post the terminal `Done` with usage and timings (and the matched stop string), and count it."""
+    """Make the terminal `Done` with usage and timings (and the matched stop string), and count it.
+
+    It goes out with `on_end`: the engine releases the lane slot, then posts it (`job.done`).
+    """
     first_at = turn.first_at or now
     decode_s = max(now - first_at, 1e-9)
     prefill_s = max(first_at - turn.started, 1e-9)
@@ -162,8 +166,9 @@ def post_done(
     )
     usage = Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=count, cached_tokens=turn.cached)
     # `finish` is one of the backend's StepEnd reasons or the worker's own, all FinishReasons.
-    done = Done(finish_reason=finish, usage=usage, timings=timings, stop_sequence=stop_sequence)  # type: ignore[arg-type]
-    job.generation.post_threadsafe(done)
+    # Not posted here: the engine posts it after the job's slot is released (`job.done`), so a
+    # client that sends its next request the moment it has this answer finds the slot free.
+    job.done = Done(finish_reason=finish, usage=usage, timings=timings, stop_sequence=stop_sequence)  # type: ignore[arg-type]
 
 
 def end_unstarted(job: GenerateJob, stats: WorkerStats, now: float) -> None:

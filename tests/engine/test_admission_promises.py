@@ -100,3 +100,26 @@ async def test_a_drain_timeout_aborts_the_stream_and_its_done_says_aborted(engin
     events = [event async for event in stream]
     assert isinstance(events[-1], Done) and events[-1].finish_reason == "aborted"
     await asyncio.wait_for(drain, 5)
+
+
+@pytest.mark.parametrize("batching", [True, False])
+async def test_the_slot_is_free_before_the_answer_is_posted(engine, backend, batching):
+    """API-3 / LANE-1: the terminal Done is posted only after the lane slot is released, so a
+    client that sends its next request the moment it has its answer is admitted, never refused
+    as queue_full on a full lane (capacity 1, no queue; the CI found this race)."""
+    backend.batching = batching
+    model = spec(1, lane=LaneSettings(capacity=1 if not batching else 2, queue_depth=0))
+    await engine.load(model)
+    generation = await engine.submit(request("a", spec_=model, max_tokens=2))
+    active_at_done = []
+    real_post = generation.post
+
+    def post(event):
+        if isinstance(event, Done):
+            active_at_done.append(lane_of(engine)["active"])
+        real_post(event)
+
+    generation.post = post
+    events = await asyncio.wait_for(collect(generation), 5)
+    assert isinstance(events[-1], Done)
+    assert active_at_done == [0]
