@@ -521,21 +521,7 @@ class Engine:
     def _dispatch(self, admission: _Admission) -> None:
         instance, ticket, generation = admission.instance, admission.ticket, admission.generation
         prompt_ids, sampling = admission.prepared.prompt_ids, admission.prepared.sampling
-        query = generation.request.session
-        lease = None
-        if query is not None:
-            lease, generation.session_outcome = instance.sessions.lease(query, prompt_ids)
-        saved = admission.prepared.disk
-        if saved is not None and (lease is None or lease.reuse_tokens < saved.reuse_tokens):
-            if lease is not None:
-                instance.sessions.unlease(lease)
-                lease = None
-            assert instance.disk is not None
-            instance.disk.counted(saved)
-            generation.session_outcome = "disk"
-        elif saved is not None and instance.disk is not None:
-            instance.disk.counted(None)
-            saved = None
+        lease, saved = self._start_from(instance, generation, prompt_ids, admission.prepared.disk)
         generation.cached_tokens = lease.reuse_tokens if lease else saved.reuse_tokens if saved else 0
         loop = asyncio.get_running_loop()
 
@@ -552,6 +538,28 @@ class Engine:
             job.disk, job.reuse_tokens = (instance.disk, saved), saved.reuse_tokens
         generation.admit()
         instance.dispatch(job)
+
+    @staticmethod
+    def _start_from(
+        instance: Instance, generation: Generation, prompt_ids: list[int], saved: DiskEntry | None
+    ) -> tuple[SessionLease | None, DiskEntry | None]:
+        """What the turn starts from: a prefix-cache lease, the parent's saved KV (the disk tier,
+        when it reuses more), or neither; sets the generation's cache outcome (SES-2, SES-9)."""
+        query = generation.request.session
+        if query is None:
+            return None, None
+        lease, generation.session_outcome = instance.sessions.lease(query, prompt_ids)
+        disk = instance.disk
+        if saved is None or disk is None:
+            return lease, None
+        if lease is not None and lease.reuse_tokens >= saved.reuse_tokens:
+            disk.counted(None)
+            return lease, None
+        if lease is not None:
+            instance.sessions.unlease(lease)
+        disk.counted(saved)
+        generation.session_outcome = "disk"
+        return None, saved
 
     def _finished(
         self,
