@@ -1,4 +1,4 @@
-"""The disk tier through the Responses API with the real tiny model (issue 12): a stored chain
+"""The disk tier (SES-9) through the Responses API with the real tiny model (issue 12): a stored chain
 continues from disk after a restart with the cold replay's text, and a deleted response leaves
 no KV file behind."""
 

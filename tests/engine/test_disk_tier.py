@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier (issue 12): stored turns' KV saved when the worker is idle,
+"""The prefix cache's disk tier (SES-9, issue 12): stored turns' KV saved when the worker is idle,
 loaded after a restart instead of a replay, scoped, bounded, and never trusted when damaged."""
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ async def stored_parent(engine, backend):
 
 
 async def test_a_stored_turn_is_saved_when_the_worker_is_idle(boot, backend, kv_dir):
+    """SES-9: a stored turn's KV and its record land under the weights' folder, fingerprints only."""
     engine = await stored_parent(boot(), backend)
     files = sorted(p.name for p in folder(kv_dir).iterdir())
     assert files == [f"p{RECORD_SUFFIX}", f"p{KV_SUFFIX}"]
@@ -90,6 +91,7 @@ async def test_an_unstored_turn_is_never_saved(boot, backend, kv_dir):
 
 
 async def test_after_a_restart_a_continuation_loads_its_parent_from_disk(boot, backend):
+    """SES-9, SES-7: a new process continues from the saved KV (`disk`), feeding only the new part."""
     first = await stored_parent(boot(), backend)
     await first.shutdown()
     engine = boot()  # a new process: memory is empty
