@@ -201,8 +201,10 @@ class DiskTier:
         self._recount()
 
     def _evict(self) -> None:
+        total = self._stats.bytes  # `save` recounted just before
+        if total <= self.max_bytes:
+            return  # the common case: no listing, no stat of every file
         records = sorted(self.folder.glob(f"*{RECORD_SUFFIX}"), key=_mtime)
-        total = self._stats.bytes
         for record in records:
             if total <= self.max_bytes:
                 break
