@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from mlxhost.engine.backends.base import BatchRunner, BatchStep, LoadedModel, SequenceCache
     from mlxhost.engine.jobs import GenerateJob, WorkerStats
+    from mlxhost.engine.types import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class _Sequence:
     matcher: StopMatcher  # text stop strings, per request
     count: int = 0  # completion tokens so far
     unsent: list[int] = field(default_factory=list)  # token ids whose text is still held back
+    unsent_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when asked for
 
 
 class BatchScheduler:
@@ -131,6 +133,8 @@ class BatchScheduler:
             return
         sequence.count += 1
         sequence.unsent.append(step.token_id)
+        if step.logprob is not None:
+            sequence.unsent_logprobs.append(step.logprob)
         self._stats.tokens_generated += 1
         self._stats.last_progress_at = now
         sequence.turn.first_at = sequence.turn.first_at or now
@@ -138,8 +142,7 @@ class BatchScheduler:
         if text or stopped:
             # Held-back tokens (a partial character, a possible stop string) ride along with the
             # next text, so the token ids add up to completion_tokens; as on the exclusive path.
-            sequence.job.generation.post_threadsafe(Delta(text=text, token_ids=tuple(sequence.unsent)))
-            sequence.unsent.clear()
+            sequence.job.generation.post_threadsafe(self._delta(sequence, text))
         if stopped:  # a text stop string: the sequence leaves the batch now, cleanly ("stop")
             cache = step.cache if step.finish_reason is not None else self.runner.remove(step.handle)
             self._end(step.handle, "stop", cache)
@@ -152,7 +155,7 @@ class BatchScheduler:
         result = JobResult(finish, touched=True)
         try:
             if tail or sequence.unsent:
-                job.generation.post_threadsafe(Delta(text=tail, token_ids=tuple(sequence.unsent)))
+                job.generation.post_threadsafe(self._delta(sequence, tail))
             matched = sequence.matcher.matched if finish == "stop" else None
             post_done(job, sequence.turn, self._stats, self._clock(), finish, sequence.count, matched)
             if cache is not None:
@@ -160,6 +163,13 @@ class BatchScheduler:
                 result = JobResult(finish, cache.kv, cache.tokens, nbytes, touched=True)
         finally:
             job.on_end(result)  # exactly once, whatever failed above: the lane slot must come back
+
+    @staticmethod
+    def _delta(sequence: _Sequence, text: str) -> Delta:
+        delta = Delta(text, tuple(sequence.unsent), tuple(sequence.unsent_logprobs))
+        sequence.unsent.clear()
+        sequence.unsent_logprobs.clear()
+        return delta
 
     def _fail(self, job: GenerateJob) -> None:
         self._stats.requests_failed += 1

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from mlxhost.engine import limits
+from mlxhost.engine import limits, prompts
 from mlxhost.engine.backends import make_backend
 from mlxhost.engine.config import EngineConfig
 from mlxhost.engine.errors import (
@@ -36,6 +36,7 @@ from mlxhost.engine.worker import GenerateJob, JobResult, WriteJob
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
 
+    from mlxhost.engine.answer import AnswerReader
     from mlxhost.engine.backends.base import Backend, LoadedModel
     from mlxhost.engine.disk import DiskEntry
     from mlxhost.engine.lane import Ticket
@@ -92,6 +93,7 @@ class _Prepared:
     prompt_ids: list[int]
     sampling: SamplingParams
     disk: DiskEntry | None = None  # the parent's saved KV, checked, when memory no longer holds it
+    reader: AnswerReader | None = None  # reads tool calls and reasoning out of the answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,6 +377,7 @@ class Engine:
             if self._take_early_cancel(request_id):
                 raise RequestCancelledError("The request was cancelled before it started.")
             prepared = await self._prepare(instance, request)
+            generation.reader = prepared.reader
             if generation.cancelled:
                 raise RequestCancelledError("The request was cancelled before it started.")
             self._enter(_Admission(instance, ticket, generation, prepared, self._clock()))
@@ -410,9 +413,7 @@ class Engine:
             model = instance.model
             if model is None:
                 raise ModelLoadError("The model was unloaded while the request waited; retry.")
-            if request.prompt is not None:
-                return len(await asyncio.to_thread(model.encode, request.prompt))
-            return len(await asyncio.to_thread(model.render_chat, request.messages))
+            return len((await asyncio.to_thread(prompts.render, model, request)).prompt_ids)
         finally:
             self.registry.unlease(instance)
 
@@ -442,11 +443,11 @@ class Engine:
             raise ModelLoadError("The model was unloaded while the request waited; retry.")
         # Checked before any work: nothing a request sets may reach MLX unchecked (limits.py).
         sampling = limits.checked_sampling(request.sampling, vocab_size=model.vocab_size)
-        # Templating and tokenizing run off the loop; they never touch the KV cache.
-        if request.prompt is not None:
-            prompt_ids = await asyncio.to_thread(model.encode, request.prompt)
-        else:
-            prompt_ids = await asyncio.to_thread(model.render_chat, request.messages)
+        # Templating, tokenizing and grammar compiling run off the loop; none touches the KV cache.
+        rendered = await asyncio.to_thread(prompts.render, model, request)
+        prompt_ids = rendered.prompt_ids
+        if rendered.plan.grammar is not None:
+            sampling = replace(sampling, grammar=rendered.plan.grammar)
         sampling = limits.fitted(
             sampling,
             len(prompt_ids),
@@ -458,7 +459,8 @@ class Engine:
             bytes_per_token=model.kv_bytes_per_token,
             budget_bytes=self._kv_budget(model.memory_bytes()),
         )
-        return _Prepared(prompt_ids, sampling, await self._probe_disk(instance, request.session, prompt_ids))
+        disk = await self._probe_disk(instance, request.session, prompt_ids)
+        return _Prepared(prompt_ids, sampling, disk, prompts.reader_for(model, rendered))
 
     async def _probe_disk(
         self, instance: Instance, query: SessionQuery | None, prompt_ids: list[int]

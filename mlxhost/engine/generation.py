@@ -14,30 +14,35 @@ from mlxhost.engine.types import Delta, Done, Event, Failed, Queued
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable
 
+    from mlxhost.engine.answer import AnswerReader
     from mlxhost.engine.sessions import Outcome
-    from mlxhost.engine.types import GenerationRequest
+    from mlxhost.engine.types import GenerationRequest, TokenLogprob
 
 
 class _DeltaRun:
     """Consecutive undelivered Deltas, joined into one when the reader takes it (coalescing)."""
 
-    __slots__ = ("first", "ids", "texts")
+    __slots__ = ("first", "ids", "logprobs", "texts")
 
     def __init__(self, delta: Delta) -> None:
         self.first = delta
         self.texts: list[str] | None = None
-        self.ids: list[int] | None = None
+        self.ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
 
     def add(self, delta: Delta) -> None:
-        if self.texts is None or self.ids is None:
-            self.texts, self.ids = [self.first.text], list(self.first.token_ids)
+        if self.texts is None:
+            self.texts = [self.first.text]
+            self.ids.extend(self.first.token_ids)
+            self.logprobs.extend(self.first.logprobs)
         self.texts.append(delta.text)
         self.ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
 
     def build(self) -> Delta:
-        if self.texts is None or self.ids is None:
+        if self.texts is None:
             return self.first
-        return Delta(text="".join(self.texts), token_ids=tuple(self.ids))
+        return Delta("".join(self.texts), tuple(self.ids), tuple(self.logprobs))
 
 
 class _Courier:
@@ -106,6 +111,8 @@ class Generation:
         self.session_outcome: Outcome = "fresh"
         self.cached_tokens = 0
         self.instance_id = 0  # set by the engine once the binding is resolved
+        # Reads tool calls and reasoning out of the answer text (set by the engine; None: plain).
+        self.reader: AnswerReader | None = None
         self._loop = loop
         self._events: deque[Event | _DeltaRun] = deque()  # loop side, unread
         self._wakeup: asyncio.Future[None] | None = None  # the reader waits on it when empty
@@ -200,14 +207,20 @@ class Generation:
         """Yield events until the terminal `Done` or `Failed`.
 
         Yields:
-            Queued while waiting, Started, then Delta events, then exactly one Done or Failed.
+            Queued while waiting, Started, then Delta events (with a reader, also ReasoningDelta
+            and ToolCallDelta), then exactly one Done or Failed.
         """
         try:
             while True:
                 event = await self._next_event()
                 if isinstance(event, Done | Failed):
                     self.finished = True
-                yield event
+                reader = self.reader
+                if reader is not None and isinstance(event, Delta | Done):
+                    for part in reader.feed(event) if isinstance(event, Delta) else reader.finish(event):
+                        yield part
+                else:
+                    yield event
                 if self.finished:
                     return
         finally:

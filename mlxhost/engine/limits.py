@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API allows
 MAX_BIAS = 100.0
 MAX_SEED = 2**64 - 1
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 # (field, lowest, highest): the ranges every surface's serializer also enforces; these catch alias
 # defaults and anything a caller built by hand.
 _RANGES: tuple[tuple[str, float, float], ...] = (
@@ -53,6 +54,8 @@ def checked_sampling(sampling: SamplingParams, *, vocab_size: int) -> SamplingPa
     if sampling.seed is not None and not 0 <= sampling.seed <= MAX_SEED:
         raise InvalidRequestError("seed", f"must be an integer from 0 to {MAX_SEED}.")
     _check_logit_bias(sampling.logit_bias, vocab_size)
+    if sampling.logprobs is not None and not 0 <= sampling.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError("top_logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS}.")
     if sampling.top_k >= vocab_size:
         sampling = replace(sampling, top_k=0)
     return sampling

@@ -8,16 +8,74 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from mlxhost.engine.sessions import SessionQuery
 
-Role = Literal["system", "user", "assistant"]
+Role = Literal["system", "user", "assistant", "tool"]
 # "cancelled": a client or a cancel by id stopped it; "aborted": the server cut it short
 # (a drain for unload, reload or shutdown ran past its timeout). Neither is a complete answer.
-FinishReason = Literal["stop", "length", "cancelled", "aborted", "error"]
+# "tool_calls": the answer ended with one or more complete tool calls.
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "aborted", "error"]
+ToolMode = Literal["auto", "none", "required"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the model made: `arguments` is the text of a JSON object."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
     role: Role
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str | None = None  # a "tool" turn: the call it answers...
+    name: str | None = None  # ...and the function's name
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call; `parameters` is the text of its JSON schema."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    """Whether the model may (auto), must not (none) or must (required) call a tool; a `name`
+    forces that one function."""
+
+    mode: ToolMode = "auto"
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A constraint on the generated text: a JSON schema's text (`json`) or a Lark grammar
+    (`lark`), in llguidance's dialects. Compiled once per model and cached."""
+
+    kind: Literal["json", "lark"]
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log probability and the `top` alternatives (most likely first)."""
+
+    token: str
+    bytes: tuple[int, ...]
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +93,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Decoding constraints ride with the sampling settings, as in vLLM: a grammar the output
+    # must match, and how many alternatives to report per token (None: no logprobs).
+    grammar: Grammar | None = None
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +154,15 @@ class GenerationRequest:
     # A stored response: its KV cache is also saved to the disk tier (when there is one), so a
     # continuation after a restart loads it instead of replaying the chain.
     keep_on_disk: bool = False
+    # Functions the model may call, and whether it must; `json_format` asks for a JSON answer
+    # (a schema's text, or "" for any JSON object). See structure.py.
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    json_format: str | None = None
+    # Chat-template switches (an alias's `enable_thinking`), passed to the template as keywords.
+    template_options: tuple[tuple[str, object], ...] = ()
+    # Render without a generation prompt and continue the last (assistant) message.
+    continue_final: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +199,29 @@ class Started:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
+    """Answer text (with tool calls or reasoning, only the answer's part of it)."""
+
     text: str
     token_ids: tuple[int, ...] = field(default=())
+    logprobs: tuple[TokenLogprob, ...] = ()  # with SamplingParams.logprobs: one per token id
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """Text between the model's thinking markers, never part of the answer."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """Part of tool call number `index`: its first part names it (`id`, `name`), the next ones
+    carry pieces of its arguments' JSON text, in order."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +230,8 @@ class Done:
     usage: Usage
     timings: Timings
     stop_sequence: str | None = None  # with finish_reason "stop": the stop string that ended it
+    tool_calls: tuple[ToolCall, ...] = ()  # every complete call of the answer
+    reasoning: str = ""  # the whole reasoning text, when the model reasoned
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,4 +241,4 @@ class Failed:
     retry_after: int | None = None
 
 
-Event = Queued | Started | Delta | Done | Failed
+Event = Queued | Started | Delta | ReasoningDelta | ToolCallDelta | Done | Failed

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from mlxhost.engine.backends.base import LoadedModel
+    from mlxhost.engine.types import TokenLogprob
 
 # The job types live in jobs.py, shared with the batched scheduler; callers import them from here.
 __all__ = ["CallJob", "GenerateJob", "InstanceWorker", "JobResult", "WorkerStats", "WriteJob"]
@@ -372,6 +373,7 @@ class InstanceWorker:
         matcher = StopMatcher(job.sampling.stop)
         steps = model.generate(job.prompt_ids[reuse:], job.sampling, kv, context=job.prompt_ids[:reuse])
         generated: list[int] = []
+        logprobs: list[TokenLogprob] = []  # with a request for them: one per generated token
         sent = 0  # how many of `generated` the reader has been sent
         first_at, finish, tail = None, "length", ""
         try:
@@ -381,6 +383,8 @@ class InstanceWorker:
                     tail = matcher.feed(step.text)[0] + matcher.flush()
                     break
                 generated.append(step.token_id)
+                if step.logprob is not None:
+                    logprobs.append(step.logprob)
                 self.stats.tokens_generated += 1
                 self.stats.last_progress_at = self._clock()
                 first_at = first_at or self.stats.last_progress_at
@@ -388,7 +392,7 @@ class InstanceWorker:
                 if text or stopped:
                     # Tokens whose text was held back (a partial character, a possible stop string)
                     # ride along with the next text, so the token ids add up to completion_tokens.
-                    generation.post_threadsafe(Delta(text=text, token_ids=tuple(generated[sent:])))
+                    generation.post_threadsafe(Delta(text, tuple(generated[sent:]), tuple(logprobs[sent:])))
                     sent = len(generated)
                 if stopped:
                     finish = "stop"
@@ -400,5 +404,5 @@ class InstanceWorker:
         finally:
             steps.close()  # type: ignore[attr-defined]  # every backend's generate() is a generator
         if tail or sent < len(generated):
-            generation.post_threadsafe(Delta(text=tail, token_ids=tuple(generated[sent:])))
+            generation.post_threadsafe(Delta(tail, tuple(generated[sent:]), tuple(logprobs[sent:])))
         return finish, generated, first_at, matcher.matched if finish == "stop" else None

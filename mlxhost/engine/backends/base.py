@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from mlxhost.engine.types import Message, ModelSpec, SamplingParams
+    from mlxhost.engine.answer import TextSplitter
+    from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, TokenLogprob, Tool
 
 # (done, total[, unit]): bytes read ("bytes", the default), or files downloaded ("files").
 ProgressCallback = Callable[..., None]
@@ -17,10 +18,12 @@ ProgressCallback = Callable[..., None]
 
 @dataclass(frozen=True, slots=True)
 class TokenStep:
-    """One generated token: its decoded text segment (may be empty) and id."""
+    """One generated token: its decoded text segment (may be empty), id, and (when the request
+    asked for them) its logprobs."""
 
     text: str
     token_id: int
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,7 @@ class BatchStep:
     finish_reason: str | None = None
     cache: SequenceCache | None = None
     failed: bool = False  # this sequence's own sampler or logits processor raised; it alone ends
+    logprob: TokenLogprob | None = None  # with `token_id`, when the request asked for logprobs
 
 
 class BatchRunner(Protocol):
@@ -111,9 +115,31 @@ class LoadedModel(Protocol):
     vocab_size: int
     context_length: int | None
     kv_bytes_per_token: int
+    knows_tools: bool  # its chat template renders tools and it has a parser for its calls
 
-    def render_chat(self, messages: Sequence[Message]) -> list[int]:
-        """Apply the chat template with a generation prompt and return token ids."""
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Tool] = (),
+        options: dict[str, object] | None = None,
+        continue_final: bool = False,
+    ) -> list[int]:
+        """Apply the chat template with a generation prompt (or, with `continue_final`, leaving
+        the last message open) and return token ids. `options` are the template's keywords."""
+        ...
+
+    def splitter(self, prompt_ids: Sequence[int]) -> TextSplitter | None:
+        """A reader of this model's thinking and tool-call markers for an answer to `prompt_ids`;
+        None when the model has neither."""
+        ...
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        """Compile `grammar` for this model's vocabulary (cached) before a request is admitted.
+
+        Raises:
+            InvalidRequestError: it does not compile; the message says why.
+        """
         ...
 
     def encode(self, text: str) -> list[int]:

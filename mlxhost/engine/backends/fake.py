@@ -8,18 +8,79 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.backends.base import BatchStep, ProgressCallback, SequenceCache, StepEnd, TokenStep
+from mlxhost.engine.errors import InvalidRequestError
+from mlxhost.engine.types import TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
     from pathlib import Path
 
-    from mlxhost.engine.types import Message, ModelSpec, SamplingParams
+    from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, Tool
 
 DEFAULT_WORD = "tok "
 GENERATED_ID_BASE = 100_000  # generated ids never collide with prompt characters
 BYTES_PER_TOKEN = 64
 # A script piece that makes that step fail like a sequence's own sampler raising.
 FAULT = "\x00fault"
+# The fake's thinking and tool-call markers (models with `knows_tools`; thinking always).
+THINK = ("<think>", "</think>")
+TOOL_CALL = ("<tool_call>", "</tool_call>")
+# A JSON schema holding this key does not compile, as a schema a grammar engine refuses.
+UNCOMPILABLE = "x-fake-uncompilable"
+
+
+def fake_logprob(text: str, top: int | None) -> TokenLogprob | None:
+    """The fake's logprobs for a generated piece: -0.5 for it, then `top` lower alternatives."""
+    if top is None:
+        return None
+    alternatives = tuple(TopLogprob(f"alt{i}", tuple(f"alt{i}".encode()), -1.0 - i) for i in range(top))
+    return TokenLogprob(
+        text, tuple(text.encode()), -0.5, (TopLogprob(text, tuple(text.encode()), -0.5), *alternatives)[:top]
+    )
+
+
+class FakeSplitter:
+    """Finds THINK and TOOL_CALL markers in text (held back while a marker may be starting)."""
+
+    def __init__(self, tools: bool) -> None:
+        self._state = "normal"
+        self._held = ""
+        self._tools = tools
+
+    def _edges(self) -> dict[str, str]:
+        if self._state == "normal":
+            return {THINK[0]: "reasoning", **({TOOL_CALL[0]: "tool"} if self._tools else {})}
+        return {THINK[1]: "normal"} if self._state == "reasoning" else {TOOL_CALL[1]: "normal"}
+
+    def split(self, text: str) -> list[tuple[str, str]]:
+        buffer, self._held = self._held + text, ""
+        pieces: list[tuple[str, str]] = []
+        start = 0
+        index = 0
+        while index < len(buffer):
+            edges = self._edges()
+            marker = next((m for m in edges if buffer.startswith(m, index)), None)
+            if marker is not None:
+                pieces.append((self._state, buffer[start:index]))
+                self._state = edges[marker]
+                index += len(marker)
+                start = index
+                continue
+            rest = buffer[index:]
+            if any(m.startswith(rest) for m in edges):  # a marker may be starting: hold it back
+                self._held = rest
+                break
+            index += 1
+        pieces.append((self._state, buffer[start:index]))
+        return pieces
+
+    def flush(self) -> list[tuple[str, str]]:
+        held, self._held = self._held, ""
+        return [(self._state, held)]
+
+    def parse_calls(self, text: str, tools: tuple[Tool, ...]) -> list[tuple[str, str]]:
+        value = json.loads(text)
+        return [(str(value["name"]), json.dumps(value["arguments"]))]
 
 
 def _fake(kv: object) -> FakeCache:
@@ -46,13 +107,33 @@ class FakeModel:
         self.vocab_size = backend.vocab_size
         self.context_length = backend.context_length
         self.kv_bytes_per_token = backend.kv_bytes_per_token
+        self.knows_tools = backend.knows_tools
 
-    def render_chat(self, messages: Sequence[Message]) -> list[int]:
-        self._backend.render_calls += 1
-        if self._backend.before_render is not None:
-            self._backend.before_render(messages)  # runs off the loop, like real templating
-        text = "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>"
-        return self.encode(text)
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Tool] = (),
+        options: dict[str, object] | None = None,
+        continue_final: bool = False,
+    ) -> list[int]:
+        backend = self._backend
+        backend.render_calls += 1
+        backend.renders.append((list(messages), list(tools), dict(options or {})))
+        if backend.before_render is not None:
+            backend.before_render(messages)  # runs off the loop, like real templating
+        head = "".join(f"<tool>{tool.name}" for tool in tools)
+        calls = ["".join(f"<call>{c.name}{c.arguments}" for c in m.tool_calls) for m in messages]
+        text = head + "".join(f"<{m.role}>{m.content}{c}" for m, c in zip(messages, calls, strict=True))
+        return self.encode(text if continue_final else text + "<assistant>")
+
+    def splitter(self, prompt_ids: Sequence[int]) -> FakeSplitter | None:
+        return FakeSplitter(self.knows_tools) if self._backend.markers else None
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        self._backend.grammars.append(grammar)
+        if UNCOMPILABLE in grammar.source:
+            raise InvalidRequestError("response_format", f"the schema does not compile: {UNCOMPILABLE}.")
 
     def encode(self, text: str) -> list[int]:
         return [ord(ch) for ch in text]
@@ -79,7 +160,7 @@ class FakeModel:
             text = pieces[index] if pieces is not None else DEFAULT_WORD
             if text == FAULT:
                 raise RuntimeError("fake sampler failure")
-            yield TokenStep(text=text, token_id=GENERATED_ID_BASE + index)
+            yield TokenStep(text, GENERATED_ID_BASE + index, fake_logprob(text, sampling.logprobs))
         yield StepEnd(text="", finish_reason="length")
 
     def new_cache(self) -> FakeCache:
@@ -142,6 +223,7 @@ class _FakeSequence:
         self.pieces = pieces
         self.max_tokens = max_tokens
         self.produced = 0
+        self.logprobs: int | None = None
 
     @property
     def at_end(self) -> bool:
@@ -180,6 +262,7 @@ class FakeBatch:
         cache.tokens.extend(fed)
         handle, self._next_handle = self._next_handle, self._next_handle + 1
         self._sequences[handle] = _FakeSequence(cache, backend.next_script(), sampling.max_tokens)
+        self._sequences[handle].logprobs = sampling.logprobs
         return handle
 
     def step(self) -> list[BatchStep]:
@@ -206,10 +289,11 @@ class FakeBatch:
             sequence.produced += 1
             backend.tokens_generated += 1
             text = sequence.pieces[index] if sequence.pieces is not None else DEFAULT_WORD
+            logprob = fake_logprob(text, sequence.logprobs)
             if sequence.produced >= sequence.max_tokens:
-                steps.append(BatchStep(handle, text, token, "length", self.remove(handle)))
+                steps.append(BatchStep(handle, text, token, "length", self.remove(handle), logprob=logprob))
             else:
-                steps.append(BatchStep(handle, text, token))
+                steps.append(BatchStep(handle, text, token, logprob=logprob))
         return steps
 
     def remove(self, handle: int) -> SequenceCache:
@@ -237,6 +321,9 @@ class FakeBackend:
     `FAULT` fails that one sequence (as its own sampler raising); `recoveries` counts
     `recover()` calls. `vocab_size` and `context_length` are what the
     models report (prompt ids are characters, generated ids start at GENERATED_ID_BASE).
+    `knows_tools` and `markers` give models a tool format and thinking markers (FakeSplitter);
+    `renders` records every templating, `grammars` every grammar checked (a schema with
+    UNCOMPILABLE fails); a request for logprobs gets `fake_logprob` per token.
     """
 
     name = "fake"
@@ -268,6 +355,10 @@ class FakeBackend:
         self.kv_bytes_per_token = 0  # unknown: no KV cost check, unless a test sets BYTES_PER_TOKEN
         self.batch_steps: list[int] = []
         self.batches: list[FakeBatch] = []
+        self.knows_tools = False  # models render tools natively and mark calls with TOOL_CALL
+        self.markers = False  # models mark thinking (THINK) and, with knows_tools, calls
+        self.renders: list[tuple[list[Message], list[Tool], dict[str, object]]] = []
+        self.grammars: list[Grammar] = []  # every grammar checked, in order
         self._scripts: deque[list[str]] = deque()
 
     def enqueue(self, pieces: list[str]) -> None:

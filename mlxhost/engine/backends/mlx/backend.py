@@ -28,7 +28,9 @@ from mlxhost.engine.backends.mlx.batch import (
     reseed_global_random,
     with_context,
 )
+from mlxhost.engine.backends.mlx.grammar import MlxSplitter, Vocabulary, splitter_for, state_machine
 from mlxhost.engine.errors import ModelLoadError
+from mlxhost.engine.structure import template_messages, template_tools
 from mlxhost.engine.weights import validate_model_folder
 
 READ_CHUNK = 16 * 1024 * 1024
@@ -39,7 +41,7 @@ atexit.register(mx.clear_streams)
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-    from mlxhost.engine.types import Message, ModelSpec, SamplingParams
+    from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, Tool
 
 
 class MlxModel:
@@ -56,10 +58,28 @@ class MlxModel:
         self.vocab_size = int(getattr(args, "vocab_size", 0) or len(tokenizer.vocab))
         self.context_length: int | None = getattr(args, "max_position_embeddings", None)
         self.kv_bytes_per_token = _kv_bytes_per_token(model)
+        # mlx-lm's tokenizer wrapper knows the template's tool format and thinking markers.
+        self.knows_tools = bool(tokenizer.has_tool_calling and tokenizer.tool_parser is not None)
+        self._markers = state_machine(tokenizer)
+        self.vocabulary = Vocabulary(tokenizer, self.vocab_size)
 
-    def render_chat(self, messages: Sequence[Message]) -> list[int]:
-        chat = [{"role": m.role, "content": m.content} for m in messages]
-        ids = self._tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Tool] = (),
+        options: dict[str, object] | None = None,
+        continue_final: bool = False,
+    ) -> list[int]:
+        chat = template_messages(tuple(messages))
+        ids = self._tokenizer.apply_chat_template(
+            chat,
+            tools=template_tools(tuple(tools)) or None,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            tokenize=True,
+            **(options or {}),
+        )
         # transformers 5 may return a BatchEncoding-like mapping instead of a list.
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
@@ -67,6 +87,12 @@ class MlxModel:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text))
+
+    def splitter(self, prompt_ids: Sequence[int]) -> MlxSplitter | None:
+        return splitter_for(self._tokenizer, self._markers, prompt_ids)
+
+    def check_grammar(self, grammar: Grammar) -> None:
+        self.vocabulary.matcher(grammar)  # compiled here, off the worker, and cached
 
     def new_cache(self) -> list[Any]:
         return make_prompt_cache(self._model)
@@ -114,11 +140,10 @@ class MlxModel:
         self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
     ) -> Iterator[TokenStep | StepEnd]:
         sampler = make_request_sampler(sampling)
-        processors = (
-            [with_context(p, context) for p in make_processors(sampling)]
-            if context
-            else make_processors(sampling)
-        )
+        processors = make_processors(sampling, self.vocabulary)
+        if context:
+            processors = [with_context(p, context) for p in processors]
+        top = sampling.logprobs
         eos = set(self._tokenizer.eos_token_ids)
         responses = stream_generate(
             self._model,
@@ -131,13 +156,15 @@ class MlxModel:
         )
         try:
             for response in responses:
+                token = int(response.token)
+                logprob = None if top is None else self.vocabulary.logprob(response.logprobs, token, top)
                 if response.finish_reason is None:
-                    yield TokenStep(text=response.text, token_id=int(response.token))
+                    yield TokenStep(response.text, token, logprob)
                     continue
                 # The last response carries either the EOS token (not text) or the final token.
                 text = response.text
-                if response.finish_reason == "length" and response.token not in eos:
-                    yield TokenStep(text=text, token_id=int(response.token))
+                if response.finish_reason == "length" and token not in eos:
+                    yield TokenStep(text, token, logprob)
                     text = ""
                 yield StepEnd(text=text, finish_reason=response.finish_reason)
                 return
@@ -150,7 +177,7 @@ class MlxModel:
             hasattr(layer, "merge") for layer in make_prompt_cache(self._model)
         ):
             return None
-        return MlxBatch(self._model, self._tokenizer, capacity)
+        return MlxBatch(self._model, self._tokenizer, capacity, vocabulary=self.vocabulary)
 
     def memory_bytes(self) -> int:
         return self._bytes

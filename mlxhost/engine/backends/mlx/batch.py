@@ -12,11 +12,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from mlxhost.engine.backends.base import BatchStep, SequenceCache
+from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from mlxhost.engine.types import SamplingParams
+    from mlxhost.engine.backends.mlx.grammar import Vocabulary
+    from mlxhost.engine.types import SamplingParams, TokenLogprob
 
 # Sequences prefilled together; more would make a long prompt's arrival stall every stream longer.
 PREFILL_BATCH = 8
@@ -118,14 +120,20 @@ def with_context(processor: Any, context: Sequence[int]) -> Callable[[mx.array, 
     return process
 
 
-def make_processors(sampling: SamplingParams) -> list[Any]:
-    """mlx-lm logits processors for `sampling`: logit bias and the three penalties."""
-    return make_logits_processors(
+def make_processors(sampling: SamplingParams, vocabulary: Vocabulary | None = None) -> list[Any]:
+    """mlx-lm logits processors for `sampling`: logit bias and the three penalties, then the
+    grammar's mask (last, so nothing lifts a token it forbids)."""
+    processors = make_logits_processors(
         logit_bias=dict(sampling.logit_bias) or None,
         repetition_penalty=sampling.repetition_penalty,
         presence_penalty=sampling.presence_penalty,
         frequency_penalty=sampling.frequency_penalty,
     )
+    if sampling.grammar is not None:
+        if vocabulary is None:
+            raise ValueError("a grammar needs the model's vocabulary")
+        processors.append(GrammarProcessor(vocabulary.matcher(sampling.grammar), vocabulary.logits_size))
+    return processors
 
 
 class MlxBatch:
@@ -145,8 +153,11 @@ class MlxBatch:
         *,
         prefill_step: int = PREFILL_STEP,
         prefill_step_alone: int = PREFILL_STEP_ALONE,
+        vocabulary: Vocabulary | None = None,
     ) -> None:
         self.capacity = capacity
+        self._vocabulary = vocabulary
+        self._top: dict[int, int] = {}  # handle -> alternatives per token, for requests with logprobs
         self._tokenizer = tokenizer
         self._prefill_step = prefill_step
         self._prefill_step_alone = max(prefill_step, prefill_step_alone)
@@ -192,10 +203,12 @@ class MlxBatch:
             caches=cast("list[list[Any]]", [kv]),  # a None entry: the generator makes a fresh cache
             all_tokens=[list(prompt_ids[:cached])],
             samplers=[sampler],
-            logits_processors=[[guard.processor(p) for p in make_processors(sampling)]],
+            logits_processors=[[guard.processor(p) for p in make_processors(sampling, self._vocabulary)]],
         )
         self._detokenizers[uid] = self._tokenizer.detokenizer
         self._guards[uid] = (sampler_guard, guard)
+        if sampling.logprobs is not None:
+            self._top[int(uid)] = sampling.logprobs
         return int(uid)
 
     def _insert_started(
@@ -216,7 +229,7 @@ class MlxBatch:
         """
         sampler_guard, sampler = self._sampler(sampling)
         guard = _Guard()
-        processors = [guard.processor(p) for p in make_processors(sampling)]
+        processors = [guard.processor(p) for p in make_processors(sampling, self._vocabulary)]
         cache = cast("list[Any]", kv) if kv is not None else make_prompt_cache(self._model)
         with mx.stream(generation_stream):
             suffix = mx.array(list(prompt_ids[cached:]), dtype=mx.uint32)
@@ -229,6 +242,7 @@ class MlxBatch:
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = int(sampler(logprobs).item())
         detokenizer = self._tokenizer.detokenizer
+        logprob = self._logprob(sampling.logprobs, logprobs, token)
         if guard.faulted or sampler_guard.faulted or token in self._eos or sampling.max_tokens <= 1:
             # Ends on its first token: it never joins the generator (its cache holds the prompt).
             self._ended_handles -= 1
@@ -242,7 +256,9 @@ class MlxBatch:
             else:
                 detokenizer.add_token(token)
                 detokenizer.finalize()
-                self._first[handle] = BatchStep(handle, detokenizer.last_segment, token, "length", ended)
+                self._first[handle] = BatchStep(
+                    handle, detokenizer.last_segment, token, "length", ended, logprob=logprob
+                )
             return handle
         (uid,) = self._generator.insert(
             [[token]],
@@ -255,8 +271,15 @@ class MlxBatch:
         detokenizer.add_token(token)
         self._detokenizers[uid] = detokenizer
         self._guards[uid] = (sampler_guard, guard)
-        self._first[uid] = BatchStep(uid, detokenizer.last_segment, token)
+        self._first[uid] = BatchStep(uid, detokenizer.last_segment, token, logprob=logprob)
+        if sampling.logprobs is not None:
+            self._top[int(uid)] = sampling.logprobs
         return int(uid)
+
+    def _logprob(self, top: int | None, logprobs: mx.array, token: int) -> TokenLogprob | None:
+        if top is None or self._vocabulary is None:
+            return None
+        return self._vocabulary.logprob(logprobs, token, top)
 
     def step(self) -> list[BatchStep]:
         self._fed_alone = 0
@@ -287,13 +310,19 @@ class MlxBatch:
                 detokenizer.add_token(response.token)
             cache = None
             decoding.add(response.uid)
+            logprob = None
+            if token is not None:
+                logprob = self._logprob(self._top.get(response.uid), response.logprobs, token)
             if finish is not None:
                 detokenizer.finalize()
                 del self._detokenizers[response.uid]
                 del self._guards[response.uid]
+                self._top.pop(response.uid, None)
                 decoding.discard(response.uid)
                 cache = SequenceCache(response.prompt_cache, tuple(response.all_tokens))
-            steps.append(BatchStep(response.uid, detokenizer.last_segment, token, finish, cache))
+            steps.append(
+                BatchStep(response.uid, detokenizer.last_segment, token, finish, cache, logprob=logprob)
+            )
         if faulted:
             steps.extend(self._end_faulted(faulted))
         return steps
@@ -313,6 +342,7 @@ class MlxBatch:
         caches = self._generator.remove([handle], return_prompt_caches=True)
         self._detokenizers.pop(handle, None)
         self._guards.pop(handle, None)
+        self._top.pop(handle, None)
         self._decoding.discard(handle)
         kv, tokens = caches[handle]
         return SequenceCache(kv, tuple(tokens))

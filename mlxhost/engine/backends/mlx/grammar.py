@@ -1,0 +1,198 @@
+"""Constrained decoding with llguidance, token bytes for logprobs, and the model's output markers.
+
+llguidance (benchmarks/README.md, "Grammar engines") compiles a JSON schema or a Lark grammar
+against the model's vocabulary; a per-sequence logits processor then masks every token the
+grammar does not allow next. The processor runs inside mlx-lm's `stream_generate` and
+`BatchGenerator` alike, so a constrained request shares a batch (and a cached prefix) with any
+other. Compiled grammars are kept per model (LRU) and copied per request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, cast
+
+import llguidance
+import llguidance.hf
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import TextStateMachine, make_text_state_machine
+
+from mlxhost.engine.errors import InvalidRequestError
+from mlxhost.engine.structure import template_tools
+from mlxhost.engine.types import TokenLogprob, TopLogprob
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from mlxhost.engine.types import Grammar, Tool
+
+COMPILED_GRAMMARS = 64  # per model
+# Bounds on one grammar's size and on the work of one mask, so a hostile schema is refused or
+# cut off, never a hang (llguidance's fuel; its defaults are 500k symbols and 200k fuel a step).
+LIMITS: dict[str, Any] = {
+    "max_grammar_size": 200_000,
+    "step_lexer_fuel": 200_000,
+    "initial_lexer_fuel": 1_000_000,
+}
+# Compact JSON: a free run of whitespace would let a model wander in blank space until max_tokens.
+JSON_OPTIONS: Any = {"whitespace_flexible": False}
+
+
+class Vocabulary:
+    """The model's tokenizer as llguidance sees it (built on first use, about a second), its
+    compiled grammars, and each token's exact bytes."""
+
+    def __init__(self, tokenizer: Any, logits_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.logits_size = logits_size
+        self._ll: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # loop-side checks and the worker share the cache
+
+    @property
+    def ll(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                hf = getattr(self._tokenizer, "_tokenizer", self._tokenizer)
+                eos = sorted(self._tokenizer.eos_token_ids)
+                self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=self.logits_size, eos_token=eos)
+            return self._ll
+
+    def matcher(self, grammar: Grammar) -> llguidance.LLMatcher:
+        """A fresh matcher for `grammar`, from the cache when compiled before.
+
+        Raises:
+            InvalidRequestError: the grammar does not compile.
+        """
+        key = (grammar.kind, grammar.source)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled.deep_copy()
+        compiled = self._compile(grammar)
+        with self._lock:
+            self._compiled[key] = compiled
+            while len(self._compiled) > COMPILED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return compiled.deep_copy()
+
+    def _compile(self, grammar: Grammar) -> llguidance.LLMatcher:
+        param = "response_format" if grammar.kind == "json" else "tools"
+        try:
+            text = (
+                llguidance.LLMatcher.grammar_from_json_schema(grammar.source, defaults=JSON_OPTIONS)
+                if grammar.kind == "json"
+                else llguidance.LLMatcher.grammar_from_lark(grammar.source)
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(param, f"the schema is not valid JSON: {exc}") from None
+        limits = llguidance.LLParserLimits(**LIMITS, verbose_errors=False)
+        matcher = llguidance.LLMatcher(self.ll, text, log_level=0, limits=limits)
+        if matcher.is_error():
+            raise InvalidRequestError(param, f"the schema cannot be enforced: {_short(matcher.get_error())}")
+        return matcher
+
+    def token_bytes(self, token: int) -> bytes:
+        return bytes(self.ll.decode_bytes([token]))
+
+    def logprob(self, logprobs: mx.array, token: int, top: int) -> TokenLogprob:
+        """`token`'s log probability in the `logprobs` row and the `top` most likely tokens."""
+        row = logprobs.reshape(-1)
+        alternatives: tuple[TopLogprob, ...] = ()
+        if top:
+            best = mx.argpartition(-row, kth=top - 1)[:top]
+            values = row[best]
+            order = mx.argsort(-values)
+            ids = cast("list[int]", best[order].tolist())
+            lps = cast("list[float]", values[order].tolist())
+            alternatives = tuple(self._top(i, lp) for i, lp in zip(ids, lps, strict=True))
+        raw = self.token_bytes(token)
+        chosen = cast("float", row[token].item())
+        return TokenLogprob(raw.decode("utf-8", "replace"), tuple(raw), chosen, alternatives)
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        raw = self.token_bytes(token)
+        return TopLogprob(raw.decode("utf-8", "replace"), tuple(raw), logprob)
+
+
+class GrammarProcessor:
+    """An mlx-lm logits processor that keeps one sequence inside its grammar.
+
+    mlx-lm calls it once per sampled token: first with the prompt (nothing sampled yet), then
+    with the sampled tokens appended; each later call first commits the token sampled last.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, logits_size: int) -> None:
+        self._matcher = matcher
+        self._size = logits_size
+        self._started = False
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        matcher = self._matcher
+        if self._started and not matcher.consume_token(cast("int", tokens[-1].item())):
+            raise RuntimeError(f"the sampled token broke the grammar: {_short(matcher.get_error())}")
+        self._started = True
+        allowed = np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8)
+        mask = np.zeros(self._size, dtype=np.bool_)
+        count = min(len(allowed), self._size)
+        mask[:count] = allowed[:count] != 0
+        return mx.where(mx.array(mask), logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+
+class MlxSplitter:
+    """mlx-lm's text state machine (thinking and tool-call markers) and the model's tool parser."""
+
+    def __init__(self, machine: TextStateMachine, initial: str, parser: Any) -> None:
+        self._state = machine.make_state(initial)
+        self._parser = parser
+
+    def split(self, text: str) -> list[tuple[str, str]]:
+        self._state, segments = TextStateMachine.split(self._state, text)
+        return [(state or "normal", piece) for state, piece in segments]
+
+    def flush(self) -> list[tuple[str, str]]:
+        self._state, held, state = TextStateMachine.flush(self._state)
+        return [(state or "normal", held)]
+
+    def parse_calls(self, text: str, tools: tuple[Tool, ...]) -> list[tuple[str, str]]:
+        if self._parser is None:
+            raise ValueError("this model has no tool parser")
+        parsed = self._parser(text, template_tools(tools))
+        calls = parsed if isinstance(parsed, list) else [parsed]
+        return [(str(call["name"]), _arguments_text(call.get("arguments", {}))) for call in calls]
+
+
+def splitter_for(
+    tokenizer: Any, machine: TextStateMachine | None, prompt_ids: Sequence[int]
+) -> MlxSplitter | None:
+    """A splitter for an answer to `prompt_ids`, starting inside a thinking block when the
+    prompt opened one (as mlx-lm's server decides)."""
+    if machine is None:
+        return None
+    initial = "normal"
+    if tokenizer.has_thinking:
+        prompt = list(prompt_ids)
+        if tokenizer.rfind_think_start(prompt) > tokenizer.rfind_think_end(prompt):
+            initial = "reasoning"
+    initial = tokenizer.response_initial_state or initial
+    return MlxSplitter(machine, initial, tokenizer.tool_parser)
+
+
+def state_machine(tokenizer: Any) -> TextStateMachine | None:
+    """The model's marker state machine; None when it has neither thinking nor tool markers."""
+    if not tokenizer.has_thinking and not tokenizer.has_tool_calling:
+        return None
+    machine: TextStateMachine = make_text_state_machine(tokenizer)
+    return machine
+
+
+def _arguments_text(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _short(error: str) -> str:
+    return error.strip().splitlines()[0][:300] if error.strip() else "unknown error"

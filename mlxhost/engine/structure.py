@@ -1,0 +1,174 @@
+"""What an answer must look like: tools, forced calls and JSON formats, as one `AnswerPlan`.
+
+Pure functions of the request and of whether the model has its own tool format. The plan says
+how the prompt offers the tools, which grammar (if any) constrains decoding, and how the text
+that comes out is read back (answer.py).
+
+- A model whose chat template knows tools (mlx-lm's tokenizer wrapper says so) gets them through
+  its template, and its calls are read with its own mlx-lm parser ("native").
+- A model without tool support gets them in a system note, and `tool_choice=auto` is decoded
+  under a grammar that allows either an answer that does not start with `{`, or one JSON call
+  object that matches a tool's schema ("choice"): never a broken call.
+- A forced call (`required`, or a named function) is decoded under the tool's schema on any
+  model: the output is the named function's arguments ("args"), or a `{"name", "arguments"}`
+  object when several tools may be called ("call").
+- A JSON answer (`json_format`) is decoded under its schema, or any JSON object ("json").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from mlxhost.engine.errors import InvalidRequestError
+from mlxhost.engine.types import Grammar, Message, Tool
+
+if TYPE_CHECKING:
+    from mlxhost.engine.types import GenerationRequest
+
+Mode = Literal["text", "json", "args", "call", "choice", "native"]
+ANY_OBJECT = '{"type": "object"}'
+TOOL_NOTE = (
+    "You can call functions. To call one, answer with only a JSON object of the form "
+    '{"name": <function name>, "arguments": <its arguments as an object>} and nothing else. '
+    "Otherwise, answer normally.\n\nFunctions:\n"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerPlan:
+    mode: Mode = "text"
+    grammar: Grammar | None = None
+    tools: tuple[Tool, ...] = ()  # the functions a call may name
+    offer_natively: bool = False  # pass `tools` to the chat template
+    forced: str | None = None  # "args": the function every answer calls
+
+
+def plan_answer(request: GenerationRequest, *, native_tools: bool) -> AnswerPlan:
+    """The plan for `request` on a model that does (or does not) know tools in its template.
+
+    Raises:
+        InvalidRequestError: a forced function that is not among the tools, or tools with a
+            JSON format (one answer cannot be both).
+    """
+    choice, tools = request.tool_choice, request.tools
+    if choice.mode == "none" or not tools:
+        tools = ()
+    if request.json_format is not None:
+        if tools and choice.mode == "required":
+            raise InvalidRequestError("response_format", "cannot be combined with a required tool call.")
+        return AnswerPlan("json", Grammar("json", request.json_format or ANY_OBJECT))
+    if not tools:
+        return AnswerPlan("text")
+    by_name = {tool.name: tool for tool in tools}
+    if choice.name is not None:
+        if choice.name not in by_name:
+            raise InvalidRequestError("tool_choice", f"names {choice.name!r}, which is not among the tools.")
+        tool = by_name[choice.name]
+        return AnswerPlan("args", Grammar("json", tool.parameters), tools, native_tools, tool.name)
+    if choice.mode == "required":
+        if len(tools) == 1:
+            return AnswerPlan(
+                "args", Grammar("json", tools[0].parameters), tools, native_tools, tools[0].name
+            )
+        return AnswerPlan("call", Grammar("json", _call_schema(tools)), tools, native_tools)
+    if native_tools:
+        return AnswerPlan("native", None, tools, True)
+    return AnswerPlan("choice", Grammar("lark", _choice_grammar(tools)), tools)
+
+
+def prompt_messages(messages: tuple[Message, ...], plan: AnswerPlan) -> tuple[Message, ...]:
+    """The messages to render for a model without tool support in its template: tools described
+    in a system note, past calls as the JSON the model would write, results as user turns."""
+    plain = tuple(_plain(message) for message in messages)
+    if plan.offer_natively or not plan.tools:
+        return plain
+    note = TOOL_NOTE + "\n".join(_describe(tool) for tool in plan.tools)
+    if plain and plain[0].role == "system":
+        return (replace(plain[0], content=f"{plain[0].content}\n\n{note}"), *plain[1:])
+    return (Message("system", note), *plain)
+
+
+def call_text(name: str, arguments: str) -> str:
+    """A call as a model without a tool format writes it (and as "call" and "choice" read it)."""
+    return json.dumps({"name": name, "arguments": _loads_or_text(arguments)}, ensure_ascii=False)
+
+
+def template_tools(tools: tuple[Tool, ...]) -> list[dict[str, Any]]:
+    """Tools in the shape chat templates expect (OpenAI's function tools)."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": tool.name,
+                "description": tool.description,
+                "parameters": json.loads(tool.parameters),
+            },
+        }
+        for tool in tools
+    ]
+
+
+def template_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
+    """Messages in the shape chat templates expect, tool calls and results included."""
+    rendered: list[dict[str, Any]] = []
+    for message in messages:
+        item: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.tool_calls:
+            item["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": _loads_or_text(call.arguments)},
+                }
+                for call in message.tool_calls
+            ]
+        if message.role == "tool":
+            item["tool_call_id"] = message.tool_call_id or ""
+            if message.name:
+                item["name"] = message.name
+        rendered.append(item)
+    return rendered
+
+
+def _plain(message: Message) -> Message:
+    if message.tool_calls:
+        calls = "\n".join(call_text(call.name, call.arguments) for call in message.tool_calls)
+        content = f"{message.content}\n{calls}" if message.content else calls
+        return Message("assistant", content)
+    if message.role == "tool":
+        label = f"Function {message.name} returned" if message.name else "The function returned"
+        return Message("user", f"{label}:\n{message.content}")
+    return message
+
+
+def _describe(tool: Tool) -> str:
+    entry = {"name": tool.name, "description": tool.description, "parameters": json.loads(tool.parameters)}
+    return json.dumps(entry, ensure_ascii=False)
+
+
+def _call_schema(tools: tuple[Tool, ...]) -> str:
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, "arguments": json.loads(tool.parameters)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+
+
+def _choice_grammar(tools: tuple[Tool, ...]) -> str:
+    # Either an answer whose first character is not "{", or exactly one call object.
+    return f"start: TEXT | call\nTEXT: /[^{{](.|\\n)*/\ncall: %json {_call_schema(tools)}\n"
+
+
+def _loads_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
