@@ -47,6 +47,16 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tools_model_dir() -> Path:
+    """The tiny llama with a tool-capable chat template and thinking markers (built once)."""
+    from mlxhost.engine.backends.mlx.tiny import build_tiny_model
+
+    dest = Path(settings.MODELS_ROOT) / "tiny-llama-tools"
+    build_tiny_model(dest, seed=0, tools=True)
+    return dest
+
+
+@pytest.fixture(scope="session")
 def tiny_model_b_dir() -> Path:
     """A second tiny llama (other weights, same tokenizer), for hot-swap tests.
 

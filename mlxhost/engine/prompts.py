@@ -35,7 +35,7 @@ def render(model: LoadedModel, request: GenerationRequest) -> Rendered:
     if plan.grammar is not None:
         options.setdefault("enable_thinking", False)  # a constrained answer starts at once
     prompt_ids = model.render_chat(
-        prompt_messages(request.messages, plan),
+        prompt_messages(request.messages, plan, native_tools=model.knows_tools),
         tools=plan.tools if plan.offer_natively else (),
         options=options,
         continue_final=request.continue_final,

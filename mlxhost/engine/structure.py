@@ -78,11 +78,14 @@ def plan_answer(request: GenerationRequest, *, native_tools: bool) -> AnswerPlan
     return AnswerPlan("choice", Grammar("lark", _choice_grammar(tools)), tools)
 
 
-def prompt_messages(messages: tuple[Message, ...], plan: AnswerPlan) -> tuple[Message, ...]:
-    """The messages to render for a model without tool support in its template: tools described
-    in a system note, past calls as the JSON the model would write, results as user turns."""
+def prompt_messages(messages: tuple[Message, ...], plan: AnswerPlan, *, native_tools: bool) -> tuple[Message, ...]:
+    """The messages to render. A model with a tool format gets them as they are (its template
+    renders calls and results); one without gets the tools described in a system note, past calls
+    as the JSON it would write, and results as user turns."""
+    if native_tools:
+        return messages
     plain = tuple(_plain(message) for message in messages)
-    if plan.offer_natively or not plan.tools:
+    if not plan.tools:
         return plain
     note = TOOL_NOTE + "\n".join(_describe(tool) for tool in plan.tools)
     if plain and plain[0].role == "system":

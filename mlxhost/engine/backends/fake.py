@@ -107,7 +107,10 @@ class FakeModel:
         self.vocab_size = backend.vocab_size
         self.context_length = backend.context_length
         self.kv_bytes_per_token = backend.kv_bytes_per_token
-        self.knows_tools = backend.knows_tools
+
+    @property
+    def knows_tools(self) -> bool:
+        return self._backend.knows_tools
 
     def render_chat(
         self,

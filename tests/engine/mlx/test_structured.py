@@ -9,6 +9,8 @@ import pytest
 
 from mlxhost.engine import Delta, Done, InvalidRequestError
 from mlxhost.engine.types import Tool, ToolCallDelta, ToolChoice
+from mlxhost.engine import Message
+from tests.engine.conftest import collect
 from tests.engine.mlx.support import chat, run_together
 
 pytestmark = pytest.mark.timeout(120)
@@ -110,3 +112,68 @@ async def test_logprobs_come_with_every_token_exclusive_and_batched(engines):
             assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
             assert lp.top[0].logprob == pytest.approx(lp.logprob, abs=1e-4)  # greedy: the best one
         assert "".join(lp.token for lp in logprobs) == "".join(d.text for d in deltas)
+
+
+@pytest.fixture
+def tools_model(tiny_tools_model_dir):
+    from mlxhost.engine import ModelSpec
+    from mlxhost.engine.backends.mlx.backend import MlxBackend
+
+    model = MlxBackend().load(ModelSpec(1, str(tiny_tools_model_dir), "f" * 64), lambda *a: None)
+    yield model
+    model.close()
+
+
+def test_a_tool_template_is_detected_and_renders_tools_calls_and_results(tools_model):
+    """API-11: mlx-lm's tokenizer wrapper finds the template's tool format; tools, a past call and
+    its result render through the template itself."""
+    from mlxhost.engine import Message
+    from mlxhost.engine.types import ToolCall
+
+    assert tools_model.knows_tools
+    history = [
+        Message("user", "weather?"),
+        Message("assistant", "", tool_calls=(ToolCall("c1", "get_weather", '{"city": "Oslo"}'),)),
+        Message("tool", "rain", tool_call_id="c1", name="get_weather"),
+    ]
+    ids = tools_model.render_chat(history, tools=[WEATHER], options={"enable_thinking": False})
+    text = tools_model._tokenizer.decode(ids)
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in text
+    assert "<tool_response>\nrain\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_the_models_own_parser_reads_scripted_calls_and_thinking(tools_model):
+    """mlx-lm's text state machine and json_tools parser, on scripted output split mid-marker."""
+    prompt = tools_model.render_chat([Message("user", "hi")], options={"enable_thinking": True})
+    splitter = tools_model.splitter(prompt)
+    pieces = ["Hmm, wea", "ther.</thi", "nk>Let me check.<tool_", 'call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>']
+    segments = [seg for piece in pieces for seg in splitter.split(piece)] + splitter.flush()
+    by_state: dict[str, str] = {}
+    for state, text in segments:
+        by_state[state] = by_state.get(state, "") + text
+    assert by_state["reasoning"] == "Hmm, weather."
+    assert by_state["normal"] == "Let me check."
+    assert splitter.parse_calls(by_state["tool"], (WEATHER,)) == [("get_weather", '{"city": "Oslo"}')]
+
+
+async def test_thinking_opened_by_the_template_is_reasoning_not_answer(tiny_tools_model_dir):
+    """API-14: with `enable_thinking` the template opens a thinking block, so what the model then
+    writes is reasoning until it closes it (the random model never does within 6 tokens)."""
+    from mlxhost.engine import Engine, EngineConfig, LaneSettings, ModelSpec
+    from mlxhost.engine.types import ReasoningDelta
+
+    engine = Engine(EngineConfig(backend="mlx"))
+    spec = ModelSpec(1, str(tiny_tools_model_dir), "f" * 64, lane=LaneSettings(capacity=1))
+    await engine.load(spec)
+    try:
+        thinking = replace(chat(spec, "t1", [("user", "hi")], max_tokens=6), template_options=(("enable_thinking", True),))
+        events = await collect(await engine.submit(thinking))
+        reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+        assert reasoning and _text(events) == "" and events[-1].reasoning == reasoning
+        plain = replace(thinking, request_id="t2", template_options=(("enable_thinking", False),))
+        events = await collect(await engine.submit(plain))
+        assert _text(events) and not any(isinstance(e, ReasoningDelta) for e in events)
+    finally:
+        await engine.shutdown()

@@ -32,6 +32,31 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# The tool-capable variant: Hermes-style calls (mlx-lm reads them with its json_tools parser), and
+# thinking markers the template opens when `enable_thinking` is on (mlx-lm's default for such models).
+THINK_START, THINK_END, TOOL_START, TOOL_END = "<think>", "</think>", "<tool_call>", "</tool_call>"
+TOOL_TOKENS = (THINK_START, THINK_END, TOOL_START, TOOL_END)
+TOOLS_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'Call one with <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call><|im_end|>\n'
+    "{%- elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n{{ message.content }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>'
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- if not (loop.last and continue_final_message) %}<|im_end|>\n{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
+)
 
 TINY_CONFIG: dict[str, Any] = {
     "model_type": "llama",
@@ -93,19 +118,20 @@ Nobody knows what they found, but the baker liked to think that they reached the
 """
 
 
-def build_tiny_model(dest: Path, *, seed: int = 0) -> Path:
+def build_tiny_model(dest: Path, *, seed: int = 0, tools: bool = False) -> Path:
     """Build (once) a tiny random-weights llama folder that `mlx_lm.load` accepts.
 
     Same `seed` gives byte-identical files. A complete build already at `dest`
     is reused; otherwise the folder is built in a temp sibling and renamed in.
-    Reseeds MLX's global RNG as a side effect.
+    Reseeds MLX's global RNG as a side effect. With `tools`, the tokenizer also has thinking and
+    tool-call tokens and the chat template renders tools (TOOLS_TEMPLATE).
 
     Raises:
         FileExistsError: `dest` is a non-empty folder that mlxhost did not build.
     """
-    marker = {"kind": "tiny-llama", "seed": seed, "version": TINY_VERSION}
+    marker = {"kind": "tiny-llama", "seed": seed, "version": TINY_VERSION, **({"tools": True} if tools else {})}
     return publish_folder(
-        Path(dest), marker=marker, required=TINY_FILES, write=lambda tmp: _write_tiny(tmp, seed)
+        Path(dest), marker=marker, required=TINY_FILES, write=lambda tmp: _write_llama(tmp, TINY_CONFIG, seed, tools)
     )
 
 
@@ -142,28 +168,24 @@ def build_random_llama(
     )
 
 
-def _write_tiny(folder: Path, seed: int) -> None:
-    _write_llama(folder, TINY_CONFIG, seed)
-
-
-def _write_llama(folder: Path, config: Mapping[str, Any], seed: int) -> None:
+def _write_llama(folder: Path, config: Mapping[str, Any], seed: int, tools: bool = False) -> None:
     write_json(folder / "config.json", config)
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(dict(config)))
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (folder / "tokenizer.json").write_text(_train_tokenizer().to_str(), encoding="utf-8")
-    write_json(folder / "tokenizer_config.json", _tokenizer_config())
+    (folder / "tokenizer.json").write_text(_train_tokenizer(tools).to_str(), encoding="utf-8")
+    write_json(folder / "tokenizer_config.json", _tokenizer_config(tools))
 
 
-def _train_tokenizer() -> Tokenizer:
+def _train_tokenizer(tools: bool = False) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=TINY_CONFIG["vocab_size"],
         min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *(TOOL_TOKENS if tools else ())],
         # All 256 byte symbols, so any input text stays encodable.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -172,7 +194,7 @@ def _train_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def _tokenizer_config(tools: bool = False) -> dict[str, Any]:
     return {
         # The generic class loads tokenizer.json as is; transformers 5 may rebuild
         # parts of the pipeline for model-specific classes.
@@ -185,7 +207,7 @@ def _tokenizer_config() -> dict[str, Any]:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": TINY_CONFIG["max_position_embeddings"],
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": TOOLS_TEMPLATE if tools else CHATML_TEMPLATE,
     }
 
 
