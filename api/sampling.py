@@ -33,6 +33,7 @@ SAMPLING_KEYS = (
     "stop",
     "seed",
     "logit_bias",
+    "logprobs",
 )
 
 
@@ -83,7 +84,8 @@ class SamplingInput(serializers.Serializer[Any]):
 
 
 def sampling_overrides(data: dict[str, Any]) -> dict[str, Any]:
-    """The request's sampling values in the engine's names (None: the alias default applies)."""
+    """The request's sampling values in the engine's names (None: the alias default applies).
+    `logprobs` is the number of alternatives per token, set by the surfaces that take it."""
     return {name: data.get(name) for name in SAMPLING_KEYS}
 
 

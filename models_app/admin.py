@@ -328,6 +328,7 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
             {"fields": ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")},
         ),
         ("Limits", {"fields": ("max_output_tokens", "max_input_tokens")}),
+        ("Chat template", {"fields": ("enable_thinking", "chat_template_kwargs")}),
         ("History", {"fields": ("created_at", "updated_at")}),
     )
 

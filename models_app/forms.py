@@ -29,7 +29,7 @@ MODEL_FORM_FIELDS = (
 ALIAS_FORM_FIELDS = (
     "name", "description", "model", "enabled",
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
-    "max_output_tokens", "max_input_tokens",
+    "max_output_tokens", "max_input_tokens", "enable_thinking", "chat_template_kwargs",
 )  # fmt: skip
 FOLDERS_FOUND_HELP = (
     "A folder relative to MODELS_ROOT. Suggested: the {count} folder(s) there that look like "

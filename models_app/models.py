@@ -4,6 +4,7 @@ registrations (instances), API keys and stored responses."""
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import TextChoices
@@ -99,6 +100,22 @@ class Model(BaseModel):
         return self.local_path
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize", "enable_thinking"}
+)
+
+
+def validate_template_kwargs(value: object) -> None:
+    """Chat-template options: a JSON object of at most 16 keywords the server does not set itself."""
+    if not isinstance(value, dict):
+        raise ValidationError('Enter a JSON object, such as {} or {"reasoning_effort": "low"}.')
+    if len(value) > 16:
+        raise ValidationError("At most 16 options.")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value))
+    if reserved:
+        raise ValidationError(f"The server sets {', '.join(reserved)} itself (thinking has its own field).")
+
+
 class ModelAlias(BaseModel):
     """A public name that clients put in `model` (REG-1), with its sampling defaults and limits,
     pointing at the Model whose weights and lane serve it."""
@@ -125,6 +142,23 @@ class ModelAlias(BaseModel):
     )
     max_input_tokens = models.PositiveIntegerField(
         null=True, blank=True, help_text="Refuse prompts longer than this (empty: no limit)."
+    )
+    # Chat-template switches (API-14): passed to the template as keywords on every request.
+    enable_thinking = models.BooleanField(
+        "thinking",
+        null=True,
+        blank=True,
+        help_text=(
+            "For reasoning models: Yes lets the model think before it answers (its reasoning is sent "
+            "apart from the answer), No turns thinking off. Unknown: the model's own default."
+        ),
+    )
+    chat_template_kwargs = models.JSONField(
+        "chat template options",
+        default=dict,
+        blank=True,
+        validators=[validate_template_kwargs],
+        help_text='Other keywords for the chat template, as a JSON object (for example {"reasoning_effort": "low"}).',
     )
 
     class Meta:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from django.db.models import QuerySet
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-REQUEST_ONLY_FIELDS = ("presence_penalty", "frequency_penalty", "seed")
+REQUEST_ONLY_FIELDS = ("presence_penalty", "frequency_penalty", "seed", "logprobs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +101,14 @@ def sampling_params_for(*, alias: ModelAlias, overrides: Mapping[str, Any]) -> S
         sorted((int(k), float(v)) for k, v in (overrides.get("logit_bias") or {}).items())
     )
     return SamplingParams(**values)
+
+
+def template_options_for(alias: ModelAlias) -> tuple[tuple[str, object], ...]:
+    """The alias's chat-template keywords (API-14); `enable_thinking` unset leaves the model's default."""
+    options = dict(alias.chat_template_kwargs or {})
+    if alias.enable_thinking is not None:
+        options["enable_thinking"] = alias.enable_thinking
+    return tuple(sorted(options.items()))
 
 
 def apikey_authenticate(*, raw_key: str) -> ApiKey | None:

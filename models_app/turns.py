@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlxhost.engine import Delta, Done, Failed, Message
 from mlxhost.engine import GenerationRequest as EngineRequest
+from mlxhost.engine.types import Tool, ToolChoice
 from mlxhost.runtime.control import engine_for
 from models_app import lookups, selectors
 
@@ -49,6 +50,10 @@ class TurnRequest:
     messages: tuple[Message, ...] = ()
     prompt: str | None = None  # a raw text completion instead of a chat template
     cache: CacheScope = field(default_factory=CacheScope)
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    json_format: str | None = None  # None: text; "": any JSON object; else a JSON schema's text
+    continue_final: bool = False  # continue the last (assistant) message instead of answering it
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +142,11 @@ def generation_request(
         session=session,
         max_input_tokens=alias.max_input_tokens,
         keep_on_disk=cache.keep_on_disk,
+        tools=turn.tools,
+        tool_choice=turn.tool_choice,
+        json_format=turn.json_format,
+        template_options=selectors.template_options_for(alias),
+        continue_final=turn.continue_final,
     )
 
 

@@ -6,10 +6,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from api.collect import collect_text
+from api.collect import collect_answer
 from api.errors import cut_short_error, error_body, failed_error
 from api.sse import SSE_DONE, sse_event
+from api.tools import logprob_body
 from mlxhost.engine import Delta, Done, Failed, Generation, Usage
+from mlxhost.engine.types import ReasoningDelta, ToolCall, ToolCallDelta
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
 # Complete or length-limited answers only: "cancelled" and "aborted" end the stream with an error
 # event instead (the openai SDK raises APIError on it), never with a finish_reason that reads
 # like a complete answer.
-FINISH_REASONS = {"stop": "stop", "length": "length"}
+FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 @dataclass
@@ -39,9 +41,11 @@ class ChatTurn:
             "system_fingerprint": f"fp_mlxhost_{self.instance_id}",
         }
 
-    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(
+        self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None
+    ) -> dict[str, Any]:
         body = self.envelope("chat.completion.chunk")
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        body["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
         if self.include_usage:
             body["usage"] = None
         return body
@@ -65,8 +69,13 @@ async def chat_sse(turn: ChatTurn, generation: Generation) -> AsyncIterator[byte
     """
     yield sse_event(turn.chunk({"role": "assistant", "content": ""}))
     async for event in generation.stream():
-        if isinstance(event, Delta) and event.text:
-            yield sse_event(turn.chunk({"content": event.text}))
+        if isinstance(event, Delta) and (event.text or event.logprobs):
+            logprobs = {"content": [logprob_body(lp) for lp in event.logprobs]} if event.logprobs else None
+            yield sse_event(turn.chunk({"content": event.text}, logprobs=logprobs))
+        elif isinstance(event, ReasoningDelta):
+            yield sse_event(turn.chunk({"reasoning_content": event.text}))
+        elif isinstance(event, ToolCallDelta):
+            yield sse_event(turn.chunk({"tool_calls": [tool_call_part(event)]}))
         elif isinstance(event, Done) and (cut := cut_short_error(event)) is not None:
             yield sse_event(error_body(cut, "openai"))
         elif isinstance(event, Done):
@@ -86,16 +95,41 @@ async def chat_complete(turn: ChatTurn, generation: Generation) -> dict[str, Any
     Raises:
         ApiError: 500 when the model failed mid-generation.
     """
-    text, done = await collect_text(generation)
+    answer = await collect_answer(generation)
+    done = answer.done
     body = turn.envelope("chat.completion")
-    message = {"role": "assistant", "content": text, "refusal": None}
+    message: dict[str, Any] = {"role": "assistant", "content": answer.text, "refusal": None}
+    if done.tool_calls:
+        message["content"] = answer.text or None
+        message["tool_calls"] = [tool_call_body(call) for call in done.tool_calls]
+    if done.reasoning:
+        message["reasoning_content"] = done.reasoning
+    logprobs = None
+    if generation.request.sampling.logprobs is not None:
+        logprobs = {"content": [logprob_body(lp) for lp in answer.logprobs], "refusal": None}
     body["choices"] = [
         {
             "index": 0,
             "message": message,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": FINISH_REASONS.get(done.finish_reason, "stop"),
         }
     ]
     body["usage"] = usage_body(done.usage)
     return body
+
+
+def tool_call_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_part(part: ToolCallDelta) -> dict[str, Any]:
+    """A streamed piece of a call: the first names it, the rest carry its arguments, as OpenAI streams."""
+    if part.id is not None:
+        return {
+            "index": part.index,
+            "id": part.id,
+            "type": "function",
+            "function": {"name": part.name, "arguments": part.arguments},
+        }
+    return {"index": part.index, "function": {"arguments": part.arguments}}

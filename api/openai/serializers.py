@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rest_framework import serializers
 
+from api import tools as tool_inputs
 from api.sampling import MAX_STOP_SEQUENCES, SamplingInput
+from mlxhost.engine import Message
+from mlxhost.engine.types import ToolCall
 
 ROLE_ALIASES = {"developer": "system"}
 UNSUPPORTED_OPTIONS = {
-    "tools": "Tool calling is not supported by this server.",
-    "functions": "Function calling is not supported by this server.",
-    "response_format": "response_format is not supported by this server.",
+    "functions": "The legacy 'functions' parameter is not supported; send 'tools'.",
+    "function_call": "The legacy 'function_call' parameter is not supported; send 'tool_choice'.",
     "audio": "Audio output is not supported by this server.",
 }
 
@@ -36,15 +39,50 @@ def content_text(value: Any) -> str:
 
 
 class MessageInput(serializers.Serializer[Any]):
-    role = serializers.ChoiceField(choices=["system", "developer", "user", "assistant"])
-    content = serializers.JSONField()
+    role = serializers.ChoiceField(choices=["system", "developer", "user", "assistant", "tool"])
+    content = serializers.JSONField(required=False, allow_null=True)
     name = serializers.CharField(required=False, max_length=64)
+    tool_calls = serializers.JSONField(required=False, allow_null=True)
+    tool_call_id = serializers.CharField(required=False, max_length=256)
 
     def validate_content(self, value: Any) -> str:
-        return content_text(value)
+        return "" if value is None else content_text(value)
 
     def validate_role(self, value: str) -> str:
         return ROLE_ALIASES.get(value, value)
+
+    def validate_tool_calls(self, value: Any) -> tuple[ToolCall, ...]:
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(isinstance(c, dict) for c in value):
+            raise serializers.ValidationError("must be a list of tool calls.")
+        calls = []
+        for call in value:
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise serializers.ValidationError("each tool call needs a function with a name.")
+            arguments = function.get("arguments", "{}")
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments)
+            calls.append(ToolCall(str(call.get("id") or ""), function["name"], arguments))
+        return tuple(calls)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        role = attrs["role"]
+        if "content" not in attrs and not attrs.get("tool_calls"):
+            raise serializers.ValidationError({"content": "This field is required."})
+        if role == "tool" and not attrs.get("tool_call_id"):
+            raise serializers.ValidationError(
+                {"tool_call_id": "A tool message needs the id of the call it answers."}
+            )
+        attrs["message"] = Message(
+            role,
+            attrs.get("content") or "",
+            tool_calls=attrs.get("tool_calls") or () if role == "assistant" else (),
+            tool_call_id=attrs.get("tool_call_id") if role == "tool" else None,
+            name=attrs.get("name") if role == "tool" else None,
+        )
+        return attrs
 
 
 class StreamOptionsInput(serializers.Serializer[Any]):
@@ -83,21 +121,35 @@ class ChatCompletionInput(TextSamplingInput):
     max_completion_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
     n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
     logprobs = StrictBooleanField(required=False, allow_null=True)
+    top_logprobs = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=tool_inputs.MAX_TOP_LOGPROBS
+    )
+    tools = serializers.JSONField(required=False, allow_null=True)
+    tool_choice = serializers.JSONField(required=False, allow_null=True)
+    parallel_tool_calls = StrictBooleanField(required=False, allow_null=True)
+    response_format = serializers.JSONField(required=False, allow_null=True)
     user = serializers.CharField(required=False, allow_blank=True, max_length=256)
     # Warm-session scoping (SES-2/3): only HMAC fingerprints of these are kept.
     prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
     cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)
 
-    def validate_logprobs(self, value: bool | None) -> bool | None:
-        if value:
-            raise serializers.ValidationError("logprobs are not supported by this server.")
-        return value
+    def validate_tools(self, value: Any) -> tuple[Any, ...]:
+        return tool_inputs.tools_list(value, parse=tool_inputs.openai_function)
+
+    def validate_tool_choice(self, value: Any) -> Any:
+        return tool_inputs.openai_tool_choice(value)
+
+    def validate_response_format(self, value: Any) -> str | None:
+        return tool_inputs.openai_json_format(value)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         for name, message in UNSUPPORTED_OPTIONS.items():
             if self.initial_data.get(name):
                 raise serializers.ValidationError({name: message})
         attrs["max_tokens"] = attrs.get("max_completion_tokens") or attrs.get("max_tokens")
+        if attrs.get("top_logprobs") is not None and not attrs.get("logprobs"):
+            raise serializers.ValidationError({"top_logprobs": "needs logprobs set to true."})
+        attrs["logprobs"] = (attrs.get("top_logprobs") or 0) if attrs.get("logprobs") else None
         return attrs
 
 

@@ -13,7 +13,7 @@ from api.errors import ApiError
 from api.openai.chat import ChatTurn, chat_complete, chat_sse
 from api.openai.serializers import ChatCompletionInput, first_error
 from api.sampling import sampling_overrides
-from mlxhost.engine import Generation, Message
+from mlxhost.engine.types import ToolChoice
 from mlxhost.runtime import engine_if_started
 from models_app import selectors
 from models_app.models import ModelAlias
@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
 
     from rest_framework import serializers
+
+    from mlxhost.engine import Generation, Message
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -40,7 +42,7 @@ def validated(serializer_class: type[serializers.Serializer[Any]], body: dict[st
 
 
 def _chat_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
-    messages = tuple(Message(role=m["role"], content=m["content"]) for m in data["messages"])
+    messages: tuple[Message, ...] = tuple(m["message"] for m in data["messages"])
     # Stateless: no previous id, so the engine reuses the longest cached prefix in this
     # tenant's (and salt's) cache domain (SES-8), or the prompt_cache_key's session (SES-2).
     cache = CacheScope(
@@ -49,7 +51,14 @@ def _chat_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
         instructions="\n".join(m.content for m in messages if m.role == "system"),
     )
     return TurnRequest(
-        data["model"], caller.owner_id, sampling_overrides(data), messages=messages, cache=cache
+        data["model"],
+        caller.owner_id,
+        sampling_overrides(data),
+        messages=messages,
+        cache=cache,
+        tools=data.get("tools") or (),
+        tool_choice=data.get("tool_choice") or ToolChoice(),
+        json_format=data.get("response_format"),
     )
 
 

@@ -78,7 +78,9 @@ def plan_answer(request: GenerationRequest, *, native_tools: bool) -> AnswerPlan
     return AnswerPlan("choice", Grammar("lark", _choice_grammar(tools)), tools)
 
 
-def prompt_messages(messages: tuple[Message, ...], plan: AnswerPlan, *, native_tools: bool) -> tuple[Message, ...]:
+def prompt_messages(
+    messages: tuple[Message, ...], plan: AnswerPlan, *, native_tools: bool
+) -> tuple[Message, ...]:
     """The messages to render. A model with a tool format gets them as they are (its template
     renders calls and results); one without gets the tools described in a system note, past calls
     as the JSON it would write, and results as user turns."""

@@ -159,8 +159,27 @@ async def test_disabled_alias_is_404(tiny_alias, api_key):
         pytest.param({"stop": ["a", "b", "c", "d", "e"]}, "stop", id="too-many-stops"),
         pytest.param({"n": 2}, "n", id="n-above-one"),
         pytest.param({"stream": "yes"}, "stream", id="stream-not-bool"),
-        pytest.param({"tools": [{"type": "function"}]}, "tools", id="tools-unsupported"),
-        pytest.param({"logprobs": True}, "logprobs", id="logprobs-unsupported"),
+        pytest.param({"tools": [{"type": "function"}]}, "tools", id="tool-without-function"),
+        pytest.param(
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", id="bad-tool-name"
+        ),
+        pytest.param({"tools": [{"type": "web_search"}]}, "tools", id="hosted-tool"),
+        pytest.param({"tools": "x"}, "tools", id="tools-not-a-list"),
+        pytest.param({"tool_choice": "sometimes"}, "tool_choice", id="bad-tool-choice"),
+        pytest.param({"response_format": {"type": "yaml"}}, "response_format", id="bad-format"),
+        pytest.param(
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+            id="format-without-schema",
+        ),
+        pytest.param({"logprobs": True, "top_logprobs": 21}, "top_logprobs", id="too-many-top-logprobs"),
+        pytest.param({"top_logprobs": 2}, "top_logprobs", id="top-logprobs-without-logprobs"),
+        pytest.param({"functions": [{"name": "f"}]}, "functions", id="legacy-functions"),
+        pytest.param(
+            {"messages": [{"role": "tool", "content": "x"}]},
+            "messages[0].tool_call_id",
+            id="tool-message-without-id",
+        ),
     ],
 )
 async def test_bad_input_is_400_with_param(tiny_alias, api_key, patch, param):

@@ -13,7 +13,9 @@ from mlxhost.engine.structure import TOOL_NOTE
 from mlxhost.engine.types import Grammar, ReasoningDelta, Tool, ToolCall, ToolCallDelta, ToolChoice
 from tests.engine.conftest import collect, request
 
-WEATHER = Tool("get_weather", "The weather.", json.dumps({"type": "object", "properties": {"city": {"type": "string"}}}))
+WEATHER = Tool(
+    "get_weather", "The weather.", json.dumps({"type": "object", "properties": {"city": {"type": "string"}}})
+)
 TIME = Tool("get_time", "The time.", '{"type": "object", "properties": {}}')
 
 
@@ -40,7 +42,14 @@ async def test_a_native_call_is_parsed_out_of_the_text_and_never_shown(engine, b
     """API-11: a model with its own tool format gets the tools through its template; its call
     markup, split across tokens, becomes a tool call and never answer text."""
     backend.knows_tools = backend.markers = True
-    pieces = ["Sure. ", "<tool", "_call>", '{"name": "get_weather", ', '"arguments": {"city": "Paris"}}', "</tool_call>"]
+    pieces = [
+        "Sure. ",
+        "<tool",
+        "_call>",
+        '{"name": "get_weather", ',
+        '"arguments": {"city": "Paris"}}',
+        "</tool_call>",
+    ]
     events = await run(engine, backend, pieces, tools=(WEATHER,))
     done = events[-1]
     assert text_of(events) == "Sure. "
@@ -84,7 +93,9 @@ async def test_a_named_function_streams_its_arguments_as_they_come(engine, backe
     """API-12: a forced function is decoded under its parameters' schema; the output is its
     arguments, streamed piece by piece after a first part that names the call."""
     pieces = ['{"city"', ': "Os', 'lo"}']
-    events = await run(engine, backend, pieces, tools=(WEATHER, TIME), tool_choice=ToolChoice("auto", "get_weather"))
+    events = await run(
+        engine, backend, pieces, tools=(WEATHER, TIME), tool_choice=ToolChoice("auto", "get_weather")
+    )
     assert backend.grammars == [Grammar("json", WEATHER.parameters)]
     parts = [e for e in events if isinstance(e, ToolCallDelta)]
     assert parts[0].name == "get_weather" and parts[0].id and parts[0].arguments == ""
@@ -94,14 +105,27 @@ async def test_a_named_function_streams_its_arguments_as_they_come(engine, backe
 
 
 async def test_required_with_several_tools_is_one_call_object(engine, backend):
-    events = await run(engine, backend, ['{"name": "get_time", "arguments": {}}'], tools=(WEATHER, TIME), tool_choice=ToolChoice("required"))
+    events = await run(
+        engine,
+        backend,
+        ['{"name": "get_time", "arguments": {}}'],
+        tools=(WEATHER, TIME),
+        tool_choice=ToolChoice("required"),
+    )
     (grammar,) = backend.grammars
     assert json.loads(grammar.source)["anyOf"][1]["properties"]["name"] == {"const": "get_time"}
     assert [c.name for c in events[-1].tool_calls] == ["get_time"]
 
 
 async def test_a_forced_call_cut_by_max_tokens_is_not_a_call(engine, backend):
-    events = await run(engine, backend, ['{"name": "get_time", '], tools=(WEATHER, TIME), tool_choice=ToolChoice("required"), sampling=replace(request().sampling, max_tokens=1))
+    events = await run(
+        engine,
+        backend,
+        ['{"name": "get_time", '],
+        tools=(WEATHER, TIME),
+        tool_choice=ToolChoice("required"),
+        sampling=replace(request().sampling, max_tokens=1),
+    )
     assert events[-1].finish_reason == "length" and events[-1].tool_calls == ()
     assert text_of(events) == '{"name": "get_time", '
 

@@ -115,7 +115,11 @@ class LoadedModel(Protocol):
     vocab_size: int
     context_length: int | None
     kv_bytes_per_token: int
-    knows_tools: bool  # its chat template renders tools and it has a parser for its calls
+
+    @property
+    def knows_tools(self) -> bool:
+        """Its chat template renders tools, and mlx-lm has a parser for its calls."""
+        ...
 
     def render_chat(
         self,

@@ -7,9 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from mlxhost.engine import Delta, Done, InvalidRequestError
+from mlxhost.engine import Delta, Done, InvalidRequestError, Message
 from mlxhost.engine.types import Tool, ToolCallDelta, ToolChoice
-from mlxhost.engine import Message
 from tests.engine.conftest import collect
 from tests.engine.mlx.support import chat, run_together
 
@@ -148,7 +147,12 @@ def test_the_models_own_parser_reads_scripted_calls_and_thinking(tools_model):
     """mlx-lm's text state machine and json_tools parser, on scripted output split mid-marker."""
     prompt = tools_model.render_chat([Message("user", "hi")], options={"enable_thinking": True})
     splitter = tools_model.splitter(prompt)
-    pieces = ["Hmm, wea", "ther.</thi", "nk>Let me check.<tool_", 'call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>']
+    pieces = [
+        "Hmm, wea",
+        "ther.</thi",
+        "nk>Let me check.<tool_",
+        'call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+    ]
     segments = [seg for piece in pieces for seg in splitter.split(piece)] + splitter.flush()
     by_state: dict[str, str] = {}
     for state, text in segments:
@@ -168,7 +172,9 @@ async def test_thinking_opened_by_the_template_is_reasoning_not_answer(tiny_tool
     spec = ModelSpec(1, str(tiny_tools_model_dir), "f" * 64, lane=LaneSettings(capacity=1))
     await engine.load(spec)
     try:
-        thinking = replace(chat(spec, "t1", [("user", "hi")], max_tokens=6), template_options=(("enable_thinking", True),))
+        thinking = replace(
+            chat(spec, "t1", [("user", "hi")], max_tokens=6), template_options=(("enable_thinking", True),)
+        )
         events = await collect(await engine.submit(thinking))
         reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
         assert reasoning and _text(events) == "" and events[-1].reasoning == reasoning

@@ -129,9 +129,17 @@ def build_tiny_model(dest: Path, *, seed: int = 0, tools: bool = False) -> Path:
     Raises:
         FileExistsError: `dest` is a non-empty folder that mlxhost did not build.
     """
-    marker = {"kind": "tiny-llama", "seed": seed, "version": TINY_VERSION, **({"tools": True} if tools else {})}
+    marker = {
+        "kind": "tiny-llama",
+        "seed": seed,
+        "version": TINY_VERSION,
+        **({"tools": True} if tools else {}),
+    }
     return publish_folder(
-        Path(dest), marker=marker, required=TINY_FILES, write=lambda tmp: _write_llama(tmp, TINY_CONFIG, seed, tools)
+        Path(dest),
+        marker=marker,
+        required=TINY_FILES,
+        write=lambda tmp: _write_llama(tmp, TINY_CONFIG, seed, tools),
     )
 
 
