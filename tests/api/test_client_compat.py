@@ -1,0 +1,58 @@
+"""What real clients send and read, accepted (issue 13): routes, shapes and headers they rely on."""
+
+from __future__ import annotations
+
+import pytest
+from django.test import AsyncClient
+
+from tests.api.support import bearer
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
+
+ANTHROPIC = {"anthropic-version": "2023-06-01"}
+
+
+@pytest.mark.parametrize("debug", [False, True])
+async def test_an_unknown_v1_route_is_a_json_404_in_the_callers_envelope(settings, debug):
+    """API-4: never Django's HTML page, with DEBUG on or off, for any method, before any auth."""
+    settings.DEBUG = debug
+    client = AsyncClient()
+    openai = await client.post("/v1/nope/deeper", data="{}", content_type="application/json")
+    assert openai.status_code == 404
+    assert openai["Content-Type"] == "application/json"
+    assert openai.json()["error"]["code"] == "unknown_route"
+    anthropic = await client.get("/v1/files", headers=ANTHROPIC)
+    assert anthropic.status_code == 404
+    assert anthropic.json() == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "Unknown route: GET /v1/files."},
+    }
+    page = await client.get("/not-the-api/")
+    assert page.status_code == 404
+    assert "application/json" not in page["Content-Type"]
+
+
+@pytest.mark.parametrize(("path", "method"), [("/v1/models", "post"), ("/v1/responses", "get")])
+async def test_a_known_route_with_a_wrong_method_is_a_json_405(api_key, path, method):
+    """API-4: the envelope, not an HTML page."""
+    response = await getattr(AsyncClient(), method)(path, headers=bearer(api_key))
+    assert response.status_code == 405
+    assert response.json()["error"]["code"] == "method_not_allowed"
+
+
+async def test_models_answer_in_anthropics_shape_for_an_anthropic_client(tiny_alias, api_key):
+    """API-2, REG-8: with `anthropic-version` the list and one model read as Anthropic's."""
+    headers = {"x-api-key": api_key, **ANTHROPIC}
+    client = AsyncClient()
+    page = (await client.get("/v1/models", headers=headers)).json()
+    [model] = page["data"]
+    assert set(model) == {"type", "id", "display_name", "created_at"}
+    assert (model["type"], model["id"], model["display_name"]) == ("model", "tiny", "tiny")
+    assert model["created_at"].endswith("Z") and model["created_at"][:4].isdigit()
+    assert (page["has_more"], page["first_id"], page["last_id"]) == (False, "tiny", "tiny")
+    assert (await client.get("/v1/models/tiny", headers=headers)).json() == model
+    missing = await client.get("/v1/models/nope", headers=headers)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "not_found_error"
+    openai = (await client.get("/v1/models", headers=bearer(api_key))).json()
+    assert openai["object"] == "list" and openai["data"][0]["object"] == "model"
