@@ -18,8 +18,19 @@ UNSUPPORTED = {
     "background": "Background responses are not supported by this server.",
     "conversation": "Use previous_response_id to continue a conversation.",
     "reasoning": "Reasoning options are not supported by this server.",
-    "include": "include is not supported by this server.",
 }
+# What OpenAI's `include` may name. All are accepted; none adds anything to an answer yet (no
+# logprobs, reasoning, tool or image output exists here to include).
+KNOWN_INCLUDES = (
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+)
 
 
 def _part_text(part: Any) -> str:
@@ -88,6 +99,9 @@ class ResponsesInput(SamplingInput):
     truncation = serializers.ChoiceField(choices=["disabled"], required=False, allow_null=True)
     parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True)
     user = serializers.CharField(required=False, allow_blank=True, max_length=256)
+    include = serializers.ListField(
+        child=serializers.ChoiceField(choices=KNOWN_INCLUDES), required=False, allow_null=True, max_length=16
+    )
     retention_s = serializers.IntegerField(
         required=False, allow_null=True, min_value=60, max_value=30 * 86400
     )
@@ -111,4 +125,5 @@ class ResponsesInput(SamplingInput):
             if self.initial_data.get(name):
                 raise serializers.ValidationError({name: message})
         attrs["turns"] = input_turns(attrs["input"])
+        attrs["include"] = attrs.get("include") or []
         return attrs

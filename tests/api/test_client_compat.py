@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.test import AsyncClient
 
-from tests.api.support import bearer
+from tests.api.support import bearer, post_json
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -56,3 +56,64 @@ async def test_models_answer_in_anthropics_shape_for_an_anthropic_client(tiny_al
     assert missing.json()["error"]["type"] == "not_found_error"
     openai = (await client.get("/v1/models", headers=bearer(api_key))).json()
     assert openai["object"] == "list" and openai["data"][0]["object"] == "model"
+
+
+@pytest.mark.parametrize(
+    ("thinking", "param"),
+    [
+        ({"type": "enabled", "budget_tokens": 1024}, None),
+        ({"type": "disabled"}, None),
+        ({"type": "adaptive"}, None),
+        ({"type": "enabled"}, "thinking.budget_tokens"),
+        ({"type": "enabled", "budget_tokens": 1023}, "thinking.budget_tokens"),
+        ({"type": "enabled", "budget_tokens": 4096}, "thinking"),  # not under max_tokens
+    ],
+)
+def test_thinking_is_validated_as_anthropic_does(thinking, param):
+    """API-2: extended thinking is accepted (a documented no-op for now); a bad one names its field."""
+    from api.anthropic.serializers import MessagesInput
+    from api.openai.serializers import first_error
+
+    body = {"model": "tiny", "max_tokens": 2048, "messages": [{"role": "user", "content": "hi"}]}
+    serializer = MessagesInput(data={**body, "thinking": thinking})
+    assert serializer.is_valid() is (param is None), serializer.errors
+    if param is not None:
+        assert first_error(serializer.errors)[0] == param
+
+
+async def test_thinking_enabled_is_answered(tiny_alias, api_key, mlx_engine):
+    """API-2: a thinking request gets an ordinary answer, and count_tokens takes it too."""
+    headers = {"x-api-key": api_key, **ANTHROPIC}
+    body = {
+        "model": "tiny",
+        "max_tokens": 1025,
+        "messages": [{"role": "user", "content": "hi"}],
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+    }
+    count = await post_json("/v1/messages/count_tokens", body, headers)
+    assert count.status_code == 200, count.content
+    answer = await post_json("/v1/messages", {**body, "stop_sequences": ["e", "a", "o", " "]}, headers)
+    assert answer.status_code == 200, answer.content
+    assert [block["type"] for block in answer.json()["content"]] == ["text"]
+
+
+async def test_responses_accept_known_include_values(tiny_alias, api_key, mlx_engine):
+    """API-1: `include` names only known values; each is accepted, an unknown one is a 400 naming it."""
+    includes = ["message.output_text.logprobs", "reasoning.encrypted_content"]
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "store": False}
+    ok = await post_json("/v1/responses", {**body, "include": includes}, bearer(api_key))
+    assert ok.status_code == 200, ok.content
+    bad = await post_json(
+        "/v1/responses", {**body, "include": [includes[0], "output.everything"]}, bearer(api_key)
+    )
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "include[1]"
+
+
+def test_the_validated_include_list_is_kept():
+    from api.openai.responses_input import ResponsesInput
+
+    for include, kept in ((None, []), (["web_search_call.results"], ["web_search_call.results"])):
+        serializer = ResponsesInput(data={"model": "tiny", "input": "hi", "include": include})
+        assert serializer.is_valid(), serializer.errors
+        assert serializer.validated_data["include"] == kept

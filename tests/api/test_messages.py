@@ -275,7 +275,12 @@ async def test_unknown_model_is_404_not_found_error(api_key):
         pytest.param({"metadata": "x"}, "metadata", id="metadata-not-an-object"),
         pytest.param({"tools": [{"name": "f", "input_schema": {}}]}, "tools", id="tools"),
         pytest.param({"tool_choice": {"type": "any"}}, "tool_choice", id="tool-choice-any"),
-        pytest.param({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking", id="thinking"),
+        pytest.param(
+            {"thinking": {"type": "enabled", "budget_tokens": 100}},
+            "thinking.budget_tokens",
+            id="thinking-budget-under-1024",
+        ),
+        pytest.param({"thinking": {"type": "sometimes"}}, "thinking.type", id="thinking-type"),
         pytest.param(
             {"output_config": {"format": {"type": "json_schema", "schema": {}}}},
             "output_config",
