@@ -117,3 +117,52 @@ def test_the_validated_include_list_is_kept():
         serializer = ResponsesInput(data={"model": "tiny", "input": "hi", "include": include})
         assert serializer.is_valid(), serializer.errors
         assert serializer.validated_data["include"] == kept
+
+
+async def test_input_items_are_paged_newest_first_like_openai(tiny_alias, api_key, mlx_engine):
+    """API-1: `order` (desc by default), `limit`, `after` / `before`, `has_more`; the assistant's
+    own text is `output_text`."""
+    turns = [
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "three"},
+    ]
+    body = {"model": "tiny", "input": turns, "max_output_tokens": 1}
+    created = (await post_json("/v1/responses", body, bearer(api_key))).json()
+    url = f"/v1/responses/{created['id']}/input_items"
+
+    async def page(query: str = "") -> dict:
+        response = await AsyncClient().get(f"{url}{query}", headers=bearer(api_key))
+        assert response.status_code == 200, response.content
+        return response.json()
+
+    def texts(listed: dict) -> list[str]:
+        return [item["content"][0]["text"] for item in listed["data"]]
+
+    newest = await page()
+    assert texts(newest) == ["three", "two", "one"]
+    assert [item["content"][0]["type"] for item in newest["data"]] == [
+        "input_text",
+        "output_text",
+        "input_text",
+    ]
+    assert (newest["first_id"], newest["last_id"], newest["has_more"]) == (
+        newest["data"][0]["id"],
+        newest["data"][2]["id"],
+        False,
+    )
+    first = await page("?limit=2")
+    assert (texts(first), first["has_more"]) == (["three", "two"], True)
+    rest = await page(f"?limit=2&after={first['last_id']}")
+    assert (texts(rest), rest["has_more"]) == (["one"], False)
+    assert texts(await page("?order=asc")) == ["one", "two", "three"]
+    assert texts(await page(f"?order=asc&before={newest['first_id']}")) == ["one", "two"]
+    for query, param in (
+        ("?order=up", "order"),
+        ("?limit=0", "limit"),
+        ("?limit=101", "limit"),
+        ("?after=msg_x", "after"),
+    ):
+        refused = await AsyncClient().get(f"{url}{query}", headers=bearer(api_key))
+        assert refused.status_code == 400, query
+        assert refused.json()["error"]["param"] == param
