@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
 from tests.api.support import bearer, post_json
@@ -166,3 +167,68 @@ async def test_input_items_are_paged_newest_first_like_openai(tiny_alias, api_ke
         refused = await AsyncClient().get(f"{url}{query}", headers=bearer(api_key))
         assert refused.status_code == 400, query
         assert refused.json()["error"]["param"] == param
+
+
+async def test_an_item_reference_to_a_stored_item_stands_for_its_turn(tiny_alias, api_key, mlx_engine):
+    """API-1, PER-6: the Vercel AI SDK's turn 2 names the stored answer by its output item id;
+    the turn it stands for is the answer's text (or an input item's turn), as if sent inline."""
+    first = (
+        await post_json(
+            "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 3}, bearer(api_key)
+        )
+    ).json()
+    answer = first["output"][0]
+    text = answer["content"][0]["text"]
+    inline = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": text},
+        {"role": "user", "content": "more"},
+    ]
+    by_reference = [
+        {"type": "item_reference", "id": f"{first['id'].replace('resp_', 'msg_')}_0"},
+        {"type": "item_reference", "id": answer["id"]},
+        inline[2],
+    ]
+    body = {"model": "tiny", "max_output_tokens": 3, "store": True}
+    expected = (
+        await post_json("/v1/responses", {**body, "input": inline, "store": False}, bearer(api_key))
+    ).json()
+    second = await post_json("/v1/responses", {**body, "input": by_reference}, bearer(api_key))
+    assert second.status_code == 200, second.content
+    assert second.json()["output"][0]["content"][0]["text"] == expected["output"][0]["content"][0]["text"]
+    assert second.json()["usage"]["input_tokens"] == expected["usage"]["input_tokens"]
+    listed = await AsyncClient().get(
+        f"/v1/responses/{second.json()['id']}/input_items?order=asc", headers=bearer(api_key)
+    )
+    assert [(i["role"], i["content"][0]["text"]) for i in listed.json()["data"]] == [
+        (turn["role"], turn["content"]) for turn in inline
+    ]
+
+
+async def test_an_item_reference_to_a_missing_or_foreign_item_is_a_400_naming_it(
+    tiny_alias, api_key, django_user_model, mlx_engine
+):
+    """API-4, PER-6: another tenant's item and a missing one answer alike: a 400 naming the input item."""
+    from tests.support import user_with_key
+
+    _, other_key = await sync_to_async(user_with_key)(django_user_model, "bob")
+    theirs = (
+        await post_json(
+            "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 1}, bearer(other_key)
+        )
+    ).json()
+    for item_id in (theirs["output"][0]["id"], "msg_" + "0" * 32, "msg_0_7", "not-an-id"):
+        body = {
+            "model": "tiny",
+            "input": [{"role": "user", "content": "hi"}, {"type": "item_reference", "id": item_id}],
+        }
+        refused = await post_json("/v1/responses", body, bearer(api_key))
+        assert refused.status_code == 400, refused.content
+        error = refused.json()["error"]
+        assert (error["param"], error["code"]) == ("input[1]", "item_not_found")
+        assert error["message"] == f"input[1]: no stored message item with id {item_id!r}."
+    malformed = await post_json(
+        "/v1/responses", {"model": "tiny", "input": [{"type": "item_reference"}]}, bearer(api_key)
+    )
+    assert malformed.status_code == 400
+    assert malformed.json()["error"]["param"] == "input"
