@@ -6,7 +6,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.test import AsyncClient
 
-from tests.api.support import bearer, post_json
+from tests.api.support import bearer, post_json, sse_payloads
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(120)]
 
@@ -232,3 +232,29 @@ async def test_an_item_reference_to_a_missing_or_foreign_item_is_a_400_naming_it
     )
     assert malformed.status_code == 400
     assert malformed.json()["error"]["param"] == "input"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_real_answer_cut_mid_character_never_ends_with_a_replacement(
+    tiny_alias, tiny_model_dir, api_key, mlx_engine, stream
+):
+    """The tiny model forced to write the first byte of "é" (0xC3) and be cut there by max_tokens:
+    the detokenizer's final flush decodes it as U+FFFD, which never reaches the client."""
+    from tokenizers import Tokenizer
+
+    lead_byte = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).token_to_id("Ã")  # byte 0xC3
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    response = await post_json(
+        "/v1/chat/completions",
+        {**body, "logit_bias": {str(lead_byte): 100}, "stream": stream},
+        bearer(api_key),
+    )
+    assert response.status_code == 200
+    if stream:
+        chunks = [c for c in await sse_payloads(response) if c != "[DONE]"]
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = response.json()["choices"][0]
+        text, finish = choice["message"]["content"], choice["finish_reason"]
+    assert (text, finish) == ("", "length")
