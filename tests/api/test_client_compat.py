@@ -258,3 +258,75 @@ async def test_a_real_answer_cut_mid_character_never_ends_with_a_replacement(
         choice = response.json()["choices"][0]
         text, finish = choice["message"]["content"], choice["finish_reason"]
     assert (text, finish) == ("", "length")
+
+
+APP = "http://app.example:5173"
+PREFLIGHT = {
+    "Origin": APP,
+    "Access-Control-Request-Method": "POST",
+    "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",
+}
+
+
+def cors_headers(response) -> dict[str, str]:
+    return {
+        name.lower(): value for name, value in response.items() if name.lower().startswith("access-control-")
+    }
+
+
+async def test_without_allowed_origins_a_preflight_gets_no_cors(settings):
+    """The default (MLXHOST_CORS_ORIGINS empty): no browser origin may call the API."""
+    settings.MLXHOST_CORS_ORIGINS = []
+    response = await AsyncClient().options("/v1/chat/completions", headers=PREFLIGHT)
+    assert response.status_code == 405
+    assert cors_headers(response) == {}
+
+
+async def test_a_preflight_from_an_allowed_origin_is_answered(settings):
+    settings.MLXHOST_CORS_ORIGINS = ["http://other.example", APP]
+    client = AsyncClient()
+    response = await client.options("/v1/chat/completions", headers=PREFLIGHT)
+    assert response.status_code == 204
+    headers = cors_headers(response)
+    assert headers["access-control-allow-origin"] == APP
+    assert "POST" in headers["access-control-allow-methods"]
+    allowed = {h.strip() for h in headers["access-control-allow-headers"].split(",")}
+    assert {
+        "authorization",
+        "content-type",
+        "x-api-key",
+        "anthropic-version",
+        "anthropic-beta",
+        "openai-beta",
+    } <= allowed
+    assert "x-stainless-os" in allowed
+    assert int(headers["access-control-max-age"]) > 0
+    assert "Origin" in response["Vary"]
+    foreign = await client.options(
+        "/v1/chat/completions", headers={**PREFLIGHT, "Origin": "http://evil.example"}
+    )
+    assert foreign.status_code == 405
+    assert cors_headers(foreign) == {}
+    outside = await client.options("/admin/", headers=PREFLIGHT)
+    assert cors_headers(outside) == {}
+
+
+async def test_responses_to_an_allowed_origin_are_marked_streaming_ones_too(
+    settings, tiny_alias, api_key, mlx_engine
+):
+    settings.MLXHOST_CORS_ORIGINS = [APP]
+    headers = {**bearer(api_key), "Origin": APP}
+    listed = await AsyncClient().get("/v1/models", headers=headers)
+    assert listed["Access-Control-Allow-Origin"] == APP
+    assert "Origin" in listed["Vary"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    streamed = await post_json("/v1/chat/completions", body, headers)
+    assert streamed["Access-Control-Allow-Origin"] == APP
+    exposed = {h.strip() for h in streamed["Access-Control-Expose-Headers"].split(",")}
+    assert {"X-Request-Id", "X-Session-Cache"} <= exposed
+    assert (await sse_payloads(streamed))[-1] == "[DONE]"
+    refused = await AsyncClient().get("/v1/models", headers={"Origin": APP})  # no key: 401, still readable
+    assert (refused.status_code, refused["Access-Control-Allow-Origin"]) == (401, APP)
+    settings.MLXHOST_CORS_ORIGINS = ["*"]
+    anyone = await AsyncClient().get("/v1/models", headers={**bearer(api_key), "Origin": "http://x.example"})
+    assert anyone["Access-Control-Allow-Origin"] == "*"
