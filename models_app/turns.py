@@ -49,6 +49,7 @@ class TurnRequest:
     messages: tuple[Message, ...] = ()
     prompt: str | None = None  # a raw text completion instead of a chat template
     cache: CacheScope = field(default_factory=CacheScope)
+    continue_final: bool = False  # the answer continues the last (assistant) message: a prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +138,7 @@ def generation_request(
         session=session,
         max_input_tokens=alias.max_input_tokens,
         keep_on_disk=cache.keep_on_disk,
+        continue_final=turn.continue_final,
     )
 
 

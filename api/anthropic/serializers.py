@@ -15,9 +15,6 @@ MIN_THINKING_BUDGET = 1024  # Anthropic's floor for `thinking.budget_tokens`
 # which Anthropic's API combines into a single turn.
 BLOCK_SEPARATOR = "\n\n"
 UNSUPPORTED_BLOCK = "Content blocks of type {kind!r} are not supported by this server; send text blocks."
-PREFILL_UNSUPPORTED = (
-    "A final assistant message (response prefill) is not supported by this server; end with a user message."
-)
 STRUCTURED_OUTPUT_UNSUPPORTED = "Structured outputs (output_config.format) are not supported by this server."
 # Option -> (the `type`s that mean "off", message). Any other non-empty value is a 400.
 UNSUPPORTED_OPTIONS: dict[str, tuple[frozenset[str], str]] = {
@@ -97,8 +94,6 @@ class PromptInput(serializers.Serializer[Any]):
         return "" if value is None else blocks_text(value)
 
     def validate_messages(self, value: list[dict[str, str]]) -> list[dict[str, str]]:
-        if value[-1]["role"] == "assistant":
-            raise serializers.ValidationError(PREFILL_UNSUPPORTED)
         merged: list[dict[str, str]] = []
         for message in value:
             if merged and merged[-1]["role"] == message["role"]:

@@ -412,7 +412,10 @@ class Engine:
                 raise ModelLoadError("The model was unloaded while the request waited; retry.")
             if request.prompt is not None:
                 return len(await asyncio.to_thread(model.encode, request.prompt))
-            return len(await asyncio.to_thread(model.render_chat, request.messages))
+            rendered = await asyncio.to_thread(
+                model.render_chat, request.messages, continue_final=request.continue_final
+            )
+            return len(rendered)
         finally:
             self.registry.unlease(instance)
 
@@ -446,7 +449,9 @@ class Engine:
         if request.prompt is not None:
             prompt_ids = await asyncio.to_thread(model.encode, request.prompt)
         else:
-            prompt_ids = await asyncio.to_thread(model.render_chat, request.messages)
+            prompt_ids = await asyncio.to_thread(
+                model.render_chat, request.messages, continue_final=request.continue_final
+            )
         sampling = limits.fitted(
             sampling,
             len(prompt_ids),

@@ -92,6 +92,9 @@ class GenerationRequest:
     # A stored response: its KV cache is also saved to the disk tier (when there is one), so a
     # continuation after a restart loads it instead of replaying the chain.
     keep_on_disk: bool = False
+    # The last message is an assistant turn the answer continues (a prefill): rendered open, with
+    # no generation prompt after it, so the generated text picks up where it stops.
+    continue_final: bool = False
 
 
 @dataclass(frozen=True, slots=True)

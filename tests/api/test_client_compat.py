@@ -330,3 +330,34 @@ async def test_responses_to_an_allowed_origin_are_marked_streaming_ones_too(
     settings.MLXHOST_CORS_ORIGINS = ["*"]
     anyone = await AsyncClient().get("/v1/models", headers={**bearer(api_key), "Origin": "http://x.example"})
     assert anyone["Access-Control-Allow-Origin"] == "*"
+
+
+async def test_an_anthropic_prefill_is_continued_not_repeated(
+    tiny_alias, tiny_model_dir, api_key, mlx_engine
+):
+    """API-2: a conversation ending in an assistant message is a prefill. The template renders it
+    open, with no generation prompt after it: the prompt is the unprefilled one plus exactly the
+    prefill's tokens (a closed turn would add its end marker and a new assistant header)."""
+    from tokenizers import Tokenizer
+
+    headers = {"x-api-key": api_key, **ANTHROPIC}
+    asked = [{"role": "user", "content": "Tell me a story"}]
+    prefill = "Once upon a time"
+    prefilled = [*asked, {"role": "assistant", "content": prefill}]
+
+    async def count(messages: list[dict]) -> int:
+        counted = await post_json(
+            "/v1/messages/count_tokens", {"model": "tiny", "messages": messages}, headers
+        )
+        assert counted.status_code == 200, counted.content
+        return counted.json()["input_tokens"]
+
+    prefill_tokens = len(Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).encode(prefill).ids)
+    assert await count(prefilled) == await count(asked) + prefill_tokens
+    answer = await post_json(
+        "/v1/messages", {"model": "tiny", "messages": prefilled, "max_tokens": 4}, headers
+    )
+    assert answer.status_code == 200, answer.content
+    usage = answer.json()["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == await count(prefilled)
+    assert (answer.json()["stop_reason"], usage["output_tokens"]) == ("max_tokens", 4)

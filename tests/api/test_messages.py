@@ -266,9 +266,6 @@ async def test_unknown_model_is_404_not_found_error(api_key):
             "messages[0].content",
             id="image-block",
         ),
-        pytest.param(
-            {"messages": [*HELLO, {"role": "assistant", "content": "Sure"}]}, "messages", id="prefill"
-        ),
         pytest.param({"system": [{"type": "image"}]}, "system", id="system-image-block"),
         pytest.param({"stop_sequences": "END"}, "stop_sequences", id="stop-sequences-not-a-list"),
         pytest.param({"stream": "yes"}, "stream", id="stream-not-bool"),

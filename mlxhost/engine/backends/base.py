@@ -112,8 +112,9 @@ class LoadedModel(Protocol):
     context_length: int | None
     kv_bytes_per_token: int
 
-    def render_chat(self, messages: Sequence[Message]) -> list[int]:
-        """Apply the chat template with a generation prompt and return token ids."""
+    def render_chat(self, messages: Sequence[Message], *, continue_final: bool = False) -> list[int]:
+        """Apply the chat template with a generation prompt and return token ids; with
+        `continue_final`, without one and with the last (assistant) message left open instead."""
         ...
 
     def encode(self, text: str) -> list[int]:

@@ -47,11 +47,11 @@ class FakeModel:
         self.context_length = backend.context_length
         self.kv_bytes_per_token = backend.kv_bytes_per_token
 
-    def render_chat(self, messages: Sequence[Message]) -> list[int]:
+    def render_chat(self, messages: Sequence[Message], *, continue_final: bool = False) -> list[int]:
         self._backend.render_calls += 1
         if self._backend.before_render is not None:
             self._backend.before_render(messages)  # runs off the loop, like real templating
-        text = "".join(f"<{m.role}>{m.content}" for m in messages) + "<assistant>"
+        text = "".join(f"<{m.role}>{m.content}" for m in messages) + ("" if continue_final else "<assistant>")
         return self.encode(text)
 
     def encode(self, text: str) -> list[int]:

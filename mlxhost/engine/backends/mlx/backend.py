@@ -57,9 +57,15 @@ class MlxModel:
         self.context_length: int | None = getattr(args, "max_position_embeddings", None)
         self.kv_bytes_per_token = _kv_bytes_per_token(model)
 
-    def render_chat(self, messages: Sequence[Message]) -> list[int]:
+    def render_chat(self, messages: Sequence[Message], *, continue_final: bool = False) -> list[int]:
         chat = [{"role": m.role, "content": m.content} for m in messages]
-        ids = self._tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        # transformers' continue_final_message ends the prompt right after the last message's text.
+        ids = self._tokenizer.apply_chat_template(
+            chat,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            tokenize=True,
+        )
         # transformers 5 may return a BatchEncoding-like mapping instead of a list.
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
