@@ -10,7 +10,7 @@ from typing import Any, Literal
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponseBase
 
-from api.errors import INVALID_KEY_MESSAGE, ApiError, Dialect, as_api_error, error_response
+from api.errors import INVALID_KEY_MESSAGE, ApiError, Dialect, as_api_error, dialect_of, error_response
 from api.parsing import loads_object, read_body
 from models_app import hotcache, selectors, services
 from models_app.apikeys import key_hash
@@ -139,11 +139,12 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
 
 
 def api_endpoint(
-    *, dialect: Dialect, methods: tuple[str, ...], public: bool = False
+    *, dialect: Dialect | Literal["auto"], methods: tuple[str, ...], public: bool = False
 ) -> Callable[[AsyncView], AsyncView]:
     """Wrap an async API view: method check, API key auth (unless public), errors in the surface's envelope.
 
-    The view reads the caller with `caller_of(request)`.
+    `dialect="auto"` (a route both surfaces share, like /v1/models) picks the envelope by the
+    request (`errors.dialect_of`). The view reads the caller with `caller_of(request)`.
     """
 
     def decorate(view: AsyncView) -> AsyncView:
@@ -158,9 +159,8 @@ def api_endpoint(
                     request_context(request).caller = Caller.of_key(await authenticate(request))
                 return await view(request, *args, **kwargs)
             except Exception as exc:  # every failure leaves in the surface's envelope
-                return error_response(
-                    as_api_error(exc, model=request_context(request).requested_model), dialect
-                )
+                error = as_api_error(exc, model=request_context(request).requested_model)
+                return error_response(error, dialect_of(request) if dialect == "auto" else dialect)
 
         wrapper.csrf_exempt = True  # type: ignore[attr-defined]  # API keys, not cookies
         return wrapper

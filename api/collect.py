@@ -9,8 +9,7 @@ from api.errors import ApiError, cut_short_error, failed_error
 from mlxhost.engine import Delta, Done, Failed
 
 if TYPE_CHECKING:
-    from mlxhost.engine import Generation
-    from mlxhost.engine.types import TokenLogprob
+    from mlxhost.engine import Generation, TokenLogprob
 
 NO_RESULT = "The generation ended without a result."
 

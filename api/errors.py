@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Literal
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse
 from django.views import defaults
+from django.views.decorators.csrf import csrf_exempt
 
 from mlxhost.engine import (
     DrainingError,
@@ -191,10 +192,23 @@ def error_response(error: ApiError, dialect: Dialect) -> HttpResponse:
     return response
 
 
+def dialect_of(request: HttpRequest) -> Dialect:
+    """The envelope a request outside a known route hears: Anthropic's for its clients (an
+    `anthropic-version` header, or a path under /v1/messages), OpenAI's otherwise."""
+    if "anthropic-version" in request.headers or request.path.startswith("/v1/messages"):
+        return "anthropic"
+    return "openai"
+
+
+@csrf_exempt  # it serves nothing: a POST without a CSRF token hears the 404, not a 403 page
+def unknown_route(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """A JSON 404 for a path under /v1/ that no route serves, whatever DEBUG says (API-4)."""
+    error = ApiError(404, f"Unknown route: {request.method} {request.path}.", code="unknown_route")
+    return error_response(error, dialect_of(request))
+
+
 def page_not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """Django's `handler404`: unknown paths under /v1/ answer in the API's envelope, not HTML (API-4)."""
     if not request.path.startswith("/v1/"):
         return defaults.page_not_found(request, exception)
-    dialect: Dialect = "anthropic" if request.path.startswith("/v1/messages") else "openai"
-    error = ApiError(404, f"Unknown route: {request.method} {request.path}.", code="unknown_route")
-    return error_response(error, dialect)
+    return unknown_route(request, exception)

@@ -13,7 +13,7 @@ from typing import Any
 
 from rest_framework import serializers
 
-from mlxhost.engine.types import TokenLogprob, Tool, ToolChoice
+from mlxhost.engine import TokenLogprob, Tool, ToolChoice
 
 MAX_TOOLS = 64
 MAX_SCHEMA_BYTES = 32 * 1024

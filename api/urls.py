@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from django.urls import path, register_converter
+from django.urls import path, re_path, register_converter
 
-from api import health, metrics, openapi
+from api import errors, health, metrics, openapi
 from api.anthropic import views as anthropic_views
 from api.openai import completions, responses_views
 from api.openai import views as openai_views
@@ -46,4 +46,6 @@ urlpatterns = [
     path("v1/messages/count_tokens", anthropic_views.count_tokens, name="messages-count-tokens"),
     path("v1/models", openai_views.models_list, name="models-list"),
     path("v1/models/<slug:name>", openai_views.model_retrieve, name="models-retrieve"),
+    # Last: any other path under v1/ is a JSON 404 in the caller's envelope, also with DEBUG on.
+    re_path(r"^v1/", errors.unknown_route, name="unknown-route"),
 ]

@@ -52,6 +52,8 @@ INSTALLED_APPS = [
 # Django's stock stack, whose hooks run on the event loop for /v1/ requests instead of one hop
 # each to asgiref's single sync thread (fast refusals in a burst; see mlxhost/middleware.py).
 MIDDLEWARE = [
+    # First, so every /v1/ answer to an allowed origin carries CORS headers (async-capable).
+    "api.cors.CorsMiddleware",
     "mlxhost.middleware.InlineSecurityMiddleware",
     "mlxhost.middleware.InlineSessionMiddleware",
     "mlxhost.middleware.InlineCommonMiddleware",
@@ -232,6 +234,8 @@ MLXHOST_WS_ALLOWED_ORIGINS = env.list("MLXHOST_WS_ALLOWED_ORIGINS", default=[])
 # of each socket's key or session is the backstop, e.g. for a session that simply expires.
 MLXHOST_WS_AUTH_RECHECK_S = env.float("MLXHOST_WS_AUTH_RECHECK_S", default=10.0)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MLXHOST_MAX_REQUEST_BYTES
+# Browser origins (comma-separated, `*` for any) whose pages may call /v1/ (CORS); empty: none.
+MLXHOST_CORS_ORIGINS = [o.rstrip("/") for o in env.list("MLXHOST_CORS_ORIGINS", default=[]) if o]
 
 LOGGING = {
     "version": 1,

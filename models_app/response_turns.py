@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from mlxhost.engine import Done, Failed, Message, Usage
 from mlxhost.runtime import BOOT_ID
-from models_app import conversations
+from models_app import conversations, item_references
 from models_app.models import StoredResponse
 from models_app.persistence import ResponseRecord, persistence
 from models_app.turns import CacheScope, StartedTurn, TurnHooks, TurnRequest, TurnResult, turn_start
@@ -159,6 +159,12 @@ class ResponseHooks(TurnHooks):
         # The permit comes before the chain (LANE-3): loading it may wait up to 2 s for a pending
         # write (PER-2), and a full lane answers 429 before any 404, 400 or 503 about the parent.
         parent = await _parent(self.data, self.owner_id)
+        try:
+            self.data["turns"] = await item_references.turns_resolved(
+                self.data["turns"], owner_id=self.owner_id
+            )
+        except item_references.ItemNotFoundError as exc:
+            raise ChainError(400, str(exc), code="item_not_found", param=exc.param) from None
         if parent is not None:
             self.instructions, self.history = conversations.conversation_of(parent=parent)
         if self.data.get("instructions") is not None:

@@ -14,9 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mlxhost.engine import Delta, Done, Failed, Message
+from mlxhost.engine import Delta, Done, Failed, Message, Tool, ToolChoice
 from mlxhost.engine import GenerationRequest as EngineRequest
-from mlxhost.engine.types import Tool, ToolChoice
 from mlxhost.runtime.control import engine_for
 from models_app import lookups, selectors
 

@@ -10,19 +10,16 @@ from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, optional_float, stop_list_field
 
 MAX_STOP_SEQUENCES = 16
+MIN_THINKING_BUDGET = 1024  # Anthropic's floor for `thinking.budget_tokens`
 # Text blocks are joined with a blank line, and so are consecutive turns of one role,
 # which Anthropic's API combines into a single turn.
 BLOCK_SEPARATOR = "\n\n"
 UNSUPPORTED_BLOCK = "Content blocks of type {kind!r} are not supported by this server; send text blocks."
-PREFILL_UNSUPPORTED = (
-    "A final assistant message (response prefill) is not supported by this server; end with a user message."
-)
 STRUCTURED_OUTPUT_UNSUPPORTED = "Structured outputs (output_config.format) are not supported by this server."
 # Option -> (the `type`s that mean "off", message). Any other non-empty value is a 400.
 UNSUPPORTED_OPTIONS: dict[str, tuple[frozenset[str], str]] = {
     "tools": (frozenset(), "Tool use is not supported by this server."),
     "tool_choice": (frozenset({"auto", "none"}), "Forcing tool use is not supported by this server."),
-    "thinking": (frozenset({"disabled"}), "Extended thinking is not supported by this server."),
     "mcp_servers": (frozenset(), "MCP servers are not supported by this server."),
     "container": (frozenset(), "Containers are not supported by this server."),
 }
@@ -61,6 +58,19 @@ class MessageInput(serializers.Serializer[Any]):
         return blocks_text(value)
 
 
+class ThinkingInput(serializers.Serializer[Any]):
+    """Extended thinking, validated as Anthropic does and accepted; for now it changes nothing:
+    the model answers as it would without it, and no `thinking` block is sent."""
+
+    type = serializers.ChoiceField(choices=["enabled", "disabled", "adaptive"])
+    budget_tokens = serializers.IntegerField(required=False, min_value=MIN_THINKING_BUDGET)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs["type"] == "enabled" and "budget_tokens" not in attrs:
+            raise serializers.ValidationError({"budget_tokens": "Required when thinking is enabled."})
+        return attrs
+
+
 class MetadataInput(serializers.Serializer[Any]):
     user_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=256)
 
@@ -73,6 +83,7 @@ class PromptInput(serializers.Serializer[Any]):
     system = serializers.JSONField(required=False, allow_null=True)
 
     output_config = serializers.DictField(required=False, allow_null=True)  # `effort` is ignored
+    thinking = ThinkingInput(required=False, allow_null=True)
 
     def validate_output_config(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value and value.get("format"):
@@ -83,8 +94,6 @@ class PromptInput(serializers.Serializer[Any]):
         return "" if value is None else blocks_text(value)
 
     def validate_messages(self, value: list[dict[str, str]]) -> list[dict[str, str]]:
-        if value[-1]["role"] == "assistant":
-            raise serializers.ValidationError(PREFILL_UNSUPPORTED)
         merged: list[dict[str, str]] = []
         for message in value:
             if merged and merged[-1]["role"] == message["role"]:
@@ -119,6 +128,13 @@ class MessagesInput(PromptInput, SamplingInput):
     frequency_penalty = None
     seed = None
     logit_bias = None
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        attrs = super().validate(attrs)
+        budget = (attrs.get("thinking") or {}).get("budget_tokens")
+        if budget is not None and budget >= attrs["max_tokens"]:
+            raise serializers.ValidationError({"thinking": "budget_tokens must be less than max_tokens."})
+        return attrs
 
 
 class CountTokensInput(PromptInput):

@@ -24,8 +24,15 @@ def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
     # Stateless like chat, but Anthropic clients never name a session: any warm slot of the
     # instance with the same system prompt (SES-2 tier 3), then the longest cached prefix (SES-8).
     cache = CacheScope(instructions=system, warm_any=True)
+    # A final assistant message is a prefill: the answer continues it, as Anthropic's does.
+    prefill = data["messages"][-1]["role"] == "assistant"
     return TurnRequest(
-        data["model"], caller.owner_id, sampling_overrides(data), messages=messages, cache=cache
+        data["model"],
+        caller.owner_id,
+        sampling_overrides(data),
+        messages=messages,
+        cache=cache,
+        continue_final=prefill,
     )
 
 

@@ -10,8 +10,7 @@ from api.collect import collect_answer
 from api.errors import cut_short_error, error_body, failed_error
 from api.sse import SSE_DONE, sse_event
 from api.tools import logprob_body
-from mlxhost.engine import Delta, Done, Failed, Generation, Usage
-from mlxhost.engine.types import ReasoningDelta, ToolCall, ToolCallDelta
+from mlxhost.engine import Delta, Done, Failed, Generation, ReasoningDelta, ToolCall, ToolCallDelta, Usage
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

@@ -8,18 +8,31 @@ from rest_framework import serializers
 
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, max_tokens_field
+from models_app.item_references import reference_turn
 
 INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PART_TYPES = {"input_text", "output_text", "text"}
 MAX_METADATA_KEYS = 16
+MAX_ITEM_ID_CHARS = 128
 UNSUPPORTED = {
     "tools": "Tool calling is not supported by this server.",
     "tool_choice": "Tool calling is not supported by this server.",
     "background": "Background responses are not supported by this server.",
     "conversation": "Use previous_response_id to continue a conversation.",
     "reasoning": "Reasoning options are not supported by this server.",
-    "include": "include is not supported by this server.",
 }
+# What OpenAI's `include` may name. All are accepted; none adds anything to an answer yet (no
+# logprobs, reasoning, tool or image output exists here to include).
+KNOWN_INCLUDES = (
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+)
 
 
 def _part_text(part: Any) -> str:
@@ -30,8 +43,16 @@ def _part_text(part: Any) -> str:
     raise serializers.ValidationError(f"Only text content is supported, not {kind!r}.")
 
 
+def _reference(item: dict[str, Any]) -> dict[str, str]:
+    item_id = item.get("id")
+    if not isinstance(item_id, str) or not 0 < len(item_id) <= MAX_ITEM_ID_CHARS:
+        raise serializers.ValidationError("An item_reference needs the string 'id' of a stored item.")
+    return reference_turn(item_id)  # resolved under the lane permit, with the stored chain
+
+
 def input_turns(value: Any) -> list[dict[str, str]]:
-    """`input` as [{"role", "content"}]: a string is one user turn; items are messages with text.
+    """`input` as [{"role", "content"}]: a string is one user turn; items are messages with text,
+    or references to stored items (placeholders that `item_references.turns_resolved` fills in).
 
     Raises:
         serializers.ValidationError: an item is not a text message.
@@ -42,6 +63,9 @@ def input_turns(value: Any) -> list[dict[str, str]]:
         raise serializers.ValidationError("input must be a string or a non-empty list of message items.")
     turns = []
     for item in value:
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            turns.append(_reference(item))
+            continue
         if not isinstance(item, dict) or item.get("type", "message") != "message":
             kind = item.get("type") if isinstance(item, dict) else type(item).__name__
             raise serializers.ValidationError(f"Only message items are supported, not {kind!r}.")
@@ -88,6 +112,9 @@ class ResponsesInput(SamplingInput):
     truncation = serializers.ChoiceField(choices=["disabled"], required=False, allow_null=True)
     parallel_tool_calls = serializers.BooleanField(required=False, allow_null=True)
     user = serializers.CharField(required=False, allow_blank=True, max_length=256)
+    include = serializers.ListField(
+        child=serializers.ChoiceField(choices=KNOWN_INCLUDES), required=False, allow_null=True, max_length=16
+    )
     retention_s = serializers.IntegerField(
         required=False, allow_null=True, min_value=60, max_value=30 * 86400
     )
@@ -111,4 +138,5 @@ class ResponsesInput(SamplingInput):
             if self.initial_data.get(name):
                 raise serializers.ValidationError({name: message})
         attrs["turns"] = input_turns(attrs["input"])
+        attrs["include"] = attrs.get("include") or []
         return attrs

@@ -8,6 +8,7 @@ from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 
 from api.auth import api_endpoint, caller_of, json_body
+from api.openai.input_items import input_items, input_items_page
 from api.openai.responses import ResponseTurn, response_collect, response_shape, response_sse
 from api.openai.responses_input import ResponsesInput
 from api.openai.views import SSE_HEADERS, validated
@@ -92,19 +93,8 @@ async def response_cancel(request: HttpRequest, public_id: str) -> HttpResponse:
 
 @api_endpoint(dialect="openai", methods=("GET",))
 async def response_input_items(request: HttpRequest, public_id: str) -> HttpResponse:
-    """GET /v1/responses/{id}/input_items: this turn's input, as message items."""
+    """GET /v1/responses/{id}/input_items: this turn's input as message items, paged like OpenAI's
+    (`order`, `limit`, `after`, `before`)."""
     row = await _owned(request, public_id)
-    items = [
-        {
-            "type": "message",
-            "id": f"msg_{public_id.removeprefix('resp_')}_{index}",
-            "role": turn["role"],
-            "status": "completed",
-            "content": [{"type": "input_text", "text": turn["content"]}],
-        }
-        for index, turn in enumerate((row.request or {}).get("input", []))
-    ]
-    first, last = (items[0]["id"], items[-1]["id"]) if items else (None, None)
-    return JsonResponse(
-        {"object": "list", "data": items, "first_id": first, "last_id": last, "has_more": False}
-    )
+    items = input_items(row.public_id, (row.request or {}).get("input", []))
+    return JsonResponse(input_items_page(items, request.GET))

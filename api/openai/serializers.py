@@ -9,8 +9,7 @@ from rest_framework import serializers
 
 from api import tools as tool_inputs
 from api.sampling import MAX_STOP_SEQUENCES, SamplingInput
-from mlxhost.engine import Message
-from mlxhost.engine.types import ToolCall
+from mlxhost.engine import Message, ToolCall
 
 ROLE_ALIASES = {"developer": "system"}
 UNSUPPORTED_OPTIONS = {

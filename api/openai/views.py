@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 
+from api.anthropic.models import model_info, model_page, wants_anthropic
 from api.auth import Caller, api_endpoint, caller_of, json_body, request_context
 from api.errors import ApiError
 from api.openai.chat import ChatTurn, chat_complete, chat_sse
 from api.openai.serializers import ChatCompletionInput, first_error
 from api.sampling import sampling_overrides
-from mlxhost.engine.types import ToolChoice
+from mlxhost.engine import ToolChoice
 from mlxhost.runtime import engine_if_started
 from models_app import selectors
 from models_app.models import ModelAlias
@@ -120,17 +121,21 @@ def _model_list(states: dict[int, str]) -> list[dict[str, Any]]:
     ]
 
 
-@api_endpoint(dialect="openai", methods=("GET",))
+@api_endpoint(dialect="auto", methods=("GET",))
 async def models_list(request: HttpRequest) -> HttpResponse:
-    """GET /v1/models: enabled aliases in OpenAI's list shape, with load state (REG-8)."""
-    return JsonResponse({"object": "list", "data": await sync_to_async(_model_list)(_engine_states())})
+    """GET /v1/models: enabled aliases in OpenAI's list shape, with load state (REG-8); in
+    Anthropic's page shape for a request with `anthropic-version` (API-2)."""
+    items = await sync_to_async(_model_list)(_engine_states())
+    if wants_anthropic(request):
+        return JsonResponse(model_page(items))
+    return JsonResponse({"object": "list", "data": items})
 
 
-@api_endpoint(dialect="openai", methods=("GET",))
+@api_endpoint(dialect="auto", methods=("GET",))
 async def model_retrieve(request: HttpRequest, name: str) -> HttpResponse:
-    """GET /v1/models/{name}."""
+    """GET /v1/models/{name}, in Anthropic's shape for a request with `anthropic-version`."""
     request_context(request).requested_model = name
     for item in await sync_to_async(_model_list)(_engine_states()):
         if item["id"] == name:
-            return JsonResponse(item)
+            return JsonResponse(model_info(item) if wants_anthropic(request) else item)
     raise ModelAlias.DoesNotExist

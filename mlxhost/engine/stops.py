@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# What a detokenizer's final flush shows for bytes that never became a whole UTF-8 character.
+REPLACEMENT = "\ufffd"
+
 
 class StopMatcher:
     """Feeds streamed text through, withholding any suffix that may start a stop sequence.
@@ -10,6 +13,11 @@ class StopMatcher:
     stop sequence completed (the stop string itself is never emitted). `flush()` returns
     the withheld tail when generation ends without a match. `matched` names the stop
     sequence that completed (the earliest in the text), for APIs that report it.
+
+    Trailing U+FFFD is withheld too, with or without stops: it goes out with the text that
+    follows it, and `flush()` drops it. Streaming detokenizers hold back an incomplete UTF-8
+    sequence and only their final flush decodes it as U+FFFD, so an answer cut mid-character
+    (by max_tokens, or EOS) never ends with a partial character.
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
@@ -19,21 +27,23 @@ class StopMatcher:
         self._longest = max((len(s) for s in self._stops), default=0)
 
     def feed(self, text: str) -> tuple[str, bool]:
-        if not self._stops:
-            return text, False
         buffer = self._held + text
+        if not self._stops and not buffer.endswith(REPLACEMENT):
+            self._held = ""
+            return buffer, False
         found = [(i, s) for s in self._stops if (i := buffer.find(s)) >= 0]
         if found:
             cut, self.matched = min(found, key=lambda hit: hit[0])
             self._held = ""
             return buffer[:cut], True
-        keep = self._partial_suffix(buffer)
+        keep = max(self._partial_suffix(buffer), len(buffer) - len(buffer.rstrip(REPLACEMENT)))
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep], False
 
     def flush(self) -> str:
+        """The withheld tail at the end of generation, less a trailing partial character."""
         held, self._held = self._held, ""
-        return held
+        return held.rstrip(REPLACEMENT)
 
     def _partial_suffix(self, buffer: str) -> int:
         # Longest suffix of `buffer` that is a proper prefix of some stop string.

@@ -266,16 +266,18 @@ async def test_unknown_model_is_404_not_found_error(api_key):
             "messages[0].content",
             id="image-block",
         ),
-        pytest.param(
-            {"messages": [*HELLO, {"role": "assistant", "content": "Sure"}]}, "messages", id="prefill"
-        ),
         pytest.param({"system": [{"type": "image"}]}, "system", id="system-image-block"),
         pytest.param({"stop_sequences": "END"}, "stop_sequences", id="stop-sequences-not-a-list"),
         pytest.param({"stream": "yes"}, "stream", id="stream-not-bool"),
         pytest.param({"metadata": "x"}, "metadata", id="metadata-not-an-object"),
         pytest.param({"tools": [{"name": "f", "input_schema": {}}]}, "tools", id="tools"),
         pytest.param({"tool_choice": {"type": "any"}}, "tool_choice", id="tool-choice-any"),
-        pytest.param({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking", id="thinking"),
+        pytest.param(
+            {"thinking": {"type": "enabled", "budget_tokens": 100}},
+            "thinking.budget_tokens",
+            id="thinking-budget-under-1024",
+        ),
+        pytest.param({"thinking": {"type": "sometimes"}}, "thinking.type", id="thinking-type"),
         pytest.param(
             {"output_config": {"format": {"type": "json_schema", "schema": {}}}},
             "output_config",

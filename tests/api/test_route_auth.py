@@ -28,6 +28,7 @@ PUBLIC = {
     "openapi": "the published API schema; no secrets",
     "admin:login": "the login page itself",
     "admin:logout": "logging out needs no login",
+    "unknown-route": "serves nothing: every path under /v1/ that no route serves gets a JSON 404",
 }
 # The root redirect to /admin/ has no name.
 PUBLIC_PATHS = {"/"}

@@ -105,3 +105,11 @@ def test_sdk_raises_overloaded_error_for_a_full_lane(client, daphne_server, api_
         timeout=20,
         what="the holder's slot to be freed",
     )
+
+
+def test_sdk_lists_and_retrieves_models(client, tiny_alias):
+    """API-2, REG-8: `models.list()` and `models.retrieve()` parse our Anthropic-shaped answers."""
+    [model] = list(client.models.list())
+    assert isinstance(model, anthropic.types.ModelInfo)
+    assert (model.id, model.type, model.display_name) == ("tiny", "model", "tiny")
+    assert client.models.retrieve("tiny").created_at == model.created_at

@@ -1,0 +1,83 @@
+"""`GET /v1/responses/{id}/input_items`: a stored turn's input as OpenAI's paged list of items."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from api.errors import ApiError
+
+if TYPE_CHECKING:
+    from django.http import QueryDict
+
+DEFAULT_LIMIT, MAX_LIMIT = 20, 100
+
+
+def input_item_id(response_id: str, index: int) -> str:
+    """The id of a stored turn's `index`th input item (stable, so it can be a cursor)."""
+    return f"msg_{response_id.removeprefix('resp_')}_{index}"
+
+
+def input_items(response_id: str, turns: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """The stored input turns as message items, oldest first; assistant text is `output_text`."""
+    items = []
+    for index, turn in enumerate(turns):
+        part: dict[str, Any] = {"type": "input_text", "text": turn["content"]}
+        if turn["role"] == "assistant":
+            part = {"type": "output_text", "text": turn["content"], "annotations": []}
+        items.append(
+            {
+                "type": "message",
+                "id": input_item_id(response_id, index),
+                "role": turn["role"],
+                "status": "completed",
+                "content": [part],
+            }
+        )
+    return items
+
+
+def _limit(query: QueryDict) -> int:
+    raw = query.get("limit")
+    if raw is None:
+        return DEFAULT_LIMIT
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+        raise ApiError(
+            400, f"limit must be an integer from 1 to {MAX_LIMIT}.", code="invalid_value", param="limit"
+        )
+    return int(raw)
+
+
+def _cut(items: list[dict[str, Any]], query: QueryDict, name: str) -> list[dict[str, Any]]:
+    cursor = query.get(name)
+    if cursor is None:
+        return items
+    ids = [item["id"] for item in items]
+    if cursor not in ids:
+        raise ApiError(
+            400, f"{name}: no input item {cursor!r} in this response.", code="invalid_value", param=name
+        )
+    at = ids.index(cursor)
+    return items[at + 1 :] if name == "after" else items[:at]
+
+
+def input_items_page(items: list[dict[str, Any]], query: QueryDict) -> dict[str, Any]:
+    """One page of `items` as OpenAI lists them: `order` (`desc`, newest first, by default),
+    `limit` (1 to 100, default 20), and the `after` / `before` cursors, in that order.
+
+    Raises:
+        ApiError: 400 naming the query parameter that is not valid.
+    """
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, "order must be 'asc' or 'desc'.", code="invalid_value", param="order")
+    limit = _limit(query)
+    ordered = items if order == "asc" else items[::-1]
+    window = _cut(_cut(ordered, query, "after"), query, "before")
+    page = window[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(window) > limit,
+    }
