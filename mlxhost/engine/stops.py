@@ -14,10 +14,11 @@ class StopMatcher:
     the withheld tail when generation ends without a match. `matched` names the stop
     sequence that completed (the earliest in the text), for APIs that report it.
 
-    Trailing U+FFFD is withheld too, with or without stops: it goes out with the text that
+    A trailing U+FFFD is withheld too, with or without stops: it goes out with the text that
     follows it, and `flush()` drops it. Streaming detokenizers hold back an incomplete UTF-8
-    sequence and only their final flush decodes it as U+FFFD, so an answer cut mid-character
-    (by max_tokens, or EOS) never ends with a partial character.
+    sequence and only their final flush decodes it, as exactly one U+FFFD at the very end, so an
+    answer cut mid-character (by max_tokens, or EOS) never ends with a partial character. Any
+    U+FFFD before that one stands for invalid bytes the model did write, and stays.
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
@@ -36,14 +37,14 @@ class StopMatcher:
             cut, self.matched = min(found, key=lambda hit: hit[0])
             self._held = ""
             return buffer[:cut], True
-        keep = max(self._partial_suffix(buffer), len(buffer) - len(buffer.rstrip(REPLACEMENT)))
+        keep = max(self._partial_suffix(buffer), int(buffer.endswith(REPLACEMENT)))
         self._held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep], False
 
     def flush(self) -> str:
-        """The withheld tail at the end of generation, less a trailing partial character."""
+        """The withheld tail at the end of generation, less the U+FFFD of a cut character."""
         held, self._held = self._held, ""
-        return held.rstrip(REPLACEMENT)
+        return held.removesuffix(REPLACEMENT)
 
     def _partial_suffix(self, buffer: str) -> int:
         # Longest suffix of `buffer` that is a proper prefix of some stop string.

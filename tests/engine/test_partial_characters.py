@@ -25,8 +25,15 @@ def test_a_replacement_that_text_follows_is_sent_with_it(stops):
     """A U+FFFD the model really wrote, mid-answer, goes out as soon as more text comes."""
     matcher = StopMatcher(stops)
     assert matcher.feed("a" + CUT) == ("a", False)
-    assert matcher.feed(CUT) == ("", False)
-    assert matcher.feed("b") == (CUT * 2 + "b", False)
+    assert matcher.feed(CUT) == (CUT, False)
+    assert matcher.feed("b") == (CUT + "b", False)
+    assert matcher.flush() == ""
+
+
+def test_only_the_last_replacement_is_the_cut_one():
+    """Invalid bytes before the cut (one U+FFFD each) are what the model wrote: they stay."""
+    matcher = StopMatcher(())
+    assert matcher.feed("x" + CUT * 3) == ("x" + CUT * 2, False)
     assert matcher.flush() == ""
 
 
