@@ -14,14 +14,23 @@ CONTINUABLE = {
 
 
 def conversation_of(*, parent: StoredResponse) -> tuple[str | None, list[dict[str, str]]]:
-    """The parent's instructions and every turn through its answer, as role/content dicts.
+    """The parent's instructions and every turn through its answer, as role/content dicts (an
+    assistant turn may carry `tool_calls`, a "tool" turn the `tool_call_id` it answers).
 
     Each row stores the whole conversation it answered, so a continuation reads one row,
     never a chain of them, and a cold replay rebuilds exactly what the warm session held.
     """
     request: dict[str, Any] = parent.request or {}
     turns = [dict(turn) for turn in request.get("conversation", [])]
-    turns.append({"role": "assistant", "content": parent.output_text})
+    answer: dict[str, Any] = {"role": "assistant", "content": parent.output_text}
+    calls = [
+        {"id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
+        for item in parent.output or []
+        if item.get("type") == "function_call"
+    ]
+    if calls:
+        answer["tool_calls"] = calls
+    turns.append(answer)
     return request.get("instructions"), turns
 
 

@@ -10,7 +10,7 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from mlxhost.engine import Done, Failed, Message, Usage
+from mlxhost.engine import Done, Failed, Message, ToolCall, ToolChoice, Usage
 from mlxhost.runtime import BOOT_ID
 from models_app import conversations, item_references
 from models_app.models import StoredResponse
@@ -34,6 +34,7 @@ NOT_CONTINUABLE = "Response {id!r} failed, so it cannot be continued."
 # Engine finish reasons -> (response status, incomplete reason).
 STATUS = {
     "stop": ("completed", None),
+    "tool_calls": ("completed", None),
     "length": ("incomplete", "max_output_tokens"),
     "cancelled": ("cancelled", None),
     # Cut short by a drain timeout (unload, reload, shutdown): incomplete, and why.
@@ -74,15 +75,69 @@ def response_status(event: Done | Failed | None) -> str:
     return STATUS.get(event.finish_reason, ("completed", None))[0]
 
 
-def output_message(response_id: str, text: str, status: str) -> dict[str, Any]:
+def output_message(
+    response_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """The finished assistant message item, as the answer shows it and the row stores it."""
     return {
         "type": "message",
         "id": "msg_" + response_id.removeprefix("resp_"),
-        "status": "completed" if status == "completed" else "incomplete",
+        "status": "completed" if status in ("completed", "tool_calls") else "incomplete",
         "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}],
     }
+
+
+def function_call_item(
+    response_id: str, index: int, call: ToolCall, status: str = "completed"
+) -> dict[str, Any]:
+    """A call the model made, as a `function_call` output item (its `call_id` is the call's id)."""
+    return {
+        "type": "function_call",
+        "id": f"fc_{response_id.removeprefix('resp_')}_{index}",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
+
+
+def reasoning_item(response_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """The model's reasoning as a `reasoning` output item (never part of the message)."""
+    return {
+        "type": "reasoning",
+        "id": "rs_" + response_id.removeprefix("resp_"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}] if text else [],
+        "status": status,
+    }
+
+
+def output_items(
+    response_id: str, text: str, status: str, done: Done | None, logprobs: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
+    """A finished response's output: its reasoning, its message (unless it only called tools), and
+    its calls, in that order; what the answer shows and the row stores."""
+    if status == "failed":
+        return []
+    calls = done.tool_calls if done is not None else ()
+    items = [reasoning_item(response_id, done.reasoning)] if done is not None and done.reasoning else []
+    if text or not calls:
+        items.append(output_message(response_id, text, status, logprobs))
+    items += [function_call_item(response_id, i, call) for i, call in enumerate(calls)]
+    return items
+
+
+def turn_message(turn: dict[str, Any], names: dict[str, str]) -> Message:
+    """A stored chain turn as the engine's Message: text, or an assistant's calls, or a call's
+    result (whose function is named by `names`, call id -> name, from earlier turns)."""
+    calls = tuple(ToolCall(c["id"], c["name"], c["arguments"]) for c in turn.get("tool_calls") or ())
+    for call in calls:
+        names[call.id] = call.name
+    if turn["role"] == "tool":
+        call_id = turn.get("tool_call_id") or ""
+        return Message("tool", turn["content"], tool_call_id=call_id, name=names.get(call_id))
+    return Message(role=cast("Role", turn["role"]), content=turn["content"], tool_calls=calls)
 
 
 def usage_body(usage: Usage | None) -> dict[str, Any] | None:
@@ -150,8 +205,8 @@ class ResponseHooks(TurnHooks):
         instructions = "\n".join([self.instructions, *system] if self.instructions else system)
         head: tuple[Message, ...] = (Message(role="system", content=instructions),) if instructions else ()
         # Input roles arrive normalised to the engine's (responses_input.INPUT_ROLES); system ones are above.
-        turns = tuple(Message(role=cast("Role", t["role"]), content=t["content"]) for t in self.conversation)
-        return head + turns
+        names: dict[str, str] = {}
+        return head + tuple(turn_message(t, names) for t in self.conversation)
 
     async def prepare(
         self, engine: Engine, alias: ModelAlias, permit: Permit, turn: TurnRequest
@@ -185,7 +240,16 @@ class ResponseHooks(TurnHooks):
             previous_response_id=self.data.get("previous_response_id"),
             keep_on_disk=bool(self.data["store"]),
         )
-        return TurnRequest(turn.model, turn.owner_id, turn.sampling, messages=self.messages(), cache=cache)
+        return TurnRequest(
+            turn.model,
+            turn.owner_id,
+            turn.sampling,
+            messages=self.messages(),
+            cache=cache,
+            tools=self.data.get("tools") or (),
+            tool_choice=self.data.get("tool_choice") or ToolChoice(),
+            json_format=self.data.get("json_format"),
+        )
 
     def refused(self) -> None:
         _live_owners.pop(self.response_id, None)
@@ -214,7 +278,8 @@ class ResponseHooks(TurnHooks):
         data, alias = self.data, self.alias
         assert alias is not None
         status = response_status(result.event)
-        usage = result.event.usage if isinstance(result.event, Done) else None
+        done = result.event if isinstance(result.event, Done) else None
+        usage = done.usage if done is not None else None
         return ResponseRecord(
             public_id=self.response_id,
             owner_id=self.owner_id,
@@ -234,7 +299,7 @@ class ResponseHooks(TurnHooks):
                 "temperature": data.get("temperature"),
                 "top_p": data.get("top_p"),
             },
-            output=[output_message(self.response_id, result.text, status)] if status != "failed" else [],
+            output=output_items(self.response_id, result.text, status, done),
             output_text=result.text,
             usage=usage_body(usage) or {},
             status=status,

@@ -15,9 +15,16 @@ def wants_anthropic(request: HttpRequest) -> bool:
 
 
 def model_info(item: dict[str, Any]) -> dict[str, Any]:
-    """One entry of `GET /v1/models` (OpenAI's shape) as Anthropic's `ModelInfo`."""
+    """One entry of `GET /v1/models` (OpenAI's shape) as Anthropic's `ModelInfo`, keeping mlxhost's
+    `state` (REG-8), which SDKs ignore."""
     created = datetime.fromtimestamp(item["created"], tz=UTC).isoformat().replace("+00:00", "Z")
-    return {"type": "model", "id": item["id"], "display_name": item["id"], "created_at": created}
+    return {
+        "type": "model",
+        "id": item["id"],
+        "display_name": item["id"],
+        "created_at": created,
+        "state": item["state"],
+    }
 
 
 def model_page(items: list[dict[str, Any]]) -> dict[str, Any]:

@@ -2,27 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rest_framework import serializers
 
+from api import tools as tool_inputs
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, max_tokens_field
 from models_app.item_references import reference_turn
+
+if TYPE_CHECKING:
+    from mlxhost.engine import Tool
 
 INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PART_TYPES = {"input_text", "output_text", "text"}
 MAX_METADATA_KEYS = 16
 MAX_ITEM_ID_CHARS = 128
 UNSUPPORTED = {
-    "tools": "Tool calling is not supported by this server.",
-    "tool_choice": "Tool calling is not supported by this server.",
     "background": "Background responses are not supported by this server.",
     "conversation": "Use previous_response_id to continue a conversation.",
-    "reasoning": "Reasoning options are not supported by this server.",
 }
-# What OpenAI's `include` may name. All are accepted; none adds anything to an answer yet (no
-# logprobs, reasoning, tool or image output exists here to include).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+ECHOED = ("tools", "tool_choice", "text", "parallel_tool_calls")  # as sent, in the response object
+# What OpenAI's `include` may name. All are accepted; only the logprobs add to an answer (no
+# hosted tool or image output exists here to include).
 KNOWN_INCLUDES = (
     "message.output_text.logprobs",
     "reasoning.encrypted_content",
@@ -50,25 +53,64 @@ def _reference(item: dict[str, Any]) -> dict[str, str]:
     return reference_turn(item_id)  # resolved under the lane permit, with the stored chain
 
 
-def input_turns(value: Any) -> list[dict[str, str]]:
+def _call(item: dict[str, Any], turns: list[dict[str, Any]]) -> None:
+    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
+    if not (isinstance(call_id, str) and call_id and isinstance(name, str) and isinstance(arguments, str)):
+        raise serializers.ValidationError(
+            "A function_call item needs string 'call_id', 'name' and 'arguments'."
+        )
+    call = {"id": call_id, "name": name, "arguments": arguments}
+    last = turns[-1] if turns else None
+    if last is not None and last["role"] == "assistant":  # one assistant turn: its text, then its calls
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        turns.append({"role": "assistant", "content": "", "tool_calls": [call]})
+
+
+def _call_output(item: dict[str, Any]) -> dict[str, Any]:
+    call_id, output = item.get("call_id"), item.get("output")
+    if not isinstance(call_id, str) or not call_id:
+        raise serializers.ValidationError(
+            "A function_call_output item needs the string 'call_id' it answers."
+        )
+    if isinstance(output, list):
+        output = "".join(_part_text(part) for part in output)
+    if not isinstance(output, str):
+        raise serializers.ValidationError("A function_call_output's 'output' must be a string or text parts.")
+    return {"role": "tool", "content": output, "tool_call_id": call_id}
+
+
+def input_turns(value: Any) -> list[dict[str, Any]]:
     """`input` as [{"role", "content"}]: a string is one user turn; items are messages with text,
-    or references to stored items (placeholders that `item_references.turns_resolved` fills in).
+    function calls (an assistant turn's `tool_calls`) and their outputs ("tool" turns), or
+    references to stored items (placeholders that `item_references.turns_resolved` fills in).
+    Reasoning items are accepted and left out: the model's earlier thinking is not replayed.
 
     Raises:
-        serializers.ValidationError: an item is not a text message.
+        serializers.ValidationError: an item of another kind, or a malformed one.
     """
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise serializers.ValidationError("input must be a string or a non-empty list of message items.")
-    turns = []
+    turns: list[dict[str, Any]] = []
     for item in value:
-        if isinstance(item, dict) and item.get("type") == "item_reference":
+        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        if kind == "item_reference":
             turns.append(_reference(item))
             continue
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-            raise serializers.ValidationError(f"Only message items are supported, not {kind!r}.")
+        if kind == "function_call":
+            _call(item, turns)
+            continue
+        if kind == "function_call_output":
+            turns.append(_call_output(item))
+            continue
+        if kind == "reasoning":
+            continue
+        if kind != "message":
+            raise serializers.ValidationError(
+                f"Only message, function_call, function_call_output and item_reference items are supported, not {kind!r}."
+            )
         role = INPUT_ROLES.get(item.get("role", ""))
         if role is None:
             raise serializers.ValidationError(
@@ -87,11 +129,19 @@ def input_turns(value: Any) -> list[dict[str, str]]:
 
 class TextConfigInput(serializers.Serializer[Any]):
     format = serializers.DictField(required=False)
+    verbosity = serializers.CharField(required=False, allow_null=True)  # accepted, ignored
 
     def validate_format(self, value: dict[str, Any]) -> dict[str, Any]:
-        if value.get("type", "text") != "text":
-            raise serializers.ValidationError("Only the text output format is supported.")
+        tool_inputs.openai_json_format(value, nested=False)  # checked here; read in `validate`
         return value
+
+
+def response_tool(item: Any) -> Tool:
+    """A Responses function tool: {"type": "function", name, description, parameters, strict}."""
+    if not isinstance(item, dict) or item.get("type", "function") != "function":
+        kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+        raise serializers.ValidationError(f"Only function tools are supported, not {kind!r}.")
+    return tool_inputs.tool(item.get("name"), item.get("description"), item.get("parameters"))
 
 
 class ResponsesInput(SamplingInput):
@@ -115,6 +165,12 @@ class ResponsesInput(SamplingInput):
     include = serializers.ListField(
         child=serializers.ChoiceField(choices=KNOWN_INCLUDES), required=False, allow_null=True, max_length=16
     )
+    tools = serializers.JSONField(required=False, allow_null=True)
+    tool_choice = serializers.JSONField(required=False, allow_null=True)
+    top_logprobs = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=tool_inputs.MAX_TOP_LOGPROBS
+    )
+    reasoning = serializers.DictField(required=False, allow_null=True)  # effort and summary: ignored
     retention_s = serializers.IntegerField(
         required=False, allow_null=True, min_value=60, max_value=30 * 86400
     )
@@ -128,6 +184,12 @@ class ResponsesInput(SamplingInput):
         input_turns(value)
         return value
 
+    def validate_tools(self, value: Any) -> tuple[Tool, ...]:
+        return tool_inputs.tools_list(value, parse=response_tool)
+
+    def validate_tool_choice(self, value: Any) -> Any:
+        return tool_inputs.openai_tool_choice(value, nested=False)
+
     def validate_metadata(self, value: dict[str, str] | None) -> dict[str, str]:
         if value and len(value) > MAX_METADATA_KEYS:
             raise serializers.ValidationError(f"At most {MAX_METADATA_KEYS} metadata keys.")
@@ -138,5 +200,11 @@ class ResponsesInput(SamplingInput):
             if self.initial_data.get(name):
                 raise serializers.ValidationError({name: message})
         attrs["turns"] = input_turns(attrs["input"])
+        attrs["json_format"] = tool_inputs.openai_json_format(
+            (attrs.get("text") or {}).get("format"), nested=False
+        )
+        wants_logprobs = LOGPROBS_INCLUDE in (attrs.get("include") or ())
+        attrs["logprobs"] = (attrs.get("top_logprobs") or 0) if wants_logprobs else None
         attrs["include"] = attrs.get("include") or []
+        attrs["echo"] = {name: self.initial_data.get(name) for name in ECHOED}
         return attrs

@@ -50,6 +50,7 @@ def _stored_body(row: StoredResponse) -> dict[str, Any]:
         created_at=int(row.created_at.timestamp()),
         status=row.status,
         text=row.output_text,
+        output=list(row.output or []) if row.status != StoredResponse.Status.FAILED else [],
     )
     usage = row.usage or {}
     if usage:
