@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rest_framework import serializers
 
+from api import tools as tool_inputs
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, optional_float, stop_list_field
+from mlxhost.engine import Message, Tool, ToolCall, ToolChoice
 
 MAX_STOP_SEQUENCES = 16
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for `thinking.budget_tokens`
@@ -15,11 +18,10 @@ MIN_THINKING_BUDGET = 1024  # Anthropic's floor for `thinking.budget_tokens`
 # which Anthropic's API combines into a single turn.
 BLOCK_SEPARATOR = "\n\n"
 UNSUPPORTED_BLOCK = "Content blocks of type {kind!r} are not supported by this server; send text blocks."
-STRUCTURED_OUTPUT_UNSUPPORTED = "Structured outputs (output_config.format) are not supported by this server."
+# Blocks of an assistant's earlier thinking: accepted and left out (never replayed to the model).
+SKIPPED_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 # Option -> (the `type`s that mean "off", message). Any other non-empty value is a 400.
 UNSUPPORTED_OPTIONS: dict[str, tuple[frozenset[str], str]] = {
-    "tools": (frozenset(), "Tool use is not supported by this server."),
-    "tool_choice": (frozenset({"auto", "none"}), "Forcing tool use is not supported by this server."),
     "mcp_servers": (frozenset(), "MCP servers are not supported by this server."),
     "container": (frozenset(), "Containers are not supported by this server."),
 }
@@ -47,6 +49,79 @@ def blocks_text(value: Any) -> str:
     return BLOCK_SEPARATOR.join(texts)
 
 
+def _result_text(block: dict[str, Any]) -> str:
+    content = block.get("content", "")
+    text = content if isinstance(content, str) else blocks_text(content)
+    return f"Error: {text}" if block.get("is_error") else text
+
+
+def turn_messages(role: str, value: Any) -> list[Message]:
+    """One Anthropic turn as engine messages: its text, an assistant's `tool_use` blocks as its
+    calls, and a user's `tool_result` blocks as "tool" messages (before the user's own text).
+
+    Raises:
+        serializers.ValidationError: an unsupported or malformed block.
+    """
+    if isinstance(value, str):
+        return [Message(role, value)]  # type: ignore[arg-type]  # role is "user" or "assistant"
+    if not isinstance(value, list):
+        raise serializers.ValidationError("Must be a string or a list of content blocks.")
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    results: list[Message] = []
+    for block in value:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind in SKIPPED_BLOCKS:
+            continue
+        if kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                raise serializers.ValidationError("A tool_use block needs a string 'id' and 'name'.")
+            calls.append(ToolCall(block["id"], block["name"], json.dumps(block.get("input") or {})))
+        elif kind == "tool_result" and role == "user":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise serializers.ValidationError("A tool_result block needs the 'tool_use_id' it answers.")
+            results.append(Message("tool", _result_text(block), tool_call_id=block["tool_use_id"]))
+        else:
+            texts.append(blocks_text([block]))
+    text = BLOCK_SEPARATOR.join(texts)
+    if role == "assistant":
+        return [Message("assistant", text, tool_calls=tuple(calls))]
+    return results + ([Message("user", text)] if text or not results else [])
+
+
+def anthropic_tool(item: Any) -> Tool:
+    """A client tool: {name, description, input_schema} ("custom", the default type)."""
+    if not isinstance(item, dict) or item.get("type", "custom") != "custom":
+        kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+        raise serializers.ValidationError(f"Only client (custom) tools are supported, not {kind!r}.")
+    if not isinstance(item.get("input_schema"), dict):
+        raise serializers.ValidationError(f"The tool {item.get('name')!r} needs an 'input_schema' object.")
+    return tool_inputs.tool(item.get("name"), item.get("description"), item["input_schema"])
+
+
+def anthropic_tool_choice(value: Any) -> ToolChoice:
+    """{"type": "auto" | "any" | "none"} or {"type": "tool", "name"}."""
+    if value is None:
+        return ToolChoice()
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in ("auto", "none"):
+        return ToolChoice(kind)
+    if kind == "any":
+        return ToolChoice("required")
+    if kind == "tool" and isinstance(value.get("name"), str) and value["name"]:
+        return ToolChoice("required", value["name"])
+    raise serializers.ValidationError("type must be 'auto', 'any', 'none', or 'tool' with a name.")
+
+
+def json_format_of(value: Any) -> str | None:
+    """Anthropic structured output ({"type": "json_schema", "schema"}) as the engine's `json_format`."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "json_schema" or "schema" not in value:
+        raise serializers.ValidationError("format must be {'type': 'json_schema', 'schema': {...}}.")
+    return tool_inputs.schema_text(value["schema"])
+
+
 class MessageInput(serializers.Serializer[Any]):
     role = serializers.ChoiceField(choices=["user", "assistant"])
     content = serializers.JSONField()
@@ -54,8 +129,12 @@ class MessageInput(serializers.Serializer[Any]):
     class Meta:
         ref_name = "AnthropicMessageInput"  # its OpenAPI component; OpenAI's MessageInput is another
 
-    def validate_content(self, value: Any) -> str:
-        return blocks_text(value)
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            attrs["turn"] = turn_messages(attrs["role"], attrs["content"])
+        except serializers.ValidationError as exc:
+            raise serializers.ValidationError({"content": exc.detail}) from None
+        return attrs
 
 
 class ThinkingInput(serializers.Serializer[Any]):
@@ -75,6 +154,11 @@ class MetadataInput(serializers.Serializer[Any]):
     user_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=256)
 
 
+def _joinable(earlier: list[Message], later: list[Message]) -> bool:
+    # Text and calls of one role join; "tool" results stay their own messages.
+    return earlier[-1].role != "tool" and later[0].role != "tool" and not earlier[-1].tool_calls
+
+
 class PromptInput(serializers.Serializer[Any]):
     """What both /v1/messages and /v1/messages/count_tokens take: the model and the prompt."""
 
@@ -83,23 +167,44 @@ class PromptInput(serializers.Serializer[Any]):
     system = serializers.JSONField(required=False, allow_null=True)
 
     output_config = serializers.DictField(required=False, allow_null=True)  # `effort` is ignored
+    output_format = serializers.JSONField(required=False, allow_null=True)  # the structured-outputs beta
     thinking = ThinkingInput(required=False, allow_null=True)
+    tools = serializers.JSONField(required=False, allow_null=True)
+    tool_choice = serializers.JSONField(required=False, allow_null=True)
 
     def validate_output_config(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and value.get("format"):
-            raise serializers.ValidationError(STRUCTURED_OUTPUT_UNSUPPORTED)
+        if value and value.get("format") is not None:
+            try:
+                json_format_of(value["format"])
+            except serializers.ValidationError as exc:
+                raise serializers.ValidationError({"format": exc.detail}) from None
         return value
+
+    def validate_output_format(self, value: Any) -> str | None:
+        return json_format_of(value)
+
+    def validate_tools(self, value: Any) -> tuple[Tool, ...]:
+        return tool_inputs.tools_list(value, parse=anthropic_tool)
+
+    def validate_tool_choice(self, value: Any) -> ToolChoice:
+        return anthropic_tool_choice(value)
 
     def validate_system(self, value: Any) -> str:
         return "" if value is None else blocks_text(value)
 
-    def validate_messages(self, value: list[dict[str, str]]) -> list[dict[str, str]]:
-        merged: list[dict[str, str]] = []
+    def validate_messages(self, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # Consecutive turns of one role are one turn, as Anthropic's API combines them.
+        merged: list[dict[str, Any]] = []
         for message in value:
-            if merged and merged[-1]["role"] == message["role"]:
-                merged[-1]["content"] += BLOCK_SEPARATOR + message["content"]
+            turn = message["turn"]
+            last = merged[-1] if merged else None
+            if last is not None and last["role"] == message["role"] and _joinable(last["turn"], turn):
+                head = last["turn"][-1]
+                text = BLOCK_SEPARATOR.join(t for t in (head.content, turn[0].content) if t)
+                last["turn"][-1] = Message(head.role, text, tool_calls=head.tool_calls + turn[0].tool_calls)
+                last["turn"] += turn[1:]
             else:
-                merged.append(dict(message))
+                merged.append({"role": message["role"], "turn": list(turn)})
         return merged
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
@@ -108,6 +213,11 @@ class PromptInput(serializers.Serializer[Any]):
             if value and not (isinstance(value, dict) and value.get("type") in off):
                 raise serializers.ValidationError({name: message})
         attrs.setdefault("system", "")
+        config_format = (attrs.get("output_config") or {}).get("format")
+        attrs["json_format"] = (
+            json_format_of(config_format) if config_format is not None else attrs.get("output_format")
+        )
+        attrs["thinking_enabled"] = (attrs.get("thinking") or {}).get("type") in ("enabled", "adaptive")
         return attrs
 
 

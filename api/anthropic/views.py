@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from dataclasses import replace
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
@@ -12,15 +13,20 @@ from api.anthropic.serializers import CountTokensInput, MessagesInput
 from api.auth import Caller, api_endpoint, caller_of, json_body
 from api.openai.views import SSE_HEADERS, validated
 from api.sampling import sampling_overrides
-from mlxhost.engine import Message
+from mlxhost.engine import Message, ToolChoice
 from models_app.turns import CacheScope, TurnRequest, turn_count_tokens, turn_start
 
 
 def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
     system = data["system"]
-    messages = ((Message(role="system", content=system),) if system else ()) + tuple(
-        Message(role=m["role"], content=m["content"]) for m in data["messages"]
-    )
+    names: dict[str, str] = {}  # tool_use id -> name, so a result names its function
+    turns: list[Message] = []
+    for message in (m for turn in data["messages"] for m in turn["turn"]):
+        names.update((call.id, call.name) for call in message.tool_calls)
+        if message.role == "tool" and message.tool_call_id in names:
+            message = replace(message, name=names[message.tool_call_id])
+        turns.append(message)
+    messages = ((Message(role="system", content=system),) if system else ()) + tuple(turns)
     # Stateless like chat, but Anthropic clients never name a session: any warm slot of the
     # instance with the same system prompt (SES-2 tier 3), then the longest cached prefix (SES-8).
     cache = CacheScope(instructions=system, warm_any=True)
@@ -33,6 +39,9 @@ def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
         messages=messages,
         cache=cache,
         continue_final=prefill,
+        tools=data.get("tools") or (),
+        tool_choice=data.get("tool_choice") or ToolChoice(),
+        json_format=data.get("json_format"),
     )
 
 
@@ -47,7 +56,7 @@ async def messages(request: HttpRequest) -> HttpResponseBase:
     turn = await turn_start(
         _messages_turn(data, caller_of(request)), request_id=f"msg_{secrets.token_hex(12)}"
     )
-    shape = MessageTurn(id=turn.request_id, model=turn.model)
+    shape = MessageTurn(id=turn.request_id, model=turn.model, thinking=data["thinking_enabled"])
     headers = {**turn.headers, "request-id": turn.request_id}
     if data["stream"]:
         return StreamingHttpResponse(

@@ -17,22 +17,48 @@ def input_item_id(response_id: str, index: int) -> str:
     return f"msg_{response_id.removeprefix('resp_')}_{index}"
 
 
-def input_items(response_id: str, turns: list[dict[str, str]]) -> list[dict[str, Any]]:
-    """The stored input turns as message items, oldest first; assistant text is `output_text`."""
-    items = []
+def input_items(response_id: str, turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The stored input turns as items, oldest first: messages (assistant text is `output_text`),
+    an assistant's calls as `function_call` items after its text, results as `function_call_output`."""
+    items: list[dict[str, Any]] = []
+    hex_id = response_id.removeprefix("resp_")
     for index, turn in enumerate(turns):
-        part: dict[str, Any] = {"type": "input_text", "text": turn["content"]}
-        if turn["role"] == "assistant":
-            part = {"type": "output_text", "text": turn["content"], "annotations": []}
-        items.append(
-            {
-                "type": "message",
-                "id": input_item_id(response_id, index),
-                "role": turn["role"],
-                "status": "completed",
-                "content": [part],
-            }
-        )
+        if turn["role"] == "tool":
+            items.append(
+                {
+                    "type": "function_call_output",
+                    "id": f"fco_{hex_id}_{index}",
+                    "call_id": turn.get("tool_call_id", ""),
+                    "output": turn["content"],
+                    "status": "completed",
+                }
+            )
+            continue
+        calls = turn.get("tool_calls") or []
+        if turn["content"] or not calls:
+            part: dict[str, Any] = {"type": "input_text", "text": turn["content"]}
+            if turn["role"] == "assistant":
+                part = {"type": "output_text", "text": turn["content"], "annotations": []}
+            items.append(
+                {
+                    "type": "message",
+                    "id": input_item_id(response_id, index),
+                    "role": turn["role"],
+                    "status": "completed",
+                    "content": [part],
+                }
+            )
+        for k, call in enumerate(calls):
+            items.append(
+                {
+                    "type": "function_call",
+                    "id": f"fc_{hex_id}_{index}_{k}",
+                    "call_id": call["id"],
+                    "name": call["name"],
+                    "arguments": call["arguments"],
+                    "status": "completed",
+                }
+            )
     return items
 
 

@@ -53,7 +53,9 @@ def plan_answer(request: GenerationRequest, *, native_tools: bool) -> AnswerPlan
             JSON format (one answer cannot be both).
     """
     choice, tools = request.tool_choice, request.tools
-    if choice.mode == "none" or not tools:
+    if not tools and (choice.mode == "required" or choice.name is not None):
+        raise InvalidRequestError("tool_choice", "asks for a tool call, but the request has no tools.")
+    if choice.mode == "none":
         tools = ()
     if request.json_format is not None:
         if tools and choice.mode == "required":

@@ -47,7 +47,7 @@ async def test_models_answer_in_anthropics_shape_for_an_anthropic_client(tiny_al
     client = AsyncClient()
     page = (await client.get("/v1/models", headers=headers)).json()
     [model] = page["data"]
-    assert set(model) == {"type", "id", "display_name", "created_at"}
+    assert set(model) == {"type", "id", "display_name", "created_at", "state"}  # state: REG-8
     assert (model["type"], model["id"], model["display_name"]) == ("model", "tiny", "tiny")
     assert model["created_at"].endswith("Z") and model["created_at"][:4].isdigit()
     assert (page["has_more"], page["first_id"], page["last_id"]) == (False, "tiny", "tiny")

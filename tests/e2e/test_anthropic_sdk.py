@@ -68,12 +68,13 @@ def test_sdk_raises_typed_errors(client, daphne_server, tiny_alias):
     assert bad.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.BadRequestError, match="temperature"):
         client.messages.create(model="tiny", max_tokens=4, messages=HELLO, extra_body={"temperature": 1.5})
-    with pytest.raises(anthropic.BadRequestError, match="Tool use is not supported"):
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
         client.messages.create(
             model="tiny",
             max_tokens=4,
             messages=HELLO,
             tools=[{"name": "f", "input_schema": {"type": "object"}}],
+            tool_choice={"type": "tool", "name": "g"},
         )
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="nope", max_tokens=4, messages=HELLO)
