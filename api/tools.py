@@ -1,6 +1,6 @@
 """Tools, tool choices and JSON formats as each surface sends them -> the engine's terms.
 
-Every surface validates through these, so the bounds are one set (API-15): at most MAX_TOOLS
+Every surface validates through these, so the bounds are one set (API-10): at most MAX_TOOLS
 tools, each schema at most MAX_SCHEMA_BYTES of JSON and MAX_SCHEMA_DEPTH levels deep. Errors are
 DRF ValidationErrors, which the surfaces turn into a 400 naming the field.
 """

@@ -143,7 +143,7 @@ class ModelAlias(BaseModel):
     max_input_tokens = models.PositiveIntegerField(
         null=True, blank=True, help_text="Refuse prompts longer than this (empty: no limit)."
     )
-    # Chat-template switches (API-14): passed to the template as keywords on every request.
+    # Chat-template switches (API-9): passed to the template as keywords on every request.
     enable_thinking = models.BooleanField(
         "thinking",
         null=True,

@@ -104,7 +104,7 @@ def sampling_params_for(*, alias: ModelAlias, overrides: Mapping[str, Any]) -> S
 
 
 def template_options_for(alias: ModelAlias) -> tuple[tuple[str, object], ...]:
-    """The alias's chat-template keywords (API-14); `enable_thinking` unset leaves the model's default."""
+    """The alias's chat-template keywords (API-9); `enable_thinking` unset leaves the model's default."""
     options = dict(alias.chat_template_kwargs or {})
     if alias.enable_thinking is not None:
         options["enable_thinking"] = alias.enable_thinking

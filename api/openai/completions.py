@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Any
 from rest_framework import serializers
 
 from api.auth import Caller, api_endpoint, caller_of, json_body
-from api.collect import collect_text
+from api.collect import collect_answer
 from api.errors import cut_short_error, error_body, failed_error
 from api.openai.chat import FINISH_REASONS, ChatTurn, usage_body
 from api.openai.serializers import StreamOptionsInput, StrictBooleanField, TextSamplingInput
 from api.openai.views import chat_shaped_response, validated
 from api.sampling import sampling_overrides
 from api.sse import SSE_DONE, sse_event
-from mlxhost.engine import Delta, Done, Failed, Generation
+from mlxhost.engine import Delta, Done, Failed, Generation, TokenLogprob
 from models_app.turns import CacheScope, TurnRequest, turn_start
 
 if TYPE_CHECKING:
@@ -28,8 +28,8 @@ OBJECT = "text_completion"
 UNSUPPORTED = {
     "echo": "echo is not supported by this server.",
     "suffix": "suffix (insertion) is not supported by this server.",
-    "logprobs": "logprobs are not supported by this server.",
 }
+MAX_LEGACY_LOGPROBS = 5  # the legacy endpoint's own bound
 
 
 class CompletionInput(TextSamplingInput):
@@ -39,6 +39,9 @@ class CompletionInput(TextSamplingInput):
     n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
     best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
     user = serializers.CharField(required=False, allow_blank=True, max_length=256)
+    logprobs = serializers.IntegerField(
+        required=False, allow_null=True, min_value=0, max_value=MAX_LEGACY_LOGPROBS
+    )
     # Warm-session scoping (SES-2/3), as on chat completions: only fingerprints are kept.
     prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
     cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)
@@ -56,7 +59,7 @@ class CompletionInput(TextSamplingInput):
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         for name, message in UNSUPPORTED.items():
-            if self.initial_data.get(name):  # echo=false, suffix="" and logprobs=0 are no-ops
+            if self.initial_data.get(name):  # echo=false and suffix="" are no-ops
                 raise serializers.ValidationError({name: message})
         if attrs.get("max_tokens") is None:
             attrs["max_tokens"] = DEFAULT_MAX_TOKENS
@@ -71,10 +74,27 @@ def _completion_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
     )
 
 
-def _body(turn: ChatTurn, text: str, finish_reason: str | None) -> dict[str, Any]:
+def _body(
+    turn: ChatTurn, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     body = turn.envelope(OBJECT)
-    body["choices"] = [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]
+    body["choices"] = [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]
     return body
+
+
+def legacy_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """Logprobs in the legacy completions shape: parallel lists, alternatives as token -> logprob,
+    and each token's character offset in the text (from `offset`)."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 async def completion_sse(turn: ChatTurn, generation: Generation) -> AsyncIterator[bytes]:
@@ -84,9 +104,12 @@ async def completion_sse(turn: ChatTurn, generation: Generation) -> AsyncIterato
     disconnect cancels this generator, which stops the generation (LANE-6).
     """
     usage_field = {"usage": None} if turn.include_usage else {}
+    offset = 0
     async for event in generation.stream():
-        if isinstance(event, Delta) and event.text:
-            yield sse_event({**_body(turn, event.text, None), **usage_field})
+        if isinstance(event, Delta) and (event.text or event.logprobs):
+            logprobs = legacy_logprobs(list(event.logprobs), offset) if event.logprobs else None
+            offset += len(event.text)
+            yield sse_event({**_body(turn, event.text, None, logprobs), **usage_field})
         elif isinstance(event, Done) and (cut := cut_short_error(event)) is not None:
             yield sse_event(error_body(cut, "openai"))  # cut short: never a finish_reason
         elif isinstance(event, Done):
@@ -105,9 +128,10 @@ async def completion_collect(turn: ChatTurn, generation: Generation) -> dict[str
     Raises:
         ApiError: 500 when the model failed mid-generation.
     """
-    text, done = await collect_text(generation)
-    body = _body(turn, text, FINISH_REASONS.get(done.finish_reason, "stop"))
-    body["usage"] = usage_body(done.usage)
+    answer = await collect_answer(generation)
+    logprobs = legacy_logprobs(answer.logprobs) if generation.request.sampling.logprobs is not None else None
+    body = _body(turn, answer.text, FINISH_REASONS.get(answer.done.finish_reason, "stop"), logprobs)
+    body["usage"] = usage_body(answer.done.usage)
     return body
 
 

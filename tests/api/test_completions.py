@@ -165,7 +165,7 @@ async def test_missing_key_is_401_and_unknown_model_is_404(tiny_alias, api_key):
         pytest.param({"prompt": None}, "prompt", id="null-prompt"),
         pytest.param({"echo": True}, "echo", id="echo"),
         pytest.param({"suffix": "the end"}, "suffix", id="suffix"),
-        pytest.param({"logprobs": 2}, "logprobs", id="logprobs"),
+        pytest.param({"logprobs": 6}, "logprobs", id="logprobs-over-five"),
         pytest.param({"n": 2}, "n", id="n-above-one"),
         pytest.param({"best_of": 3}, "best_of", id="best-of-above-one"),
         pytest.param({"max_tokens": 0}, "max_tokens", id="zero-max-tokens"),
@@ -198,3 +198,26 @@ async def test_a_mid_stream_failure_is_an_error_payload_then_done():
     frames = [f async for f in completion_sse(ChatTurn(id="cmpl-x", model="tiny", instance_id=1), generation)]
     assert json.loads(frames[1].decode().removeprefix("data: "))["error"]["code"] == "generation_failed"
     assert frames[-1] == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_legacy_logprobs(tiny_alias, api_key, mlx_engine, no_eos, stream):
+    """API-8: `logprobs: N` gives the legacy shape: tokens, their logprobs, N alternatives each,
+    and each token's offset in the text."""
+    response = await post(completion(max_tokens=4, logprobs=2, logit_bias=no_eos, stream=stream), api_key)
+    assert response.status_code == 200
+    if stream:
+        chunks = [c for c in (await sse_payloads(response))[:-1] if c["choices"]]
+        parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+        logprobs = {
+            key: [v for p in parts for v in p[key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        }
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+    else:
+        choice = response.json()["choices"][0]
+        logprobs, text = choice["logprobs"], choice["text"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 4
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"])
+    assert logprobs["text_offset"][0] == 0
+    assert "".join(logprobs["tokens"]).startswith(text[:1])

@@ -1,4 +1,4 @@
-"""Tools, JSON formats and logprobs on /v1/chat/completions with the tiny real MLX model (API-11..15)."""
+"""Tools, JSON formats and logprobs on /v1/chat/completions with the tiny real MLX model (API-6..10)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def check_weather_arguments(arguments: str) -> None:
 
 
 async def test_a_named_tool_choice_returns_a_call_that_matches_the_schema(tiny_alias, api_key, mlx_engine):
-    """API-12: a forced function on a model without tool support still gets a valid call."""
+    """API-7: a forced function on a model without tool support still gets a valid call."""
     choice = {"type": "function", "function": {"name": "get_weather"}}
     response = await post(api_key, tools=[WEATHER], tool_choice=choice, temperature=1.0)
     assert response.status_code == 200, response.content
@@ -131,7 +131,7 @@ async def test_schema_bounds_are_400s(tiny_alias, api_key, mlx_engine):
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_logprobs_with_top_alternatives(tiny_alias, api_key, mlx_engine, stream, tiny_eos_id):
-    """API-13: one entry per token, with exact bytes and `top_logprobs` alternatives, best first."""
+    """API-8: one entry per token, with exact bytes and `top_logprobs` alternatives, best first."""
     response = await post(
         api_key,
         logprobs=True,

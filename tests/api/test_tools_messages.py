@@ -1,4 +1,4 @@
-"""Tool use, structured output and thinking on /v1/messages with the tiny real MLX model (API-11..14)."""
+"""Tool use, structured output and thinking on /v1/messages with the tiny real MLX model (API-6..9)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Function tools, text formats and logprobs on /v1/responses with the tiny real MLX model (API-11..13)."""
+"""Function tools, text formats and logprobs on /v1/responses with the tiny real MLX model (API-6..8)."""
 
 from __future__ import annotations
 
@@ -158,3 +158,61 @@ async def test_hosted_tools_and_bad_tool_choices_are_400s(tiny_alias, alice, mlx
         response = await alice.create(**{"input": "x", **body})
         assert response.status_code == 400, (body, response.content)
         assert response.json()["error"]["param"] == param
+
+
+async def test_the_websocket_sends_the_same_function_call_events(tiny_alias, api_key, mlx_engine):
+    """API-3, API-6: a forced call over the socket gives the Responses tool events."""
+    from tests.api.support import WS_TERMINAL, connect, frames_until, key_headers, ws_create
+
+    socket = await connect(key_headers(api_key))
+    try:
+        await ws_create(socket, input="weather?", tools=[WEATHER], tool_choice=FORCED, max_output_tokens=60)
+        frames = await frames_until(socket, *WS_TERMINAL)
+    finally:
+        await socket.disconnect()
+    kinds = [f["type"] for f in frames]
+    assert "response.function_call_arguments.delta" in kinds and frames[-1]["type"] == "response.completed"
+    (item,) = frames[-1]["response"]["output"]
+    assert item["type"] == "function_call"
+    deltas = "".join(f["delta"] for f in frames if f["type"] == "response.function_call_arguments.delta")
+    assert json.loads(deltas) == json.loads(item["arguments"])
+
+
+@pytest.fixture
+def thinking_alias(tiny_tools_model_dir):
+    from tests.support import register_alias
+
+    return register_alias(name="thinker", folder="tiny-llama-tools", temperature=0.0, enable_thinking=True)
+
+
+async def test_reasoning_is_an_item_apart_from_the_message(thinking_alias, alice, mlx_engine):
+    """API-9: the alias turns thinking on; what the model writes inside the thinking block the
+    template opened is a reasoning item, never message text (the random model never closes it)."""
+    body = await alice.ok(model="thinker", input="hi", max_output_tokens=6)
+    kinds = [item["type"] for item in body["output"]]
+    assert kinds == ["reasoning", "message"]
+    assert body["output"][0]["content"][0]["text"]
+    assert body["output"][1]["content"][0]["text"] == ""
+    response = await alice.create(model="thinker", input="hi", max_output_tokens=6, stream=True)
+    events = await events_of(response)
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert deltas == body["output"][0]["content"][0]["text"]
+
+
+async def test_reasoning_content_on_chat_and_thinking_blocks_on_messages(thinking_alias, api_key, mlx_engine):
+    from tests.api.support import bearer, post_json
+
+    chat = await post_json(
+        "/v1/chat/completions",
+        {"model": "thinker", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6},
+        bearer(api_key),
+    )
+    message = chat.json()["choices"][0]["message"]
+    assert message["reasoning_content"] and message["content"] == ""
+    anthropic_headers = {"x-api-key": api_key, "anthropic-version": "2023-06-01"}
+    body = {"model": "thinker", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+    plain = await post_json("/v1/messages", body, anthropic_headers)
+    assert [b["type"] for b in plain.json()["content"]] == ["text"]  # thinking not asked for: left out
+    asked = await post_json("/v1/messages", {**body, "thinking": {"type": "adaptive"}}, anthropic_headers)
+    blocks = asked.json()["content"]
+    assert blocks[0]["type"] == "thinking" and blocks[0]["thinking"]

@@ -1,4 +1,4 @@
-"""End to end: agent clients, unmodified, against a real daphne (API-11..13).
+"""End to end: agent clients, unmodified, against a real daphne (API-6..8).
 
 The agent frameworks run on the demo model (SmolLM2-135M, real weights): their tools take free
 strings, which only a real model ends sensibly. The shape checks run on the tiny random model

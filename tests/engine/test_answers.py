@@ -1,4 +1,4 @@
-"""Tools, forced calls, JSON formats, reasoning and logprobs through the engine (fake backend, API-11..14)."""
+"""Tools, forced calls, JSON formats, reasoning and logprobs through the engine (fake backend, API-6..9)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ async def run(engine, backend, pieces, **fields):
 
 
 async def test_a_native_call_is_parsed_out_of_the_text_and_never_shown(engine, backend):
-    """API-11: a model with its own tool format gets the tools through its template; its call
+    """API-6: a model with its own tool format gets the tools through its template; its call
     markup, split across tokens, becomes a tool call and never answer text."""
     backend.knows_tools = backend.markers = True
     pieces = [
@@ -70,7 +70,7 @@ async def test_native_markup_that_does_not_parse_stays_text_never_a_broken_call(
 
 
 async def test_a_model_without_tools_gets_a_note_and_a_text_or_call_grammar(engine, backend):
-    """API-11: no tool format in the template: the tools are described in a system note, and
+    """API-6: no tool format in the template: the tools are described in a system note, and
     `auto` is decoded under a grammar that allows text (not starting with "{") or one call."""
     events = await run(engine, backend, ['{"name": "get_time", ', '"arguments": {}}'], tools=(WEATHER, TIME))
     messages, tools, _ = backend.renders[-1]
@@ -90,7 +90,7 @@ async def test_text_under_the_choice_grammar_streams_as_text(engine, backend):
 
 
 async def test_a_named_function_streams_its_arguments_as_they_come(engine, backend):
-    """API-12: a forced function is decoded under its parameters' schema; the output is its
+    """API-7: a forced function is decoded under its parameters' schema; the output is its
     arguments, streamed piece by piece after a first part that names the call."""
     pieces = ['{"city"', ': "Os', 'lo"}']
     events = await run(
@@ -163,7 +163,7 @@ async def test_a_forced_function_that_is_not_offered_is_refused(engine, backend)
 
 
 async def test_json_formats_are_grammars_and_a_bad_schema_is_refused_before_the_lane(engine, backend):
-    """API-12: `json_format` constrains the answer; a schema the grammar engine refuses is an
+    """API-7: `json_format` constrains the answer; a schema the grammar engine refuses is an
     InvalidRequestError (400) before the request takes a slot, and later requests are served."""
     await run(engine, backend, ["{}"], json_format="")
     assert backend.grammars[-1] == Grammar("json", '{"type": "object"}')
@@ -183,7 +183,7 @@ async def test_a_constrained_answer_asks_the_template_not_to_think(engine, backe
 
 
 async def test_reasoning_is_split_from_the_answer(engine, backend):
-    """API-14: text between thinking markers is reasoning, never answer text."""
+    """API-9: text between thinking markers is reasoning, never answer text."""
     backend.markers = True
     events = await run(engine, backend, ["<thi", "nk>Let me ", "see.</think>", "Four."])
     assert "".join(e.text for e in events if isinstance(e, ReasoningDelta)) == "Let me see."
@@ -214,7 +214,7 @@ async def test_count_tokens_counts_the_tools_as_rendered(engine, backend):
 
 
 async def test_logprobs_ride_with_their_tokens_through_coalescing(engine, backend):
-    """API-13: one logprob per generated token, with its text and bytes, however Deltas merge."""
+    """API-8: one logprob per generated token, with its text and bytes, however Deltas merge."""
     events = await run(engine, backend, ["a", "é", "c"], sampling=replace(request().sampling, logprobs=2))
     logprobs = [lp for e in events if isinstance(e, Delta) for lp in e.logprobs]
     assert [lp.token for lp in logprobs] == ["a", "é", "c"]

@@ -124,7 +124,7 @@ def tools_model(tiny_tools_model_dir):
 
 
 def test_a_tool_template_is_detected_and_renders_tools_calls_and_results(tools_model):
-    """API-11: mlx-lm's tokenizer wrapper finds the template's tool format; tools, a past call and
+    """API-6: mlx-lm's tokenizer wrapper finds the template's tool format; tools, a past call and
     its result render through the template itself."""
     from mlxhost.engine import Message
     from mlxhost.engine.types import ToolCall
@@ -163,7 +163,7 @@ def test_the_models_own_parser_reads_scripted_calls_and_thinking(tools_model):
 
 
 async def test_thinking_opened_by_the_template_is_reasoning_not_answer(tiny_tools_model_dir):
-    """API-14: with `enable_thinking` the template opens a thinking block, so what the model then
+    """API-9: with `enable_thinking` the template opens a thinking block, so what the model then
     writes is reasoning until it closes it (the random model never does within 6 tokens)."""
     from mlxhost.engine import Engine, EngineConfig, LaneSettings, ModelSpec
     from mlxhost.engine.types import ReasoningDelta
