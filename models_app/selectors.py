@@ -103,11 +103,15 @@ def sampling_params_for(*, alias: ModelAlias, overrides: Mapping[str, Any]) -> S
     return SamplingParams(**values)
 
 
-def template_options_for(alias: ModelAlias) -> tuple[tuple[str, object], ...]:
-    """The alias's chat-template keywords (API-9); `enable_thinking` unset leaves the model's default."""
+def template_options_for(
+    alias: ModelAlias, *, thinking: bool | None = None
+) -> tuple[tuple[str, object], ...]:
+    """The alias's chat-template keywords (API-9); a request's own `thinking` choice wins over the
+    alias's, and neither set leaves the model's default."""
     options = dict(alias.chat_template_kwargs or {})
-    if alias.enable_thinking is not None:
-        options["enable_thinking"] = alias.enable_thinking
+    choice = thinking if thinking is not None else alias.enable_thinking
+    if choice is not None:
+        options["enable_thinking"] = choice
     return tuple(sorted(options.items()))
 
 

@@ -53,6 +53,7 @@ class TurnRequest:
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     json_format: str | None = None  # None: text; "": any JSON object; else a JSON schema's text
     continue_final: bool = False  # continue the last (assistant) message instead of answering it
+    thinking: bool | None = None  # the request turns the template's thinking on or off (None: the alias's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +145,7 @@ def generation_request(
         tools=turn.tools,
         tool_choice=turn.tool_choice,
         json_format=turn.json_format,
-        template_options=selectors.template_options_for(alias),
+        template_options=selectors.template_options_for(alias, thinking=turn.thinking),
         continue_final=turn.continue_final,
     )
 

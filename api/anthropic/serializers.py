@@ -138,8 +138,9 @@ class MessageInput(serializers.Serializer[Any]):
 
 
 class ThinkingInput(serializers.Serializer[Any]):
-    """Extended thinking, validated as Anthropic does and accepted; for now it changes nothing:
-    the model answers as it would without it, and no `thinking` block is sent."""
+    """Extended thinking, validated as Anthropic does: `enabled` or `adaptive` turns the chat
+    template's thinking on and sends the model's reasoning as `thinking` blocks; `disabled` turns it
+    off. On a model without thinking markers it changes nothing. `budget_tokens` is not enforced."""
 
     type = serializers.ChoiceField(choices=["enabled", "disabled", "adaptive"])
     budget_tokens = serializers.IntegerField(required=False, min_value=MIN_THINKING_BUDGET)
@@ -217,7 +218,9 @@ class PromptInput(serializers.Serializer[Any]):
         attrs["json_format"] = (
             json_format_of(config_format) if config_format is not None else attrs.get("output_format")
         )
-        attrs["thinking_enabled"] = (attrs.get("thinking") or {}).get("type") in ("enabled", "adaptive")
+        kind = (attrs.get("thinking") or {}).get("type")
+        attrs["thinking_enabled"] = kind in ("enabled", "adaptive")
+        attrs["thinking_switch"] = None if kind is None else attrs["thinking_enabled"]
         return attrs
 
 

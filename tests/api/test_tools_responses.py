@@ -216,3 +216,19 @@ async def test_reasoning_content_on_chat_and_thinking_blocks_on_messages(thinkin
     asked = await post_json("/v1/messages", {**body, "thinking": {"type": "adaptive"}}, anthropic_headers)
     blocks = asked.json()["content"]
     assert blocks[0]["type"] == "thinking" and blocks[0]["thinking"]
+
+
+async def test_a_request_that_disables_thinking_overrides_the_alias(thinking_alias, api_key, mlx_engine):
+    """API-9: Anthropic `thinking: disabled` switches the template's thinking off for that request."""
+    from tests.api.support import post_json
+
+    headers = {"x-api-key": api_key, "anthropic-version": "2023-06-01"}
+    body = {"model": "thinker", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+    off = await post_json("/v1/messages", {**body, "thinking": {"type": "disabled"}}, headers)
+    on = await post_json("/v1/messages", body, headers)
+    assert off.json()["content"][0]["text"]  # the answer, not a reasoning nobody asked to see
+    assert on.json()["content"] == [{"type": "text", "text": ""}]  # the alias thinks: reasoning left out
+    prompt = [
+        r.json()["usage"]["input_tokens"] + r.json()["usage"]["cache_read_input_tokens"] for r in (off, on)
+    ]
+    assert prompt[0] < prompt[1]  # no thinking block opened by the template
