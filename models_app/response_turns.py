@@ -7,7 +7,7 @@ It runs inside the turn service (`models_app.turns`) as that turn's `TurnHooks`.
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from mlxhost.engine import Done, Failed, Message, ToolCall, ToolChoice, Usage
@@ -247,7 +247,10 @@ class ResponseHooks(TurnHooks):
             messages=self.messages(),
             cache=cache,
             tools=self.data.get("tools") or (),
-            tool_choice=self.data.get("tool_choice") or ToolChoice(),
+            tool_choice=replace(
+                self.data.get("tool_choice") or ToolChoice(),
+                single=self.data.get("parallel_tool_calls") is False,
+            ),
             json_format=self.data.get("json_format"),
         )
 

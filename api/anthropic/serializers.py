@@ -104,12 +104,13 @@ def anthropic_tool_choice(value: Any) -> ToolChoice:
     if value is None:
         return ToolChoice()
     kind = value.get("type") if isinstance(value, dict) else None
+    single = bool(value.get("disable_parallel_tool_use")) if isinstance(value, dict) else False
     if kind in ("auto", "none"):
-        return ToolChoice(kind)
+        return ToolChoice(kind, single=single)
     if kind == "any":
-        return ToolChoice("required")
+        return ToolChoice("required", single=single)
     if kind == "tool" and isinstance(value.get("name"), str) and value["name"]:
-        return ToolChoice("required", value["name"])
+        return ToolChoice("required", value["name"], single=single)
     raise serializers.ValidationError("type must be 'auto', 'any', 'none', or 'tool' with a name.")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
@@ -58,7 +59,9 @@ def _chat_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
         messages=messages,
         cache=cache,
         tools=data.get("tools") or (),
-        tool_choice=data.get("tool_choice") or ToolChoice(),
+        tool_choice=replace(
+            data.get("tool_choice") or ToolChoice(), single=data.get("parallel_tool_calls") is False
+        ),
         json_format=data.get("response_format"),
     )
 

@@ -158,6 +158,8 @@ class AnswerReader:
     def _emit_calls(self, calls: list[tuple[str, str]]) -> list[Event]:
         events: list[Event] = []
         for name, arguments in calls:
+            if self._plan.single and self._calls:
+                break  # parallel calls are off: the first call is the answer's only one
             index, call_id = len(self._calls), self._new_id()
             self._calls.append(ToolCall(call_id, name, arguments))
             events.append(ToolCallDelta(index, id=call_id, name=name))

@@ -43,6 +43,7 @@ class AnswerPlan:
     tools: tuple[Tool, ...] = ()  # the functions a call may name
     offer_natively: bool = False  # pass `tools` to the chat template
     forced: str | None = None  # "args": the function every answer calls
+    single: bool = False  # at most one call: later ones are dropped
 
 
 def plan_answer(request: GenerationRequest, *, native_tools: bool) -> AnswerPlan:
@@ -52,6 +53,11 @@ def plan_answer(request: GenerationRequest, *, native_tools: bool) -> AnswerPlan
         InvalidRequestError: a forced function that is not among the tools, or tools with a
             JSON format (one answer cannot be both).
     """
+    plan = _plan(request, native_tools=native_tools)
+    return replace(plan, single=request.tool_choice.single) if plan.tools else plan
+
+
+def _plan(request: GenerationRequest, *, native_tools: bool) -> AnswerPlan:
     choice, tools = request.tool_choice, request.tools
     if not tools and (choice.mode == "required" or choice.name is not None):
         raise InvalidRequestError("tool_choice", "asks for a tool call, but the request has no tools.")

@@ -46,10 +46,11 @@ class Tool:
 @dataclass(frozen=True, slots=True)
 class ToolChoice:
     """Whether the model may (auto), must not (none) or must (required) call a tool; a `name`
-    forces that one function."""
+    forces that one function; `single` keeps at most one call (parallel calls off)."""
 
     mode: ToolMode = "auto"
     name: str | None = None
+    single: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -237,3 +237,15 @@ async def test_native_calls_in_both_schedulers(make_engine, backend, batching):
     events = await collect(await engine.submit(replace(request(max_tokens=8), tools=(TIME,))))
     assert [c.name for c in events[-1].tool_calls] == ["get_time"]
     assert isinstance(events[-1], Done)
+
+
+async def test_single_keeps_only_the_first_native_call(engine, backend):
+    """parallel_tool_calls=false (or Anthropic's disable_parallel_tool_use): at most one call."""
+    backend.knows_tools = backend.markers = True
+    call = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    events = await run(
+        engine, backend, [call, call], tools=(TIME,), tool_choice=ToolChoice("auto", single=True)
+    )
+    assert [c.name for c in events[-1].tool_calls] == ["get_time"]
+    events = await run(engine, backend, [call, call], tools=(TIME,))
+    assert len(events[-1].tool_calls) == 2
