@@ -44,6 +44,14 @@ class TextSplitter(Protocol):
         ...
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
@@ -90,7 +98,10 @@ class AnswerReader:
         elif self._mode == "args" and self._args_id is None and done.finish_reason == "stop":
             events += self._args("")
         if self._mode == "args" and self._args_id is not None:
-            self._calls = [ToolCall(self._args_id, self._plan.forced or "", "".join(self._segment))]
+            arguments = "".join(self._segment)
+            if done.finish_reason != "stop" or _is_json(arguments):
+                self._calls = [ToolCall(self._args_id, self._plan.forced or "", arguments)]
+            # else a stop string cut the arguments: not a call, and the answer ends as it stopped
         finish = done.finish_reason
         if self._calls and finish == "stop":
             finish = "tool_calls"

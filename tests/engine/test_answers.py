@@ -249,3 +249,12 @@ async def test_single_keeps_only_the_first_native_call(engine, backend):
     assert [c.name for c in events[-1].tool_calls] == ["get_time"]
     events = await run(engine, backend, [call, call], tools=(TIME,))
     assert len(events[-1].tool_calls) == 2
+
+
+async def test_a_stop_string_that_cuts_forced_arguments_is_not_a_call(engine, backend):
+    choice = ToolChoice("auto", "get_weather")
+    sampling = replace(request().sampling, max_tokens=64, stop=("Os",))
+    events = await run(
+        engine, backend, ['{"city": "', "Oslo", '"}'], tools=(WEATHER,), tool_choice=choice, sampling=sampling
+    )
+    assert events[-1].finish_reason == "stop" and events[-1].tool_calls == ()
