@@ -3,7 +3,9 @@
 The Vercel AI SDK sends the assistant's previous answer as `{"type": "item_reference", "id":
 "msg_…"}` instead of its text. Two kinds of id resolve, both tenant-scoped (PER-6):
 - `msg_<hex>`: the output message of the stored response `resp_<hex>` (its answer);
-- `msg_<hex>_<i>`: that response's `i`th input item, as `input_items` lists it.
+- `msg_<hex>_<i>`: that response's `i`th input item, as `input_items` lists it;
+- `fc_<hex>_<i>`: that response's `i`th function call (its output item), which joins the
+  assistant turn before it as one of its calls.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from models_app.persistence import persistence
 
 REFERENCE_ROLE = "item_reference"  # the placeholder turn `responses_input.input_turns` leaves
 _ITEM_ID = re.compile(r"msg_([0-9a-f]{1,60})(?:_(\d{1,6}))?")
+_CALL_ID = re.compile(r"fc_([0-9a-f]{1,60})_(\d{1,6})")
 
 
 class ItemNotFoundError(Exception):
     """An `item_reference` names no stored message item of the caller's."""
 
     def __init__(self, index: int, item_id: str) -> None:
-        super().__init__(f"input[{index}]: no stored message item with id {item_id!r}.")
+        super().__init__(f"input[{index}]: no stored message or function_call item with id {item_id!r}.")
         self.param = f"input[{index}]"
 
 
@@ -31,7 +34,7 @@ def reference_turn(item_id: str) -> dict[str, str]:
     return {"role": REFERENCE_ROLE, "content": "", "id": item_id}
 
 
-async def turns_resolved(turns: list[dict[str, str]], *, owner_id: int) -> list[dict[str, str]]:
+async def turns_resolved(turns: list[dict[str, Any]], *, owner_id: int) -> list[dict[str, Any]]:
     """`turns` with each reference replaced by the role/content turn it names.
 
     Raises:
@@ -40,15 +43,21 @@ async def turns_resolved(turns: list[dict[str, str]], *, owner_id: int) -> list[
     """
     if not any(turn["role"] == REFERENCE_ROLE for turn in turns):
         return turns
-    resolved = []
+    resolved: list[dict[str, Any]] = []
     for index, turn in enumerate(turns):
         if turn["role"] == REFERENCE_ROLE:
             turn = await _turn_of(index, turn["id"], owner_id)
+            previous = resolved[-1] if resolved else None
+            if "tool_calls" in turn and not turn["content"] and previous and previous["role"] == "assistant":
+                previous.setdefault("tool_calls", []).extend(turn["tool_calls"])  # one assistant turn
+                continue
         resolved.append(turn)
     return resolved
 
 
-async def _turn_of(index: int, item_id: str, owner_id: int) -> dict[str, str]:
+async def _turn_of(index: int, item_id: str, owner_id: int) -> dict[str, Any]:
+    if (call := _CALL_ID.fullmatch(item_id)) is not None:
+        return await _call_turn(index, item_id, call[1], owner_id)
     match = _ITEM_ID.fullmatch(item_id)
     if match is None:
         raise ItemNotFoundError(index, item_id)
@@ -65,6 +74,18 @@ async def _turn_of(index: int, item_id: str, owner_id: int) -> dict[str, str]:
     for item in row.output or []:
         if item.get("type") == "message" and item.get("id") == item_id:
             return {"role": "assistant", "content": _text_of(item)}
+    raise ItemNotFoundError(index, item_id)
+
+
+async def _call_turn(index: int, item_id: str, hex_id: str, owner_id: int) -> dict[str, Any]:
+    try:
+        row = await persistence().fetch(public_id=f"resp_{hex_id}", owner_id=owner_id)
+    except StoredResponse.DoesNotExist:
+        raise ItemNotFoundError(index, item_id) from None
+    for item in row.output or []:
+        if item.get("type") == "function_call" and item.get("id") == item_id:
+            call = {"id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
+            return {"role": "assistant", "content": "", "tool_calls": [call]}
     raise ItemNotFoundError(index, item_id)
 
 

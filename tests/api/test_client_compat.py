@@ -226,7 +226,7 @@ async def test_an_item_reference_to_a_missing_or_foreign_item_is_a_400_naming_it
         assert refused.status_code == 400, refused.content
         error = refused.json()["error"]
         assert (error["param"], error["code"]) == ("input[1]", "item_not_found")
-        assert error["message"] == f"input[1]: no stored message item with id {item_id!r}."
+        assert error["message"] == f"input[1]: no stored message or function_call item with id {item_id!r}."
     malformed = await post_json(
         "/v1/responses", {"model": "tiny", "input": [{"type": "item_reference"}]}, bearer(api_key)
     )

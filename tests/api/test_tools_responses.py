@@ -232,3 +232,23 @@ async def test_a_request_that_disables_thinking_overrides_the_alias(thinking_ali
         r.json()["usage"]["input_tokens"] + r.json()["usage"]["cache_read_input_tokens"] for r in (off, on)
     ]
     assert prompt[0] < prompt[1]  # no thinking block opened by the template
+
+
+async def test_an_item_reference_to_a_stored_function_call(tiny_alias, alice, mlx_engine):
+    """What the Vercel AI SDK sends on turn 2 with tools: the earlier call by its item id, then the result."""
+    call = await alice.ok(input="weather?", tools=[WEATHER], tool_choice=FORCED, max_output_tokens=60)
+    (item,) = call["output"]
+    body = await alice.ok(
+        input=[
+            {"role": "user", "content": "weather?"},
+            {"type": "item_reference", "id": item["id"]},
+            {"type": "function_call_output", "call_id": item["call_id"], "output": "rain"},
+        ],
+        tools=[WEATHER],
+        max_output_tokens=4,
+    )
+    items = (await alice.call("get", f"{URL}/{body['id']}/input_items?order=asc")).json()["data"]
+    assert [i["type"] for i in items] == ["message", "function_call", "function_call_output"]
+    assert items[1]["call_id"] == item["call_id"] and items[1]["arguments"] == item["arguments"]
+    missing = await alice.create(input=[{"type": "item_reference", "id": item["id"][:-1] + "9"}])
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "input[0]"
