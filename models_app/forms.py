@@ -90,12 +90,24 @@ class ModelForm(_ModelFormBase):
         return cleaned
 
 
+class ThinkingSelect(forms.NullBooleanSelect):
+    """The alias's thinking switch, in words: the model's default, on or off."""
+
+    def __init__(self, attrs: dict[str, Any] | None = None) -> None:
+        super().__init__(attrs)
+        self.choices = [("unknown", "The model's default"), ("true", "On"), ("false", "Off")]
+
+
 class ModelAliasForm(_ModelAliasFormBase):
     """Registers or edits an alias: a public name, its sampling and limits, and its model."""
 
     class Meta:
         model = ModelAlias
         fields = ALIAS_FORM_FIELDS
+        widgets = {
+            "enable_thinking": ThinkingSelect(),
+            "chat_template_kwargs": forms.Textarea(attrs={"rows": 2, "cols": 60, "class": "vLargeTextField"}),
+        }
 
 
 class ApiKeyCreateForm(_ApiKeyFormBase):

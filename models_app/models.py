@@ -149,8 +149,9 @@ class ModelAlias(BaseModel):
         null=True,
         blank=True,
         help_text=(
-            "For reasoning models: Yes lets the model think before it answers (its reasoning is sent "
-            "apart from the answer), No turns thinking off. Unknown: the model's own default."
+            "For reasoning models: On lets the model think before it answers (its reasoning is sent "
+            "apart from the answer), Off turns thinking off. A request may still choose (Anthropic "
+            "`thinking`). Models without thinking markers ignore it."
         ),
     )
     chat_template_kwargs = models.JSONField(
