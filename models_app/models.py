@@ -150,8 +150,8 @@ class ModelAlias(BaseModel):
         blank=True,
         help_text=(
             "For reasoning models: On lets the model think before it answers (its reasoning is sent "
-            "apart from the answer), Off turns thinking off. A request may still choose (Anthropic "
-            "`thinking`). Models without thinking markers ignore it."
+            "apart from the answer), Off turns thinking off. A request may still choose with Anthropic's "
+            "thinking parameter. Models without thinking markers ignore it."
         ),
     )
     chat_template_kwargs = models.JSONField(
