@@ -48,6 +48,11 @@ LOAD_FAILED_MESSAGE = "The model could not be loaded; retry later."
 CANCELLED_MESSAGE = "The request was cancelled before it finished."
 ABORTED_MESSAGE = "The model stopped serving (unload, reload or shutdown) before the answer finished; retry."
 GENERATION_FAILED_MESSAGE = "The model failed while generating."
+CONTEXT_MESSAGE = (
+    "This model's maximum context length is {limit} tokens. However, your messages resulted in "
+    "{tokens} tokens. Please reduce the length of the messages."
+)
+ANTHROPIC_CONTEXT_MESSAGE = "prompt is too long: {tokens} tokens > {limit} maximum"
 
 # Anthropic names its error types by status.
 _ANTHROPIC_TYPES = {
@@ -75,6 +80,8 @@ class ApiError(Exception):
     param: str | None = None
     retry_after: int | None = None
     request_id: str | None = None  # set on a 500, so a report can be matched to the server's log
+    # A prompt over the context: (its tokens, the limit), worded per provider (see `error_body`).
+    too_long: tuple[int, int] | None = None
 
 
 # Engine and lookup errors -> (status, type, code, retry_after). Messages come from the exception.
@@ -122,6 +129,12 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
         return ApiError(
             404, UNKNOWN_MODEL_MESSAGE.format(name=model or ""), code="model_not_found", param="model"
         )
+    if isinstance(exc, PromptTooLongError):
+        # OpenAI's wording and code: coding agents compact the conversation when they see it.
+        too_long = CONTEXT_MESSAGE.format(limit=exc.limit, tokens=exc.prompt_tokens)
+        return ApiError(
+            400, too_long, code="context_length_exceeded", too_long=(exc.prompt_tokens, exc.limit)
+        )
     for kind, (status, type_, code, retry_after) in ERROR_TABLE.items():
         if isinstance(exc, kind):
             retry_after = getattr(exc, "retry_after", None) or retry_after
@@ -168,7 +181,10 @@ def cut_short_error(done: Done) -> ApiError | None:
 def error_body(error: ApiError, dialect: Dialect) -> dict[str, object]:
     if dialect == "anthropic":
         kind = _ANTHROPIC_TYPES.get(error_status(error, dialect), "api_error")
-        return {"type": "error", "error": {"type": kind, "message": error.message}}
+        message = error.message
+        if error.too_long is not None:  # Anthropic's exact wording, which Claude Code acts on
+            message = ANTHROPIC_CONTEXT_MESSAGE.format(tokens=error.too_long[0], limit=error.too_long[1])
+        return {"type": "error", "error": {"type": kind, "message": message}}
     return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
 
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -19,3 +24,38 @@ def sse_event(data: Any, event: str | None = None) -> bytes:
 def sse_comment(text: str = "keepalive") -> bytes:
     """A comment frame: proxies see traffic, clients ignore it."""
     return f": {text}\n\n".encode()
+
+
+def anthropic_ping() -> bytes:
+    return sse_event({"type": "ping"}, event="ping")
+
+
+async def with_keepalive(
+    frames: AsyncIterator[bytes], beat: bytes, interval_s: float
+) -> AsyncIterator[bytes]:
+    """`frames`, with `beat` sent whenever `interval_s` pass without one (a long prefill, a slow
+    step), so clients and proxies that time out idle streams keep waiting. Closing this closes
+    `frames` (a client disconnect still cancels the generation)."""
+    source = aiter(frames)
+    pending: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield beat
+                continue
+            finished: asyncio.Future[bytes] = pending
+            pending = None
+            try:
+                frame = finished.result()
+            except StopAsyncIteration:
+                return
+            yield frame
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await source.aclose()  # type: ignore[attr-defined]  # every stream here is an async generator

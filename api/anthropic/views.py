@@ -6,13 +6,14 @@ import secrets
 from dataclasses import replace
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 from api.anthropic.messages import MessageTurn, message_complete, message_sse
 from api.anthropic.serializers import CountTokensInput, MessagesInput
 from api.auth import Caller, api_endpoint, caller_of, json_body
-from api.openai.views import SSE_HEADERS, validated
+from api.openai.views import sse_response, validated
 from api.sampling import sampling_overrides
+from api.sse import anthropic_ping
 from mlxhost.engine import Message, ToolChoice
 from models_app.turns import CacheScope, TurnRequest, turn_count_tokens, turn_start
 
@@ -60,11 +61,7 @@ async def messages(request: HttpRequest) -> HttpResponseBase:
     shape = MessageTurn(id=turn.request_id, model=turn.model, thinking=data["thinking_enabled"])
     headers = {**turn.headers, "request-id": turn.request_id}
     if data["stream"]:
-        return StreamingHttpResponse(
-            message_sse(shape, turn.generation),
-            content_type="text/event-stream",
-            headers={**SSE_HEADERS, **headers},
-        )
+        return sse_response(message_sse(shape, turn.generation), headers, beat=anthropic_ping())
     return JsonResponse(await message_complete(shape, turn.generation), headers=headers)
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 from api.auth import api_endpoint, caller_of, json_body
 from api.openai.input_items import input_items, input_items_page
 from api.openai.responses import ResponseTurn, response_collect, response_shape, response_sse
 from api.openai.responses_input import ResponsesInput
-from api.openai.views import SSE_HEADERS, validated
+from api.openai.views import sse_response, validated
 from api.sampling import sampling_overrides
 from mlxhost.engine import Usage
 from mlxhost.runtime import get_engine
@@ -29,9 +29,7 @@ async def responses_create(request: HttpRequest) -> HttpResponseBase:
     response = response_shape(data, started)
     if data["stream"]:
         stream = response_sse(response, started.turn)
-        return StreamingHttpResponse(
-            stream, content_type="text/event-stream", headers={**SSE_HEADERS, **started.turn.headers}
-        )
+        return sse_response(stream, started.turn.headers)
     return JsonResponse(await response_collect(response, started.turn), headers=started.turn.headers)
 
 

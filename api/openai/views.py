@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
 
 from api.anthropic.models import model_info, model_page, wants_anthropic
@@ -15,6 +16,7 @@ from api.errors import ApiError
 from api.openai.chat import ChatTurn, chat_complete, chat_sse
 from api.openai.serializers import ChatCompletionInput, first_error
 from api.sampling import sampling_overrides
+from api.sse import sse_comment, with_keepalive
 from mlxhost.engine import ToolChoice
 from mlxhost.runtime import engine_if_started
 from models_app import selectors
@@ -29,6 +31,16 @@ if TYPE_CHECKING:
     from mlxhost.engine import Generation, Message
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_response(
+    frames: AsyncIterator[bytes], headers: dict[str, str], *, beat: bytes | None = None
+) -> StreamingHttpResponse:
+    """An SSE answer with keep-alives (`beat`, an SSE comment by default) while the stream idles."""
+    keepalive = with_keepalive(frames, beat or sse_comment(), settings.MLXHOST_SSE_KEEPALIVE_S)
+    return StreamingHttpResponse(
+        keepalive, content_type="text/event-stream", headers={**SSE_HEADERS, **headers}
+    )
 
 
 def validated(serializer_class: type[serializers.Serializer[Any]], body: dict[str, Any]) -> dict[str, Any]:
@@ -91,11 +103,7 @@ async def chat_shaped_response(
         id=turn.request_id, model=turn.model, instance_id=generation.instance_id, include_usage=include_usage
     )
     if data["stream"]:
-        return StreamingHttpResponse(
-            stream(shape, generation),
-            content_type="text/event-stream",
-            headers={**SSE_HEADERS, **turn.headers},
-        )
+        return sse_response(stream(shape, generation), turn.headers)
     return JsonResponse(await collect(shape, generation), headers=turn.headers)
 
 

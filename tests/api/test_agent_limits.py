@@ -1,0 +1,111 @@
+"""Context limits in each provider's words, and keep-alives while a long prompt is prefilled (issue 17)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from tests.api.support import bearer, post_json
+
+pytestmark = [pytest.mark.django_db(transaction=True)]
+
+HELLO = [{"role": "user", "content": "Hello there, how are you today?"}]
+
+
+@pytest.fixture
+async def small_input(tiny_alias):
+    tiny_alias.max_input_tokens = 5
+    await tiny_alias.asave()
+    return tiny_alias
+
+
+async def test_a_prompt_over_the_limit_is_openais_context_length_exceeded(small_input, api_key, mlx_engine):
+    """What Codex compacts on: code `context_length_exceeded`, OpenAI's wording, on chat and Responses."""
+    for path, body in (
+        ("/v1/chat/completions", {"messages": HELLO}),
+        ("/v1/responses", {"input": "Hello there, how are you today?"}),
+    ):
+        response = await post_json(path, {"model": "tiny", **body}, bearer(api_key))
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+        assert re.fullmatch(
+            r"This model's maximum context length is 5 tokens\. However, your messages resulted in \d+ "
+            r"tokens\. Please reduce the length of the messages\.",
+            error["message"],
+        )
+
+
+async def test_a_prompt_over_the_limit_is_anthropics_prompt_is_too_long(small_input, api_key, mlx_engine):
+    """What Claude Code compacts on: Anthropic's exact `prompt is too long: N tokens > M maximum`,
+    with N the count `count_tokens` gives for the same request."""
+    headers = {"x-api-key": api_key, "anthropic-version": "2023-06-01"}
+    body = {"model": "tiny", "max_tokens": 8, "messages": HELLO}
+    response = await post_json("/v1/messages", body, headers)
+    assert response.status_code == 400
+    assert response.json()["type"] == "error"
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    counted = (await post_json("/v1/messages/count_tokens", body, headers)).json()["input_tokens"]
+    assert error["message"] == f"prompt is too long: {counted} tokens > 5 maximum"
+
+
+async def test_keepalives_flow_while_the_stream_is_idle_and_stop_when_it_ends():
+    """While no frame comes (a long prefill), the beat goes out every interval; frames pass through
+    in order, and the end of the stream ends it."""
+    from api.sse import with_keepalive
+
+    release = asyncio.Event()
+
+    async def frames():
+        yield b"first"
+        await release.wait()  # a long prefill: nothing to send
+        yield b"second"
+
+    stream = with_keepalive(frames(), b": beat\n\n", 0.01)
+    seen = [await anext(stream)]
+    while seen.count(b": beat\n\n") < 3:
+        seen.append(await anext(stream))
+    release.set()
+    rest = [frame async for frame in stream]
+    assert seen[0] == b"first" and set(seen[1:]) == {b": beat\n\n"}
+    assert rest[-1] == b"second" and set(rest[:-1]) <= {b": beat\n\n"}
+
+
+async def test_closing_the_keepalive_stream_closes_the_source():
+    """A client that hangs up mid-prefill closes the source generator (which cancels the turn)."""
+    from api.sse import with_keepalive
+
+    closed = asyncio.Event()
+
+    async def frames():
+        try:
+            yield b"first"
+            await asyncio.Event().wait()
+        finally:
+            closed.set()
+
+    stream = with_keepalive(frames(), b": beat\n\n", 0.01)
+    assert await anext(stream) == b"first"
+    assert await anext(stream) == b": beat\n\n"
+    await stream.aclose()
+    assert closed.is_set()
+
+
+async def test_an_anthropic_stream_pings_while_the_prompt_is_prefilled(
+    tiny_alias, api_key, mlx_engine, settings
+):
+    """Claude Code's long first prompt: `ping` events flow before the first token (issue 17)."""
+    settings.MLXHOST_SSE_KEEPALIVE_S = 0.001
+    headers = {"x-api-key": api_key, "anthropic-version": "2023-06-01"}
+    long_prompt = [{"role": "user", "content": "The baker opened his shop. " * 400}]
+    response = await post_json(
+        "/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": long_prompt, "stream": True}, headers
+    )
+    frames = [chunk async for chunk in response.streaming_content]
+    names = [f.split(b"\n", 1)[0] for f in frames]
+    prefill = names[names.index(b"event: message_start") + 1 : names.index(b"event: content_block_start")]
+    assert prefill and set(prefill) == {b"event: ping"}  # keep-alives, before any content
+    assert names[-1] == b"event: message_stop"
