@@ -63,7 +63,7 @@ def turn_messages(role: str, value: Any) -> list[Message]:
         serializers.ValidationError: an unsupported or malformed block.
     """
     if isinstance(value, str):
-        return [Message(role, value)]  # type: ignore[arg-type]  # role is "user" or "assistant"
+        return [Message(role, value)]  # type: ignore[arg-type]  # role is "user", "assistant" or "system"
     if not isinstance(value, list):
         raise serializers.ValidationError("Must be a string or a list of content blocks.")
     texts: list[str] = []
@@ -86,6 +86,8 @@ def turn_messages(role: str, value: Any) -> list[Message]:
     text = BLOCK_SEPARATOR.join(texts)
     if role == "assistant":
         return [Message("assistant", text, tool_calls=tuple(calls))]
+    if role == "system":
+        return [Message("system", text)]
     return results + ([Message("user", text)] if text or not results else [])
 
 
@@ -124,7 +126,8 @@ def json_format_of(value: Any) -> str | None:
 
 
 class MessageInput(serializers.Serializer[Any]):
-    role = serializers.ChoiceField(choices=["user", "assistant"])
+    # "system" mid-conversation: Claude Code's reminders (the mid-conversation-system beta).
+    role = serializers.ChoiceField(choices=["user", "assistant", "system"])
     content = serializers.JSONField()
 
     class Meta:

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.answer import AnswerReader
+from mlxhost.engine.errors import InvalidRequestError
 from mlxhost.engine.structure import AnswerPlan, plan_answer, prompt_messages
+from mlxhost.engine.types import Message
 
 if TYPE_CHECKING:
     from mlxhost.engine.backends.base import LoadedModel
@@ -23,8 +25,9 @@ def render(model: LoadedModel, request: GenerationRequest) -> Rendered:
     """Plan the answer and render the prompt (worker-free: call it off the loop, in a thread).
 
     Raises:
-        InvalidRequestError: the tools, tool choice or JSON format cannot be served, or a grammar
-            does not compile for this model (the message names the problem).
+        InvalidRequestError: the tools, tool choice or JSON format cannot be served, a grammar
+            does not compile for this model, or the chat template refuses the messages (the
+            message names the problem).
     """
     if request.prompt is not None:
         return Rendered(model.encode(request.prompt), AnswerPlan())
@@ -34,13 +37,31 @@ def render(model: LoadedModel, request: GenerationRequest) -> Rendered:
     options = dict(request.template_options)
     if plan.grammar is not None:
         options.setdefault("enable_thinking", False)  # a constrained answer starts at once
-    prompt_ids = model.render_chat(
-        prompt_messages(request.messages, plan, native_tools=model.knows_tools),
-        tools=plan.tools if plan.offer_natively else (),
-        options=options,
-        continue_final=request.continue_final,
-    )
+    messages = prompt_messages(request.messages, plan, native_tools=model.knows_tools)
+    tools = plan.tools if plan.offer_natively else ()
+    final = request.continue_final
+    try:
+        prompt_ids = model.render_chat(messages, tools=tools, options=options, continue_final=final)
+    except Exception as exc:
+        # Many templates allow a system message only first; a later one (Claude Code's reminders)
+        # is then rendered as a user turn that says what it is, instead of failing the request.
+        inline = later_system_as_user(messages)
+        try:
+            if inline == messages:
+                raise
+            prompt_ids = model.render_chat(inline, tools=tools, options=options, continue_final=final)
+        except Exception:
+            message = f"the model's chat template refused them: {str(exc)[:200]}"
+            raise InvalidRequestError("messages", message) from exc
     return Rendered(prompt_ids, plan)
+
+
+def later_system_as_user(messages: tuple[Message, ...]) -> tuple[Message, ...]:
+    """`messages` with every system message after the first turn as a user message."""
+    return tuple(
+        Message("user", f"[System note] {m.content}") if m.role == "system" and i > 0 else m
+        for i, m in enumerate(messages)
+    )
 
 
 def reader_for(model: LoadedModel, rendered: Rendered) -> AnswerReader | None:

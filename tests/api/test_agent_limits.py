@@ -109,3 +109,43 @@ async def test_an_anthropic_stream_pings_while_the_prompt_is_prefilled(
     prefill = names[names.index(b"event: message_start") + 1 : names.index(b"event: content_block_start")]
     assert prefill and set(prefill) == {b"event: ping"}  # keep-alives, before any content
     assert names[-1] == b"event: message_stop"
+
+
+async def test_claude_codes_mid_conversation_system_message_and_extras_are_accepted(
+    tiny_alias, api_key, mlx_engine
+):
+    """Issue 17: a system-role message among `messages`, `?beta=true`, Claude Code's betas,
+    `context_management`, `output_config.effort`, adaptive thinking and metadata are all accepted."""
+    headers = {
+        "x-api-key": api_key,
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27,"
+        "mid-conversation-system-2026-04-07,effort-2025-11-24",
+    }
+    body = {
+        "model": "tiny",
+        "max_tokens": 4,
+        "system": [
+            {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}
+        ],
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "system", "content": "Reminder: be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "go", "cache_control": {"type": "ephemeral"}}],
+            },
+        ],
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+        "metadata": {"user_id": "user_abc"},
+    }
+    response = await post_json("/v1/messages?beta=true", body, headers)
+    assert response.status_code == 200, response.content
+    counted = await post_json("/v1/messages/count_tokens?beta=true", body, headers)
+    without = await post_json(
+        "/v1/messages/count_tokens", {**body, "messages": [body["messages"][0]]}, headers
+    )
+    assert counted.json()["input_tokens"] > without.json()["input_tokens"]  # the reminder is in the prompt

@@ -258,3 +258,26 @@ async def test_a_stop_string_that_cuts_forced_arguments_is_not_a_call(engine, ba
         engine, backend, ['{"city": "', "Oslo", '"}'], tools=(WEATHER,), tool_choice=choice, sampling=sampling
     )
     assert events[-1].finish_reason == "stop" and events[-1].tool_calls == ()
+
+
+async def test_a_template_that_refuses_a_later_system_message_gets_it_as_a_user_note(engine, backend):
+    """Claude Code's mid-conversation system reminders on a template that allows system only first."""
+
+    def strict(messages):
+        if any(m.role == "system" for m in list(messages)[1:]):
+            raise ValueError("System message must be at the beginning.")
+
+    backend.before_render = strict
+    history = (Message("user", "hi"), Message("system", "Remember the rules."), Message("user", "go"))
+    await run(engine, backend, ["ok"], messages=history)
+    assert backend.renders[-1][0][1] == Message("user", "[System note] Remember the rules.")
+
+
+async def test_a_template_that_refuses_the_conversation_is_a_400(engine, backend):
+    def refuse(messages):
+        raise ValueError("Conversation roles must alternate user/assistant/user/assistant/...")
+
+    backend.before_render = refuse
+    with pytest.raises(InvalidRequestError) as refused:
+        await engine.submit(request())
+    assert refused.value.param == "messages" and "must alternate" in str(refused.value)
