@@ -33,7 +33,7 @@ ALLOW_HEADERS = (
     "x-request-id",
 )
 ALLOW_HEADER_PREFIX = "x-stainless-"
-EXPOSE_HEADERS = "X-Request-Id, X-Session-Cache, Retry-After, request-id"
+EXPOSE_HEADERS = "X-Request-Id, X-Session-Cache, X-Tools-Ignored, Retry-After, request-id"
 MAX_AGE_S = 7200  # Chromium's cap on caching a preflight
 
 

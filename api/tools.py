@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from rest_framework import serializers
@@ -18,7 +19,7 @@ from mlxhost.engine import TokenLogprob, Tool, ToolChoice
 MAX_TOOLS = 64
 MAX_SCHEMA_BYTES = 32 * 1024
 MAX_SCHEMA_DEPTH = 24
-MAX_DESCRIPTION = 4096
+MAX_DESCRIPTION = 32 * 1024  # coding agents describe their tools at length (Claude Code: 10k+)
 MAX_TOP_LOGPROBS = 20
 _NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
@@ -43,19 +44,60 @@ def tool(name: Any, description: Any, parameters: Any) -> Tool:
     )
 
 
-def tools_list(value: Any, *, parse: Any) -> tuple[Tool, ...]:
-    """A surface's tool list, each item read by `parse`; names must be unique."""
+@dataclass(frozen=True, slots=True)
+class ToolSet:
+    """A request's tools as the model is offered them, the hosted tools left out (by type), and
+    for namespaced functions, the offered name -> (namespace, name) the client knows them by."""
+
+    tools: tuple[Tool, ...] = ()
+    ignored: tuple[str, ...] = ()
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def headers(self) -> dict[str, str]:
+        """`X-Tools-Ignored` names the hosted tools this server left out of the prompt."""
+        return {IGNORED_TOOLS_HEADER: ", ".join(self.ignored)} if self.ignored else {}
+
+
+IGNORED_TOOLS_HEADER = "X-Tools-Ignored"
+
+
+def tools_list(value: Any, *, parse: Any) -> ToolSet:
+    """A surface's tool list: `parse` reads one item into the tools it offers (none for a hosted
+    tool, which it reports by raising `Hosted`). Offered names must be unique.
+    """
     if value is None:
-        return ()
+        return ToolSet()
     if not isinstance(value, list):
         raise serializers.ValidationError("must be a list of tools.")
     if len(value) > MAX_TOOLS:
         raise serializers.ValidationError(f"at most {MAX_TOOLS} tools.")
-    tools = tuple(parse(item) for item in value)
+    tools: list[Tool] = []
+    ignored: list[str] = []
+    namespaced: dict[str, tuple[str, str]] = {}
+    for item in value:
+        try:
+            offered = parse(item)
+        except Hosted as hosted:
+            ignored.append(hosted.kind)
+            continue
+        for tool, origin in offered:
+            tools.append(tool)
+            if origin is not None:
+                namespaced[tool.name] = origin
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise serializers.ValidationError("tool names must be unique.")
-    return tools
+    if len(tools) > MAX_TOOLS:
+        raise serializers.ValidationError(f"at most {MAX_TOOLS} tools.")
+    return ToolSet(tuple(tools), tuple(ignored), namespaced)
+
+
+class Hosted(Exception):
+    """A tool the provider itself runs (web search, code execution): left out, and reported."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
 
 
 def schema_text(schema: Any) -> str:
@@ -74,14 +116,14 @@ def schema_text(schema: Any) -> str:
     return text
 
 
-def openai_function(item: Any) -> Tool:
+def openai_function(item: Any) -> list[tuple[Tool, None]]:
     """A chat completions tool: {"type": "function", "function": {name, description, parameters}}."""
     if not isinstance(item, dict) or item.get("type", "function") != "function":
         raise serializers.ValidationError("only function tools are supported.")
     function = item.get("function")
     if not isinstance(function, dict):
         raise serializers.ValidationError("a function tool needs a 'function' object.")
-    return tool(function.get("name"), function.get("description"), function.get("parameters"))
+    return [(tool(function.get("name"), function.get("description"), function.get("parameters")), None)]
 
 
 def openai_tool_choice(value: Any, *, nested: bool = True) -> ToolChoice:

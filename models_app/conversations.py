@@ -13,6 +13,14 @@ CONTINUABLE = {
 }
 
 
+NAMESPACE_JOIN = "__"
+
+
+def namespaced_name(namespace: str | None, name: str) -> str:
+    """The name a model calls a namespaced function by (Codex's `namespace` tools): `ns__name`."""
+    return f"{namespace}{NAMESPACE_JOIN}{name}" if namespace else name
+
+
 def conversation_of(*, parent: StoredResponse) -> tuple[str | None, list[dict[str, str]]]:
     """The parent's instructions and every turn through its answer, as role/content dicts (an
     assistant turn may carry `tool_calls`, a "tool" turn the `tool_call_id` it answers).
@@ -24,7 +32,11 @@ def conversation_of(*, parent: StoredResponse) -> tuple[str | None, list[dict[st
     turns = [dict(turn) for turn in request.get("conversation", [])]
     answer: dict[str, Any] = {"role": "assistant", "content": parent.output_text}
     calls = [
-        {"id": item["call_id"], "name": item["name"], "arguments": item["arguments"]}
+        {
+            "id": item["call_id"],
+            "name": namespaced_name(item.get("namespace"), item["name"]),
+            "arguments": item["arguments"],
+        }
         for item in parent.output or []
         if item.get("type") == "function_call"
     ]

@@ -89,10 +89,15 @@ def output_message(
 
 
 def function_call_item(
-    response_id: str, index: int, call: ToolCall, status: str = "completed"
+    response_id: str,
+    index: int,
+    call: ToolCall,
+    status: str = "completed",
+    namespaced: dict[str, tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """A call the model made, as a `function_call` output item (its `call_id` is the call's id)."""
-    return {
+    """A call the model made, as a `function_call` output item (its `call_id` is the call's id); a
+    namespaced function's call carries its bare name and its `namespace`, as Codex routes them."""
+    item: dict[str, Any] = {
         "type": "function_call",
         "id": f"fc_{response_id.removeprefix('resp_')}_{index}",
         "call_id": call.id,
@@ -100,6 +105,9 @@ def function_call_item(
         "arguments": call.arguments,
         "status": status,
     }
+    if namespaced and call.name in namespaced:
+        item["namespace"], item["name"] = namespaced[call.name]
+    return item
 
 
 def reasoning_item(response_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -114,7 +122,12 @@ def reasoning_item(response_id: str, text: str, status: str = "completed") -> di
 
 
 def output_items(
-    response_id: str, text: str, status: str, done: Done | None, logprobs: list[dict[str, Any]] | None = None
+    response_id: str,
+    text: str,
+    status: str,
+    done: Done | None,
+    logprobs: list[dict[str, Any]] | None = None,
+    namespaced: dict[str, tuple[str, str]] | None = None,
 ) -> list[dict[str, Any]]:
     """A finished response's output: its reasoning, its message (unless it only called tools), and
     its calls, in that order; what the answer shows and the row stores."""
@@ -124,7 +137,7 @@ def output_items(
     items = [reasoning_item(response_id, done.reasoning)] if done is not None and done.reasoning else []
     if text or not calls:
         items.append(output_message(response_id, text, status, logprobs))
-    items += [function_call_item(response_id, i, call) for i, call in enumerate(calls)]
+    items += [function_call_item(response_id, i, call, namespaced=namespaced) for i, call in enumerate(calls)]
     return items
 
 
@@ -197,6 +210,11 @@ class ResponseHooks(TurnHooks):
         self.created_at = 0
 
     @property
+    def namespaced(self) -> dict[str, tuple[str, str]]:
+        tools = self.data.get("tools")
+        return tools.namespaced if tools else {}
+
+    @property
     def conversation(self) -> list[dict[str, str]]:
         return [*self.history, *(t for t in self.data["turns"] if t["role"] != "system")]
 
@@ -246,7 +264,7 @@ class ResponseHooks(TurnHooks):
             turn.sampling,
             messages=self.messages(),
             cache=cache,
-            tools=self.data.get("tools") or (),
+            tools=self.data["tools"].tools if self.data.get("tools") else (),
             tool_choice=replace(
                 self.data.get("tool_choice") or ToolChoice(),
                 single=self.data.get("parallel_tool_calls") is False,
@@ -302,7 +320,7 @@ class ResponseHooks(TurnHooks):
                 "temperature": data.get("temperature"),
                 "top_p": data.get("top_p"),
             },
-            output=output_items(self.response_id, result.text, status, done),
+            output=output_items(self.response_id, result.text, status, done, namespaced=self.namespaced),
             output_text=result.text,
             usage=usage_body(usage) or {},
             status=status,

@@ -91,14 +91,26 @@ def turn_messages(role: str, value: Any) -> list[Message]:
     return results + ([Message("user", text)] if text or not results else [])
 
 
-def anthropic_tool(item: Any) -> Tool:
-    """A client tool: {name, description, input_schema} ("custom", the default type)."""
-    if not isinstance(item, dict) or item.get("type", "custom") != "custom":
-        kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+# Anthropic-defined tools (versioned types such as web_search_20250305 or bash_20250124): run by
+# Anthropic or defined by it, with no schema here; left out and named in X-Tools-Ignored.
+ANTHROPIC_DEFINED = ("web_search_", "web_fetch_", "code_execution_", "bash_", "text_editor_", "computer_",
+                     "memory_", "tool_search_")  # fmt: skip
+
+
+def anthropic_tool(item: Any) -> list[tuple[Tool, None]]:
+    """A client tool: {name, description, input_schema} ("custom", the default type).
+
+    Raises:
+        tool_inputs.Hosted: an Anthropic-defined tool (left out, reported).
+    """
+    kind = item.get("type", "custom") if isinstance(item, dict) else type(item).__name__
+    if isinstance(kind, str) and kind.startswith(ANTHROPIC_DEFINED):
+        raise tool_inputs.Hosted(kind)
+    if kind != "custom":
         raise serializers.ValidationError(f"Only client (custom) tools are supported, not {kind!r}.")
     if not isinstance(item.get("input_schema"), dict):
         raise serializers.ValidationError(f"The tool {item.get('name')!r} needs an 'input_schema' object.")
-    return tool_inputs.tool(item.get("name"), item.get("description"), item["input_schema"])
+    return [(tool_inputs.tool(item.get("name"), item.get("description"), item["input_schema"]), None)]
 
 
 def anthropic_tool_choice(value: Any) -> ToolChoice:
@@ -188,7 +200,7 @@ class PromptInput(serializers.Serializer[Any]):
     def validate_output_format(self, value: Any) -> str | None:
         return json_format_of(value)
 
-    def validate_tools(self, value: Any) -> tuple[Tool, ...]:
+    def validate_tools(self, value: Any) -> tool_inputs.ToolSet:
         return tool_inputs.tools_list(value, parse=anthropic_tool)
 
     def validate_tool_choice(self, value: Any) -> ToolChoice:

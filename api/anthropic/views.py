@@ -14,6 +14,7 @@ from api.auth import Caller, api_endpoint, caller_of, json_body
 from api.openai.views import sse_response, validated
 from api.sampling import sampling_overrides
 from api.sse import anthropic_ping
+from api.tools import ToolSet
 from mlxhost.engine import Message, ToolChoice
 from models_app.turns import CacheScope, TurnRequest, turn_count_tokens, turn_start
 
@@ -40,7 +41,7 @@ def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
         messages=messages,
         cache=cache,
         continue_final=prefill,
-        tools=data.get("tools") or (),
+        tools=(data.get("tools") or ToolSet()).tools,
         tool_choice=data.get("tool_choice") or ToolChoice(),
         json_format=data.get("json_format"),
         thinking=data.get("thinking_switch"),
@@ -59,7 +60,7 @@ async def messages(request: HttpRequest) -> HttpResponseBase:
         _messages_turn(data, caller_of(request)), request_id=f"msg_{secrets.token_hex(12)}"
     )
     shape = MessageTurn(id=turn.request_id, model=turn.model, thinking=data["thinking_enabled"])
-    headers = {**turn.headers, "request-id": turn.request_id}
+    headers = {**turn.headers, "request-id": turn.request_id, **(data.get("tools") or ToolSet()).headers()}
     if data["stream"]:
         return sse_response(message_sse(shape, turn.generation), headers, beat=anthropic_ping())
     return JsonResponse(await message_complete(shape, turn.generation), headers=headers)

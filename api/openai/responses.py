@@ -53,6 +53,7 @@ class ResponseTurn:
     output: list[dict[str, Any]] | None = None  # the finished output items (a stored row's)
     done: Done | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)  # offered name -> (namespace, name)
 
     @property
     def message_id(self) -> str:
@@ -78,7 +79,7 @@ class ResponseTurn:
             return self.output
         if self.status in ("in_progress", "queued"):
             return []
-        return output_items(self.id, self.text, self.status, self.done, self.logprobs)
+        return output_items(self.id, self.text, self.status, self.done, self.logprobs, self.namespaced)
 
     def body(self) -> dict[str, Any]:
         """The `response` object as it stands."""
@@ -141,6 +142,7 @@ def response_shape(data: dict[str, Any], started: StartedResponse) -> ResponseTu
         tool_choice=raw.get("tool_choice") or "auto",
         text_format=((raw.get("text") or {}).get("format")) or {"type": "text"},
         parallel_tool_calls=raw.get("parallel_tool_calls") is not False,
+        namespaced=data["tools"].namespaced if data.get("tools") else {},
     )
 
 
@@ -229,7 +231,9 @@ class _OutputWriter:
             if event.id is not None:
                 self.calls[event.index] = [event.id, event.name or "", ""]
                 call = ToolCall(event.id, event.name or "", "")
-                return self._open(key, function_call_item(r.id, event.index, call, "in_progress"))
+                return self._open(
+                    key, function_call_item(r.id, event.index, call, "in_progress", r.namespaced)
+                )
             self.calls[event.index][2] += event.arguments
             item_id = f"fc_{r.id.removeprefix('resp_')}_{event.index}"
             where = {"item_id": item_id, "output_index": self.indexes[key]}
@@ -271,7 +275,9 @@ class _OutputWriter:
             else:
                 call_index = int(key.removeprefix("call"))
                 call_id, name, arguments = self.calls[call_index]
-                item = function_call_item(r.id, call_index, ToolCall(call_id, name, arguments))
+                item = function_call_item(
+                    r.id, call_index, ToolCall(call_id, name, arguments), namespaced=r.namespaced
+                )
                 where = {"item_id": item["id"], "output_index": index}
                 out.append(
                     r.event("response.function_call_arguments.done", **where, name=name, arguments=arguments)

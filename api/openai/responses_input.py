@@ -9,6 +9,7 @@ from rest_framework import serializers
 from api import tools as tool_inputs
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, max_tokens_field
+from models_app.conversations import namespaced_name
 from models_app.item_references import reference_turn
 
 if TYPE_CHECKING:
@@ -59,7 +60,8 @@ def _call(item: dict[str, Any], turns: list[dict[str, Any]]) -> None:
         raise serializers.ValidationError(
             "A function_call item needs string 'call_id', 'name' and 'arguments'."
         )
-    call = {"id": call_id, "name": name, "arguments": arguments}
+    namespace = item.get("namespace") if isinstance(item.get("namespace"), str) else None
+    call = {"id": call_id, "name": namespaced_name(namespace, name), "arguments": arguments}
     last = turns[-1] if turns else None
     if last is not None and last["role"] == "assistant":  # one assistant turn: its text, then its calls
         last.setdefault("tool_calls", []).append(call)
@@ -136,12 +138,37 @@ class TextConfigInput(serializers.Serializer[Any]):
         return value
 
 
-def response_tool(item: Any) -> Tool:
-    """A Responses function tool: {"type": "function", name, description, parameters, strict}."""
-    if not isinstance(item, dict) or item.get("type", "function") != "function":
-        kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-        raise serializers.ValidationError(f"Only function tools are supported, not {kind!r}.")
-    return tool_inputs.tool(item.get("name"), item.get("description"), item.get("parameters"))
+# Tools OpenAI runs itself: this server cannot, so they are left out of the prompt and named in
+# the X-Tools-Ignored header (Codex sends web_search with every request).
+HOSTED_TOOLS = frozenset(
+    {"web_search", "web_search_preview", "file_search", "code_interpreter", "image_generation", "mcp",
+     "computer_use_preview"}
+)  # fmt: skip
+
+
+def response_tool(item: Any) -> list[tuple[Tool, tuple[str, str] | None]]:
+    """A Responses tool as the functions it offers: a function tool, or each function of a
+    `namespace` tool under `namespace__name` (calls go back with the two apart, as Codex expects).
+
+    Raises:
+        tool_inputs.Hosted: a tool OpenAI runs itself (left out, reported).
+    """
+    kind = item.get("type", "function") if isinstance(item, dict) else type(item).__name__
+    if kind in HOSTED_TOOLS:
+        raise tool_inputs.Hosted(kind)
+    if kind == "namespace" and isinstance(item.get("name"), str) and isinstance(item.get("tools"), list):
+        namespace = item["name"]
+        offered: list[tuple[Tool, tuple[str, str] | None]] = []
+        for function in item["tools"]:
+            if not isinstance(function, dict) or function.get("type", "function") != "function":
+                raise serializers.ValidationError(f"A namespace's tools must be functions ({namespace!r}).")
+            name = namespaced_name(namespace, str(function.get("name")))
+            tool = tool_inputs.tool(name, function.get("description"), function.get("parameters"))
+            offered.append((tool, (namespace, str(function.get("name")))))
+        return offered
+    if kind != "function":
+        raise serializers.ValidationError(f"Only function and namespace tools are supported, not {kind!r}.")
+    return [(tool_inputs.tool(item.get("name"), item.get("description"), item.get("parameters")), None)]
 
 
 class ResponsesInput(SamplingInput):
@@ -184,7 +211,7 @@ class ResponsesInput(SamplingInput):
         input_turns(value)
         return value
 
-    def validate_tools(self, value: Any) -> tuple[Tool, ...]:
+    def validate_tools(self, value: Any) -> tool_inputs.ToolSet:
         return tool_inputs.tools_list(value, parse=response_tool)
 
     def validate_tool_choice(self, value: Any) -> Any:

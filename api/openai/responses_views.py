@@ -13,6 +13,7 @@ from api.openai.responses import ResponseTurn, response_collect, response_shape,
 from api.openai.responses_input import ResponsesInput
 from api.openai.views import sse_response, validated
 from api.sampling import sampling_overrides
+from api.tools import ToolSet
 from mlxhost.engine import Usage
 from mlxhost.runtime import get_engine
 from models_app import services
@@ -27,10 +28,13 @@ async def responses_create(request: HttpRequest) -> HttpResponseBase:
     data = validated(ResponsesInput, json_body(request))
     started = await response_start(data, caller_of(request).owner_id, sampling_overrides(data))
     response = response_shape(data, started)
+    tools = data.get("tools") or ToolSet()
     if data["stream"]:
         stream = response_sse(response, started.turn)
-        return sse_response(stream, started.turn.headers)
-    return JsonResponse(await response_collect(response, started.turn), headers=started.turn.headers)
+        return sse_response(stream, {**started.turn.headers, **tools.headers()})
+    return JsonResponse(
+        await response_collect(response, started.turn), headers={**started.turn.headers, **tools.headers()}
+    )
 
 
 def _stored_body(row: StoredResponse) -> dict[str, Any]:

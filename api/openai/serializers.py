@@ -132,7 +132,7 @@ class ChatCompletionInput(TextSamplingInput):
     prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
     cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)
 
-    def validate_tools(self, value: Any) -> tuple[Any, ...]:
+    def validate_tools(self, value: Any) -> tool_inputs.ToolSet:
         return tool_inputs.tools_list(value, parse=tool_inputs.openai_function)
 
     def validate_tool_choice(self, value: Any) -> Any:

@@ -17,6 +17,7 @@ from api.openai.chat import ChatTurn, chat_complete, chat_sse
 from api.openai.serializers import ChatCompletionInput, first_error
 from api.sampling import sampling_overrides
 from api.sse import sse_comment, with_keepalive
+from api.tools import ToolSet
 from mlxhost.engine import ToolChoice
 from mlxhost.runtime import engine_if_started
 from models_app import selectors
@@ -70,7 +71,7 @@ def _chat_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
         sampling_overrides(data),
         messages=messages,
         cache=cache,
-        tools=data.get("tools") or (),
+        tools=(data.get("tools") or ToolSet()).tools,
         tool_choice=replace(
             data.get("tool_choice") or ToolChoice(), single=data.get("parallel_tool_calls") is False
         ),

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 Mode = Literal["text", "json", "args", "call", "choice", "native"]
 ANY_OBJECT = '{"type": "object"}'
+# How llguidance reads a tool's schema: compact JSON, and keywords it cannot enforce (Claude Code's
+# schemas use `propertyNames`) are skipped rather than refused: the tools are the client's, and a
+# call that follows the rest of the schema beats a failed request. JSON formats stay strict.
+TOOL_GUIDANCE = {"whitespace_flexible": False, "lenient": True}
 TOOL_NOTE = (
     "You can call functions. To call one, answer with only a JSON object of the form "
     '{"name": <function name>, "arguments": <its arguments as an object>} and nothing else. '
@@ -164,7 +168,7 @@ def arguments_schema(tool: Tool) -> str:
     """The schema a call's arguments are decoded under: the tool's own, with every object that
     lists its properties closed to others (JSON Schema allows extra ones unless told not to, and
     a small model given that freedom invents arguments until max_tokens)."""
-    return json.dumps(_closed(json.loads(tool.parameters)))
+    return json.dumps({**_closed(json.loads(tool.parameters)), "x-guidance": TOOL_GUIDANCE})
 
 
 def _closed(node: Any) -> Any:
@@ -195,7 +199,7 @@ def _call_schema(tools: tuple[Tool, ...]) -> str:
         for tool in tools
     ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
-    return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+    return json.dumps({**schema, "x-guidance": TOOL_GUIDANCE})
 
 
 def _choice_grammar(tools: tuple[Tool, ...]) -> str:

@@ -149,3 +149,97 @@ async def test_claude_codes_mid_conversation_system_message_and_extras_are_accep
         "/v1/messages/count_tokens", {**body, "messages": [body["messages"][0]]}, headers
     )
     assert counted.json()["input_tokens"] > without.json()["input_tokens"]  # the reminder is in the prompt
+
+
+def _fixture(name: str) -> dict:
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parents[1] / "fixtures" / "agents" / name).read_text())
+
+
+async def test_claude_codes_captured_first_request_is_accepted_and_measured(tiny_alias, api_key, mlx_engine):
+    """Issue 17: Claude Code's real first request (tests/fixtures/agents) passes validation, renders
+    with its 24 tools and mid-conversation system message, and is counted; over the alias's input
+    limit it gets Anthropic's exact "prompt is too long", which Claude Code reports (it does not
+    compact a first turn). Prefilling its ~45k tiny-model tokens would take minutes, so the limit
+    stops it first."""
+    captured = _fixture("claude_code_first_request.json")
+    body = {**captured["body"], "model": "tiny"}
+    headers = {
+        "x-api-key": api_key,
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": captured["anthropic_beta"],
+    }
+    path = f"{captured['path']}?{captured['query']}"
+    tiny_alias.max_input_tokens = 1000  # count_tokens is not held to it; a generation is
+    await tiny_alias.asave()
+    counted = await post_json("/v1/messages/count_tokens?beta=true", body, headers)
+    assert counted.status_code == 200, counted.content[:500]
+    tokens = counted.json()["input_tokens"]
+    response = await post_json(path, body, headers)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == f"prompt is too long: {tokens} tokens > 1000 maximum"
+
+
+async def test_codexs_captured_first_request_is_accepted_and_measured(tiny_alias, api_key, mlx_engine):
+    """Issue 17: Codex's real first request (developer messages, function and namespace tools, a
+    hosted web_search, reasoning, include, client_metadata, store false) passes validation and
+    rendering; over the input limit it is OpenAI's `context_length_exceeded`."""
+    captured = _fixture("codex_first_request.json")
+    tiny_alias.max_input_tokens = 1000
+    await tiny_alias.asave()
+    response = await post_json(captured["path"], {**captured["body"], "model": "tiny"}, bearer(api_key))
+    assert response.status_code == 400, response.content[:500]
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+
+
+NAMESPACE = {
+    "type": "namespace",
+    "name": "agents",
+    "description": "Sub-agents.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "wait_agent",
+            "description": "Wait.",
+            "strict": False,
+            "parameters": {
+                "type": "object",
+                "properties": {"id": {"type": "string", "maxLength": 8}},
+                "required": ["id"],
+            },
+        }
+    ],
+}
+
+
+async def test_namespace_tools_and_hosted_tools_as_codex_expects(tiny_alias, api_key, mlx_engine):
+    """A namespaced function is offered as `agents__wait_agent`; its call comes back with the bare
+    name and `namespace`, and such a call in the input renders back. web_search is left out and
+    named in X-Tools-Ignored."""
+    tools = [NAMESPACE, {"type": "web_search", "external_web_access": False}]
+    choice = {"type": "function", "name": "agents__wait_agent"}
+    response = await post_json(
+        "/v1/responses",
+        {"model": "tiny", "input": "wait", "tools": tools, "tool_choice": choice, "max_output_tokens": 40},
+        bearer(api_key),
+    )
+    assert response.status_code == 200, response.content
+    assert response["X-Tools-Ignored"] == "web_search"
+    (item,) = response.json()["output"]
+    assert (item["type"], item["namespace"], item["name"]) == ("function_call", "agents", "wait_agent")
+    echoed = {**item}  # Codex sends the call back as it got it, then the output
+    result = {"type": "function_call_output", "call_id": item["call_id"], "output": "done"}
+    again = await post_json(
+        "/v1/responses",
+        {
+            "model": "tiny",
+            "input": [{"role": "user", "content": "wait"}, echoed, result],
+            "tools": tools,
+            "max_output_tokens": 4,
+            "store": False,
+        },
+        bearer(api_key),
+    )
+    assert again.status_code == 200, again.content

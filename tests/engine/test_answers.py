@@ -9,7 +9,7 @@ import pytest
 
 from mlxhost.engine import Delta, Done, InvalidRequestError, Message
 from mlxhost.engine.backends.fake import TOOL_CALL, UNCOMPILABLE
-from mlxhost.engine.structure import TOOL_NOTE
+from mlxhost.engine.structure import TOOL_GUIDANCE, TOOL_NOTE
 from mlxhost.engine.types import Grammar, ReasoningDelta, Tool, ToolCall, ToolCallDelta, ToolChoice
 from tests.engine.conftest import collect, request
 
@@ -96,7 +96,7 @@ async def test_a_named_function_streams_its_arguments_as_they_come(engine, backe
     events = await run(
         engine, backend, pieces, tools=(WEATHER, TIME), tool_choice=ToolChoice("auto", "get_weather")
     )
-    closed = {**json.loads(WEATHER.parameters), "additionalProperties": False}  # no invented arguments
+    closed = {**json.loads(WEATHER.parameters), "additionalProperties": False, "x-guidance": TOOL_GUIDANCE}
     assert [json.loads(g.source) for g in backend.grammars] == [closed]
     parts = [e for e in events if isinstance(e, ToolCallDelta)]
     assert parts[0].name == "get_weather" and parts[0].id and parts[0].arguments == ""
