@@ -259,7 +259,7 @@ async def test_unknown_model_is_404_not_found_error(api_key):
         pytest.param({"top_p": -0.1}, "top_p", id="negative-top-p"),
         pytest.param({"messages": []}, "messages", id="no-messages"),
         pytest.param(
-            {"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", id="system-role"
+            {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", id="unknown-role"
         ),
         pytest.param(
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
@@ -271,7 +271,7 @@ async def test_unknown_model_is_404_not_found_error(api_key):
         pytest.param({"stream": "yes"}, "stream", id="stream-not-bool"),
         pytest.param({"metadata": "x"}, "metadata", id="metadata-not-an-object"),
         pytest.param({"tools": [{"name": "f"}]}, "tools", id="tool-without-schema"),
-        pytest.param({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools", id="server-tool"),
+        pytest.param({"tools": [{"type": "mystery_tool", "name": "m"}]}, "tools", id="unknown-tool-type"),
         pytest.param({"tool_choice": {"type": "sometimes"}}, "tool_choice", id="tool-choice-type"),
         pytest.param(
             {"thinking": {"type": "enabled", "budget_tokens": 100}},

@@ -96,7 +96,7 @@ async def test_structured_output(tiny_alias, api_key, mlx_engine, field):
 
 async def test_bad_tools_are_400s_naming_the_field(tiny_alias, api_key, mlx_engine):
     for body, param in (
-        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "mystery_tool", "name": "m"}]}, "tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice"),
         ({"output_format": {"type": "json_schema"}}, "output_format"),
@@ -105,3 +105,12 @@ async def test_bad_tools_are_400s_naming_the_field(tiny_alias, api_key, mlx_engi
         assert response.status_code == 400, (body, response.content)
         assert response.json()["type"] == "error"
         assert param in response.json()["error"]["message"]
+
+
+async def test_anthropic_defined_tools_are_left_out_and_named(tiny_alias, api_key, mlx_engine):
+    """Issue 17: Anthropic-defined tools (web search, bash, text editor) have no schema here: left
+    out of the prompt, named in X-Tools-Ignored, and the request is served."""
+    tools = [{"type": "web_search_20250305", "name": "web_search"}, {"type": "bash_20250124", "name": "bash"}]
+    response = await post(api_key, tools=[WEATHER, *tools], max_tokens=4)
+    assert response.status_code == 200, response.content
+    assert response["X-Tools-Ignored"] == "web_search_20250305, bash_20250124"

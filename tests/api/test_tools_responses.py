@@ -150,7 +150,7 @@ async def test_logprobs_when_included(tiny_alias, alice, mlx_engine, tiny_eos_id
 
 async def test_hosted_tools_and_bad_tool_choices_are_400s(tiny_alias, alice, mlx_engine):
     for body, param in (
-        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "custom", "name": "freeform"}]}, "tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"text": {"format": {"type": "xml"}}}, "text.format"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
