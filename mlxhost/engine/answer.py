@@ -140,7 +140,7 @@ class AnswerReader:
                 else:
                     events.append(Delta(text))
         if delta is not None and not answered and delta.token_ids:
-            events.append(replace(delta, text="", logprobs=delta.logprobs))
+            events.append(replace(delta, text=""))
         return events
 
     def _end_segment(self) -> list[Event]:

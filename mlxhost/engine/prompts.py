@@ -39,20 +39,21 @@ def render(model: LoadedModel, request: GenerationRequest) -> Rendered:
         options.setdefault("enable_thinking", False)  # a constrained answer starts at once
     messages = prompt_messages(request.messages, plan, native_tools=model.knows_tools)
     tools = plan.tools if plan.offer_natively else ()
-    final = request.continue_final
-    try:
-        prompt_ids = model.render_chat(messages, tools=tools, options=options, continue_final=final)
-    except Exception as exc:
-        # Many templates allow a system message only first; a later one (Claude Code's reminders)
-        # is then rendered as a user turn that says what it is, instead of failing the request.
-        inline = later_system_as_user(messages)
+    # Many templates allow a system message only first; a later one (Claude Code's reminders) is
+    # then rendered as a user turn that says what it is, instead of failing the request.
+    forms = dict.fromkeys((messages, later_system_as_user(messages)))  # one form when no later system
+    first_error: Exception | None = None
+    for form in forms:
         try:
-            if inline == messages:
-                raise
-            prompt_ids = model.render_chat(inline, tools=tools, options=options, continue_final=final)
-        except Exception:
-            message = f"the model's chat template refused them: {str(exc)[:200]}"
-            raise InvalidRequestError("messages", message) from exc
+            prompt_ids = model.render_chat(
+                form, tools=tools, options=options, continue_final=request.continue_final
+            )
+            break
+        except Exception as exc:
+            first_error = first_error or exc
+    else:
+        message = f"the model's chat template refused them: {str(first_error)[:200]}"
+        raise InvalidRequestError("messages", message) from first_error
     return Rendered(prompt_ids, plan)
 
 
