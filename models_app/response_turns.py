@@ -270,6 +270,7 @@ class ResponseHooks(TurnHooks):
                 single=self.data.get("parallel_tool_calls") is False,
             ),
             json_format=self.data.get("json_format"),
+            effort=(self.data.get("reasoning") or {}).get("effort"),
         )
 
     def refused(self) -> None:

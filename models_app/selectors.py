@@ -103,12 +103,37 @@ def sampling_params_for(*, alias: ModelAlias, overrides: Mapping[str, Any]) -> S
     return SamplingParams(**values)
 
 
+# Reasoning effort as Anthropic (`output_config.effort`) and OpenAI (`reasoning.effort`,
+# `reasoning_effort`) name it, and what reaches the chat template's `reasoning_effort` (the
+# low/medium/high that templates with that keyword know). None: thinking off.
+EFFORTS: dict[str, str | None] = {
+    "none": None,
+    "minimal": "low",
+    "low": "low",
+    "medium": "medium",
+    "high": "high",
+    "xhigh": "high",
+    "max": "high",
+}
+
+
 def template_options_for(
-    alias: ModelAlias, *, thinking: bool | None = None
+    alias: ModelAlias, *, thinking: bool | None = None, effort: str | None = None
 ) -> tuple[tuple[str, object], ...]:
     """The alias's chat-template keywords (API-9); a request's own `thinking` choice wins over the
-    alias's, and neither set leaves the model's default."""
+    alias's, and neither set leaves the model's default.
+
+    A request's reasoning `effort` (a key of EFFORTS) goes to the template as `reasoning_effort`
+    and, where the request left `thinking` open, sets the thinking switch: on for any effort but
+    "none" and "minimal". A template without these keywords ignores them.
+    """
     options = dict(alias.chat_template_kwargs or {})
+    if effort is not None:
+        level = EFFORTS[effort]
+        if level is not None:
+            options["reasoning_effort"] = level
+        if thinking is None:
+            thinking = effort not in ("none", "minimal")
     choice = thinking if thinking is not None else alias.enable_thinking
     if choice is not None:
         options["enable_thinking"] = choice

@@ -54,6 +54,7 @@ class TurnRequest:
     json_format: str | None = None  # None: text; "": any JSON object; else a JSON schema's text
     continue_final: bool = False  # continue the last (assistant) message instead of answering it
     thinking: bool | None = None  # the request turns the template's thinking on or off (None: the alias's)
+    effort: str | None = None  # the reasoning effort asked for, one of `selectors.EFFORTS` (API-9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +146,7 @@ def generation_request(
         tools=turn.tools,
         tool_choice=turn.tool_choice,
         json_format=turn.json_format,
-        template_options=selectors.template_options_for(alias, thinking=turn.thinking),
+        template_options=selectors.template_options_for(alias, thinking=turn.thinking, effort=turn.effort),
         continue_final=turn.continue_final,
     )
 

@@ -11,6 +11,7 @@ from api import tools as tool_inputs
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, optional_float, stop_list_field
 from mlxhost.engine import Message, Tool, ToolCall, ToolChoice
+from models_app.selectors import EFFORTS
 
 MAX_STOP_SEQUENCES = 16
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for `thinking.budget_tokens`
@@ -183,13 +184,16 @@ class PromptInput(serializers.Serializer[Any]):
     messages = MessageInput(many=True, allow_empty=False)
     system = serializers.JSONField(required=False, allow_null=True)
 
-    output_config = serializers.DictField(required=False, allow_null=True)  # `effort` is ignored
+    output_config = serializers.DictField(required=False, allow_null=True)  # `format` and `effort`
     output_format = serializers.JSONField(required=False, allow_null=True)  # the structured-outputs beta
     thinking = ThinkingInput(required=False, allow_null=True)
     tools = serializers.JSONField(required=False, allow_null=True)
     tool_choice = serializers.JSONField(required=False, allow_null=True)
 
     def validate_output_config(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        effort = (value or {}).get("effort")
+        if effort is not None and effort not in EFFORTS:
+            raise serializers.ValidationError({"effort": f"Expected one of {', '.join(EFFORTS)}."})
         if value and value.get("format") is not None:
             try:
                 json_format_of(value["format"])
@@ -236,7 +240,10 @@ class PromptInput(serializers.Serializer[Any]):
         )
         kind = (attrs.get("thinking") or {}).get("type")
         attrs["thinking_enabled"] = kind in ("enabled", "adaptive")
-        attrs["thinking_switch"] = None if kind is None else attrs["thinking_enabled"]
+        # Adaptive thinking leaves the switch to the effort, when one is given.
+        attrs["effort"] = (attrs.get("output_config") or {}).get("effort")
+        open_ = kind is None or (kind == "adaptive" and attrs["effort"] is not None)
+        attrs["thinking_switch"] = None if open_ else attrs["thinking_enabled"]
         return attrs
 
 

@@ -11,6 +11,7 @@ from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, max_tokens_field
 from models_app.conversations import namespaced_name
 from models_app.item_references import reference_turn
+from models_app.selectors import EFFORTS
 
 if TYPE_CHECKING:
     from mlxhost.engine import Tool
@@ -197,7 +198,7 @@ class ResponsesInput(SamplingInput):
     top_logprobs = serializers.IntegerField(
         required=False, allow_null=True, min_value=0, max_value=tool_inputs.MAX_TOP_LOGPROBS
     )
-    reasoning = serializers.DictField(required=False, allow_null=True)  # effort and summary: ignored
+    reasoning = serializers.DictField(required=False, allow_null=True)  # `effort`; `summary` is ignored
     retention_s = serializers.IntegerField(
         required=False, allow_null=True, min_value=60, max_value=30 * 86400
     )
@@ -216,6 +217,12 @@ class ResponsesInput(SamplingInput):
 
     def validate_tool_choice(self, value: Any) -> Any:
         return tool_inputs.openai_tool_choice(value, nested=False)
+
+    def validate_reasoning(self, value: dict[str, Any] | None) -> dict[str, Any]:
+        effort = (value or {}).get("effort")
+        if effort is not None and effort not in EFFORTS:
+            raise serializers.ValidationError({"effort": f"Expected one of {', '.join(EFFORTS)}."})
+        return value or {}
 
     def validate_metadata(self, value: dict[str, str] | None) -> dict[str, str]:
         if value and len(value) > MAX_METADATA_KEYS:

@@ -10,6 +10,7 @@ from rest_framework import serializers
 from api import tools as tool_inputs
 from api.sampling import MAX_STOP_SEQUENCES, SamplingInput
 from mlxhost.engine import Message, ToolCall
+from models_app.selectors import EFFORTS
 
 ROLE_ALIASES = {"developer": "system"}
 UNSUPPORTED_OPTIONS = {
@@ -127,6 +128,7 @@ class ChatCompletionInput(TextSamplingInput):
     tool_choice = serializers.JSONField(required=False, allow_null=True)
     parallel_tool_calls = StrictBooleanField(required=False, allow_null=True)
     response_format = serializers.JSONField(required=False, allow_null=True)
+    reasoning_effort = serializers.ChoiceField(choices=list(EFFORTS), required=False, allow_null=True)
     user = serializers.CharField(required=False, allow_blank=True, max_length=256)
     # Warm-session scoping (SES-2/3): only HMAC fingerprints of these are kept.
     prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)

@@ -7,6 +7,7 @@ Run as a script to refresh the fixtures in tests/fixtures/agents/ (see the READM
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import re
@@ -125,10 +126,12 @@ class CaptureServer:
     """Records every request on 127.0.0.1 and answers model calls by `reply`.
 
     `reply` is a comma-separated list of keys of REPLIES or SSE_REPLIES: the n-th model POST gets the
-    n-th, and the last one repeats.
+    n-th, and the last one repeats. With `upstream` ("http://127.0.0.1:PORT") it is a recording
+    proxy instead: every request goes on to that server and its answer, streamed, comes back.
     """
 
-    reply: str
+    reply: str = ""
+    upstream: str | None = None
     requests: list[Captured] = field(default_factory=list)
     _server: ThreadingHTTPServer | None = None
     _served: int = 0
@@ -163,6 +166,9 @@ class CaptureServer:
                     for k, v in self.headers.items()
                 }
                 capture.requests.append(Captured(self.command, self.path, headers, body))
+                if capture.upstream is not None:
+                    self._forward(capture.upstream, raw)
+                    return
                 if self.command != "POST":
                     status, payload = 404, {"error": "not found"}
                 else:
@@ -177,6 +183,23 @@ class CaptureServer:
                 self.send_header("content-length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _forward(self, upstream: str, raw: bytes) -> None:
+                host, _, port = upstream.removeprefix("http://").partition(":")
+                conn = http.client.HTTPConnection(host, int(port or 80), timeout=300)
+                skip = {"host", "connection", "content-length", "transfer-encoding", "accept-encoding"}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                conn.request(self.command, self.path, body=raw or None, headers=headers)
+                answer = conn.getresponse()
+                self.send_response(answer.status)
+                for key, value in answer.getheaders():
+                    if key.lower() not in skip:
+                        self.send_header(key, value)
+                self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+                while chunk := answer.read1(65536):
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+                conn.close()
 
             def _stream(self, events: list[dict[str, Any]]) -> None:
                 data = b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
@@ -247,26 +270,48 @@ def _run(cli: str, argv: list[str], env: dict[str, str], cwd: Path, timeout: flo
     return done.returncode, done.stdout + done.stderr
 
 
-def run_claude(reply: str = "anthropic_bad_request", timeout: float = 120) -> CliRun:
-    """`claude -p "Say hi" --model smollm2` against a capture server answering `reply`."""
-    with tempfile.TemporaryDirectory(prefix="agent-home-") as tmp, CaptureServer(reply) as server:
+@dataclass(frozen=True)
+class Target:
+    """Where a CLI run sends its requests: the capture server's canned `reply`, or a real server
+    at `upstream` behind the recording proxy, as `model` with `api_key`."""
+
+    reply: str = ""
+    upstream: str | None = None
+    model: str = MODEL
+    api_key: str = "x"
+    prompt: str = PROMPT
+
+
+def run_claude(
+    reply: str = "anthropic_bad_request",
+    timeout: float = 120,
+    *,
+    target: Target | None = None,
+    args: tuple[str, ...] = (),
+) -> CliRun:
+    """`claude -p PROMPT --model MODEL [args]` against a capture server answering `reply`, or the
+    target's server behind the recording proxy."""
+    target = target or Target(reply=reply)
+    with (
+        tempfile.TemporaryDirectory(prefix="agent-home-") as tmp,
+        CaptureServer(target.reply, target.upstream) as server,
+    ):
         home = Path(tmp)
         env = offline_env(home) | {
             "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{server.port}",
-            "ANTHROPIC_API_KEY": "x",
+            "ANTHROPIC_API_KEY": target.api_key,
         }
         work = home / "work"
         work.mkdir()
-        code, output = _run(
-            "claude", [str(CLI_BIN / "claude"), "-p", PROMPT, "--model", MODEL], env, work, timeout
-        )
+        argv = [str(CLI_BIN / "claude"), "-p", target.prompt, "--model", target.model, *args]
+        code, output = _run("claude", argv, env, work, timeout)
         return CliRun("claude", cli_version("claude"), code, output, list(server.requests))
 
 
-def codex_config(port: int) -> str:
+def codex_config(port: int, model: str = MODEL) -> str:
     """The config.toml a user writes to point Codex at mlxhost."""
     return (
-        f'model = "{MODEL}"\n'
+        f'model = "{model}"\n'
         'model_provider = "mlxhost"\n\n'
         "[model_providers.mlxhost]\n"
         'name = "mlxhost"\n'
@@ -276,17 +321,28 @@ def codex_config(port: int) -> str:
     )
 
 
-def run_codex(reply: str = "openai_bad_request", timeout: float = 120) -> CliRun:
-    """`codex exec --skip-git-repo-check "Say hi"` against a capture server answering `reply`."""
-    with tempfile.TemporaryDirectory(prefix="agent-home-") as tmp, CaptureServer(reply) as server:
+def run_codex(
+    reply: str = "openai_bad_request",
+    timeout: float = 120,
+    *,
+    target: Target | None = None,
+    args: tuple[str, ...] = (),
+) -> CliRun:
+    """`codex exec --skip-git-repo-check [args] PROMPT` against a capture server answering `reply`,
+    or the target's server behind the recording proxy."""
+    target = target or Target(reply=reply)
+    with (
+        tempfile.TemporaryDirectory(prefix="agent-home-") as tmp,
+        CaptureServer(target.reply, target.upstream) as server,
+    ):
         home = Path(tmp)
         codex_home = home / ".codex"
         codex_home.mkdir()
-        (codex_home / "config.toml").write_text(codex_config(server.port))
-        env = offline_env(home) | {"CODEX_HOME": str(codex_home), "MLXHOST_API_KEY": "x"}
+        (codex_home / "config.toml").write_text(codex_config(server.port, target.model))
+        env = offline_env(home) | {"CODEX_HOME": str(codex_home), "MLXHOST_API_KEY": target.api_key}
         work = home / "work"
         work.mkdir()
-        argv = [str(CLI_BIN / "codex"), "exec", "--skip-git-repo-check", PROMPT]
+        argv = [str(CLI_BIN / "codex"), "exec", "--skip-git-repo-check", *args, target.prompt]
         code, output = _run("codex", argv, env, work, timeout)
         return CliRun("codex", cli_version("codex"), code, output, list(server.requests))
 

@@ -1,4 +1,4 @@
-"""Context limits in each provider's words, and keep-alives while a long prompt is prefilled (issue 17)."""
+"""Context limits in each provider's words, and keep-alives while a long prompt is prefilled (API-12)."""
 
 from __future__ import annotations
 

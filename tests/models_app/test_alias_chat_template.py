@@ -42,3 +42,21 @@ def test_template_options_that_the_server_sets_are_refused(tiny_alias, value, me
     bad = form(tiny_alias, chat_template_kwargs=value)
     assert not bad.is_valid()
     assert message in str(bad.errors["chat_template_kwargs"])
+
+
+@pytest.mark.parametrize(
+    ("thinking", "effort", "expected"),
+    [
+        (None, "high", {"enable_thinking": True, "reasoning_effort": "high"}),
+        (None, "max", {"enable_thinking": True, "reasoning_effort": "high"}),
+        (None, "minimal", {"enable_thinking": False, "reasoning_effort": "low"}),
+        (None, "none", {"enable_thinking": False}),
+        (False, "high", {"enable_thinking": False, "reasoning_effort": "high"}),  # an explicit switch wins
+        (None, None, {}),  # neither: the model's default
+    ],
+)
+def test_a_requests_effort_sets_the_thinking_switch_and_reasoning_effort(
+    tiny_alias, thinking, effort, expected
+):
+    """Issue 17: `output_config.effort` / `reasoning.effort` / `reasoning_effort` reach the template."""
+    assert dict(template_options_for(tiny_alias, thinking=thinking, effort=effort)) == expected

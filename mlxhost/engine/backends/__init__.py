@@ -1,4 +1,4 @@
-"""Backend selection: `make_backend("mlx" | "fake")`; mlx is imported only when chosen."""
+"""Backend selection: `make_backend("mlx" | "fake" | "fake:SCRIPT.json")`; mlx is imported only when chosen."""
 
 from __future__ import annotations
 
@@ -14,12 +14,15 @@ def make_backend(name: str) -> Backend:
     Raises:
         ValueError: the name is not a known backend.
     """
-    if name == "fake":
+    if name == "fake" or name.startswith("fake:"):
+        from pathlib import Path
+
         from mlxhost.engine.backends.fake import FakeBackend
 
-        return FakeBackend()
+        script = name.partition(":")[2]
+        return FakeBackend.from_script(Path(script)) if script else FakeBackend()
     if name == "mlx":
         from mlxhost.engine.backends.mlx.backend import MlxBackend
 
         return MlxBackend()
-    raise ValueError(f"Unknown engine backend {name!r}; expected 'mlx' or 'fake'.")
+    raise ValueError(f"Unknown engine backend {name!r}; expected 'mlx', 'fake' or 'fake:SCRIPT.json'.")

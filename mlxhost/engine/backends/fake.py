@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.backends.base import BatchStep, ProgressCallback, SequenceCache, StepEnd, TokenStep
@@ -151,7 +153,7 @@ class FakeModel:
             backend.generate_failures -= 1
             raise RuntimeError("fake generation failure")
         cache.tokens.extend(prompt_ids)
-        pieces = backend.next_script()
+        pieces = backend.next_script([*context, *prompt_ids])
         for index in range(sampling.max_tokens):
             if pieces is not None and index >= len(pieces):
                 yield StepEnd(text="", finish_reason="stop")
@@ -264,7 +266,8 @@ class FakeBatch:
         backend.history.append((self._instance_id, fed, sampling))
         cache.tokens.extend(fed)
         handle, self._next_handle = self._next_handle, self._next_handle + 1
-        self._sequences[handle] = _FakeSequence(cache, backend.next_script(), sampling.max_tokens)
+        script = backend.next_script(prompt_ids)
+        self._sequences[handle] = _FakeSequence(cache, script, sampling.max_tokens)
         self._sequences[handle].logprobs = sampling.logprobs
         return handle
 
@@ -306,6 +309,21 @@ class FakeBatch:
     def close(self) -> None:
         self.closed = True
         self._sequences.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class ScriptedReply:
+    """One answer of a scripted fake (`FakeBackend.from_script`): `pieces` when `when` matches."""
+
+    when: re.Pattern[str]
+    pieces: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, raw: dict[str, str]) -> ScriptedReply:
+        text = raw["text"]
+        return cls(
+            re.compile(raw.get("when", ""), re.DOTALL), tuple(text[i : i + 4] for i in range(0, len(text), 4))
+        )
 
 
 class FakeBackend:
@@ -363,12 +381,37 @@ class FakeBackend:
         self.renders: list[tuple[list[Message], list[Tool], dict[str, object]]] = []
         self.grammars: list[Grammar] = []  # every grammar checked, in order
         self._scripts: deque[list[str]] = deque()
+        self.replies: list[ScriptedReply] = []  # answers by prompt, when nothing is enqueued
+
+    @classmethod
+    def from_script(cls, path: Path) -> FakeBackend:
+        """A fake scripted by a JSON file, for end-to-end runs of real clients (the agent CLIs)
+        against a daphne process: `MLXHOST_ENGINE_BACKEND=fake:PATH`.
+
+        The file holds `knows_tools`, `markers` and `context_length` (the attributes above) and
+        `replies`, a list of `{"when": REGEX, "text": TEXT}`: each generation answers with the
+        TEXT of the first reply whose REGEX is found in its prompt as the fake renders it
+        (`<tool>NAME` per tool offered, then `<ROLE>CONTENT` per message), streamed four
+        characters per token; none found, it repeats DEFAULT_WORD.
+        """
+        data = json.loads(path.read_text())
+        backend = cls()
+        backend.knows_tools = bool(data.get("knows_tools", False))
+        backend.markers = bool(data.get("markers", False))
+        backend.context_length = data.get("context_length")
+        backend.replies = [ScriptedReply.parse(r) for r in data.get("replies", [])]
+        return backend
 
     def enqueue(self, pieces: list[str]) -> None:
         self._scripts.append(list(pieces))
 
-    def next_script(self) -> list[str] | None:
-        return self._scripts.popleft() if self._scripts else None
+    def next_script(self, prompt_ids: Sequence[int] = ()) -> list[str] | None:
+        if self._scripts:
+            return self._scripts.popleft()
+        if self.replies:
+            text = "".join(chr(i) for i in prompt_ids if i < GENERATED_ID_BASE)
+            return next((list(r.pieces) for r in self.replies if r.when.search(text)), None)
+        return None
 
     def wait_for_gate(self) -> None:
         if self.gated:
