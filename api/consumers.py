@@ -11,7 +11,6 @@ import contextlib
 import functools
 import json
 import logging
-import secrets
 import weakref
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -30,6 +29,7 @@ from api.parsing import loads_object
 from api.sampling import sampling_overrides
 from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
+from models_app.response_ids import new_response_id
 from models_app.response_turns import response_start
 
 logger = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ class ResponsesConsumer(_TrackedConsumer):
             )
         data = validated(ResponsesInput, body)
         data["stream"] = True
-        response_id = f"resp_{secrets.token_hex(16)}"
+        response_id = new_response_id()
         task = asyncio.get_running_loop().create_task(self._run_turn(response_id, data))
         self.turns[response_id] = task
         task.add_done_callback(lambda _t: self.turns.pop(response_id, None))

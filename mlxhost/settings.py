@@ -8,6 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 from mlxhost.runtime.config import runtime_settings_from
 
@@ -134,6 +135,11 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 REDIS_URL = env.str("REDIS_URL", default="")
 # Processes that share these prefixes (and Redis) see each other's control messages and status.
 MLXHOST_SHARED_PREFIX = env.str("MLXHOST_SHARED_PREFIX", default="mlxhost")
+# This engine host's number in a fleet (1..255; unset: not in a fleet). Response ids carry it, so
+# the balancer sends continuations home (models_app/response_ids.py, deploy/haproxy.cfg).
+MLXHOST_HOST_ID: int | None = env.int("MLXHOST_HOST_ID", default=None)
+if MLXHOST_HOST_ID is not None and not 1 <= MLXHOST_HOST_ID <= 255:
+    raise ImproperlyConfigured("MLXHOST_HOST_ID must be a number from 1 to 255.")
 # redis-py 8 gives up on a socket read after 5 s, exactly as long as channels_redis blocks in
 # BZPOPMIN waiting for a message, so an idle receiver crashed; and with any finite timeout a
 # cancelled receive (a consumer closing) hung on redis-py's cleanup. Redis's own BZPOPMIN timeout

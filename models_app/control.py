@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any, Literal
 
 from asgiref.sync import async_to_sync
@@ -29,6 +30,8 @@ DASHBOARD_GROUP = "mlxhost.dashboard"
 MODELS_CHANGED = "models.changed"
 MODEL_ACTION = "models.action"
 DASHBOARD_STATUS = "dashboard.status"
+# A cancel that reached another host: the engine process running the response stops it.
+RESPONSE_CANCEL = "responses.cancel"
 # Sockets join a group per credential; this message closes them with 4401 (API-5).
 CREDENTIALS_REVOKED = "credentials.revoked"
 
@@ -59,6 +62,18 @@ def _send(message: dict[str, Any]) -> None:
         async_to_sync(layer.group_send)(ENGINE_GROUP, message)
     except Exception:  # the layer is down: engines still reconcile on start and on the next message
         logger.warning("could not notify engines of %s", message["type"], exc_info=True)
+
+
+async def cancel_everywhere(*, public_id: str, owner_id: int) -> None:
+    """Ask every engine process to cancel `public_id` for `owner_id` (the one running it does)."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    message = {"type": RESPONSE_CANCEL, "id": public_id, "owner_id": owner_id}
+    try:
+        await layer.group_send(ENGINE_GROUP, message)
+    except Exception:
+        logger.warning("could not send the cancel of %s to the engines", public_id, exc_info=True)
 
 
 def apikey_group(key_id: int) -> str:
@@ -101,32 +116,90 @@ def notify_models_changed() -> None:
     transaction.on_commit(lambda: _send({"type": MODELS_CHANGED}))
 
 
-def request_action(*, model_name: str, action: Action, requested_by: str = "") -> None:
-    """Ask every engine, once this transaction commits, to load, unload or reload `model_name`.
+def request_action(
+    *, model_name: str, action: Action, requested_by: str = "", host: int | None = None
+) -> None:
+    """Ask the engines, once this transaction commits, to load, unload or reload `model_name`.
+
+    `host` names one fleet host (its MLXHOST_HOST_ID); None asks every engine. A reload of the
+    whole fleet rolls (issue 15): the message carries the live hosts in order and an id, and each
+    host starts only when the hosts before it have finished theirs (or stopped publishing), so the
+    fleet never reloads everywhere at once.
 
     Raises:
         ValueError: `action` is not one of ACTIONS.
     """
     if action not in ACTIONS:
         raise ValueError(f"Unknown action {action!r}; expected one of {', '.join(ACTIONS)}.")
-    message = {"type": MODEL_ACTION, "model": model_name, "action": action, "by": requested_by}
+    message: dict[str, Any] = {
+        "type": MODEL_ACTION,
+        "model": model_name,
+        "action": action,
+        "by": requested_by,
+    }
+    if host is not None:
+        message["host"] = host
+    elif action == "reload":
+        hosts = fleet_hosts()
+        if len(hosts) > 1:
+            message["rolling"] = {"id": uuid.uuid4().hex, "order": hosts}
     transaction.on_commit(lambda: _send(message))
+
+
+def fleet_hosts(statuses: list[dict[str, Any]] | None = None) -> list[int]:
+    """The host ids of the engines publishing now, in order (engines outside a fleet have none)."""
+    found = statuses if statuses is not None else engine_statuses()
+    return sorted({s["host_id"] for s in found if s.get("host_id") is not None})
 
 
 def status_publish(payload: dict[str, Any]) -> None:
     """Store one engine process's status (called by that process, about once a second)."""
     boot_id = payload["boot_id"]
     cache.set(STATUS_KEY.format(boot_id=boot_id), payload, STATUS_TTL_S)
-    index: dict[str, float] = cache.get(STATUS_INDEX_KEY) or {}
     now = time.time()
+    redis = _redis_client()
+    if redis is not None:
+        # Several engines publish at once: one field each in a Redis hash, never a read-modify-write
+        # of a shared value, which would drop another engine for a second (issue 15).
+        redis.hset(cache.make_key(STATUS_INDEX_KEY), boot_id, now)
+        return
+    index: dict[str, float] = cache.get(STATUS_INDEX_KEY) or {}
     index = {key: at for key, at in index.items() if now - at < STATUS_TTL_S}
     index[boot_id] = now
     cache.set(STATUS_INDEX_KEY, index, None)
 
 
+def _status_index() -> dict[str, float]:
+    """Boot id -> when it last published, for the engines of the last STATUS_TTL_S seconds."""
+    now = time.time()
+    redis = _redis_client()
+    if redis is None:
+        index: dict[str, float] = cache.get(STATUS_INDEX_KEY) or {}
+        return {key: at for key, at in index.items() if now - at < STATUS_TTL_S}
+    key = cache.make_key(STATUS_INDEX_KEY)
+    raw = redis.hgetall(key)
+    found = {k.decode(): float(v) for k, v in raw.items()}
+    stale = [boot_id for boot_id, at in found.items() if now - at >= STATUS_TTL_S]
+    if stale:
+        redis.hdel(key, *stale)
+    return {boot_id: at for boot_id, at in found.items() if boot_id not in stale}
+
+
+def _redis_client() -> Any:
+    """The raw client of the Redis cache, or None when the cache is not Redis."""
+    from django.core.cache import caches
+    from django.core.cache.backends.redis import RedisCache
+
+    backend = caches["default"]
+    if not isinstance(backend, RedisCache):
+        return None
+    client: Any = backend  # its `_cache` (the RedisCacheClient) is not in the stubs
+    return client._cache.get_client(write=True)
+
+
 def engine_statuses() -> list[dict[str, Any]]:
     """The latest status of every engine process that published in the last STATUS_TTL_S seconds."""
-    index: dict[str, float] = cache.get(STATUS_INDEX_KEY) or {}
+    index = _status_index()
     keys = [STATUS_KEY.format(boot_id=boot_id) for boot_id in index]
     found = cache.get_many(keys) if keys else {}
     return sorted(found.values(), key=lambda status: status.get("started_at", 0))

@@ -9,6 +9,11 @@ embedded default. A client that hung up is not waited for: its record is handed 
 table, so a continuation can tell "still landing" (wait, then 503) from "gone" (404) (PER-2). A
 write still pending after the hard timeout trips the breaker: the instance retention is released
 and a tombstone is recorded, and the id is watched until its row lands late (PER-4, REG-7).
+
+In a fleet (issue 15) the pending id is also shared: with Redis configured, each write puts
+`pending-write:<id>` (its owner, expiring at the hard deadline) in the shared cache before the
+handoff completes and removes it when the row lands, so a continuation on ANY host waits for the
+row within the same bound, or answers 503, never a false 404 (`SharedPending`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.conf import settings
 from django.db import close_old_connections
@@ -29,6 +34,9 @@ from django.db import close_old_connections
 from models_app import selectors, services
 from models_app.models import StoredResponse
 from models_app.publishing import CeleryPublisher, persist_eagerly
+
+if TYPE_CHECKING:
+    from django.core.cache.backends.base import BaseCache
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +127,41 @@ def _with_db(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         close_old_connections()
 
 
+class SharedPending:
+    """Pending writes every host can see: owner ids in the shared (Redis) cache, by response id.
+
+    Called from worker threads. Cache errors are logged and ignored: the write itself goes on, and
+    a continuation on another host then finds no pending id (the behaviour without Redis).
+    """
+
+    KEY = "pending-write:{public_id}"
+
+    def __init__(self, cache: BaseCache | None = None) -> None:
+        from django.core.cache import caches
+
+        self._cache = cache if cache is not None else caches["default"]
+
+    def add(self, public_id: str, owner_id: int, ttl_s: float) -> None:
+        try:
+            self._cache.set(self.KEY.format(public_id=public_id), owner_id, timeout=max(1, round(ttl_s)))
+        except Exception as exc:
+            logger.warning("could not share the pending write of %s (%s)", public_id, exc)
+
+    def remove(self, public_id: str) -> None:
+        try:
+            self._cache.delete(self.KEY.format(public_id=public_id))
+        except Exception as exc:
+            logger.warning("could not clear the shared pending write of %s (%s)", public_id, exc)
+
+    def owner(self, public_id: str) -> int | None:
+        try:
+            value = self._cache.get(self.KEY.format(public_id=public_id))
+        except Exception as exc:
+            logger.warning("could not read the shared pending writes (%s)", exc)
+            return None
+        return value if isinstance(value, int) else None
+
+
 class Persistence:
     """This process's pending writes, publisher, monitor and breaker; see the module docstring.
 
@@ -138,6 +181,7 @@ class Persistence:
         eager: bool | None = None,
         broker_url: str | None = None,
         queue: str | None = None,
+        shared: SharedPending | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Args:
@@ -145,6 +189,7 @@ class Persistence:
         eager: run the task inline instead of publishing; None follows `task_always_eager`.
         broker_url: publish to this broker (None: `broker_url`, from CELERY_BROKER_URL).
         queue: the Celery queue to publish to (None: the default routing).
+        shared: where other hosts see this process's pending writes (None: nowhere).
         """
         self.publish_timeout_s = publish_timeout_s
         self.hard_timeout_s = hard_timeout_s
@@ -154,6 +199,7 @@ class Persistence:
         self.sweep_interval_s = sweep_interval_s
         self._publisher = publish or CeleryPublisher(timeout_s=publish_timeout_s, url=broker_url, queue=queue)
         self._eager = eager
+        self._shared = shared
         self._clock = clock
         self._pending: dict[str, _Pending] = {}
         self._late: dict[str, _Pending] = {}
@@ -216,6 +262,8 @@ class Persistence:
     async def _persist(self, record: ResponseRecord) -> None:
         payload = record.as_payload()
         public_id = record.public_id
+        if self._shared is not None:  # before the handoff completes: visible before the last event
+            await self._in_db_thread(self._shared.add, public_id, record.owner_id, self.hard_timeout_s)
         try:
             if self._is_eager():
                 await self._in_db_thread(persist_eagerly, payload)
@@ -276,6 +324,8 @@ class Persistence:
                 self._landed(public_id)
             return row
         entry = entry or self._lookup(public_id)
+        if entry is None and self._shared is not None:
+            return await self._fetch_shared(public_id, owner_id, self.wait_s if wait_s is None else wait_s)
         if entry is None or entry.record.owner_id != owner_id:
             raise StoredResponse.DoesNotExist(f"No stored response {public_id}.")
         if not entry.landed.is_set():
@@ -287,6 +337,24 @@ class Persistence:
         if entry.landed.is_set():  # it landed and was deleted (or expired) since
             raise StoredResponse.DoesNotExist(f"No stored response {public_id}.")
         raise StorageTimeoutError(f"Response {public_id} is still being stored; retry shortly.")
+
+    async def _fetch_shared(self, public_id: str, owner_id: int, wait_s: float) -> StoredResponse:
+        """Another host is writing `public_id` (the shared pending table says so): poll the database
+        for its row until `wait_s` has passed."""
+        assert self._shared is not None
+        if await self._in_db_thread(self._shared.owner, public_id) != owner_id:
+            raise StoredResponse.DoesNotExist(f"No stored response {public_id}.")
+        deadline = self._clock() + wait_s
+        while True:
+            row = await self._get(public_id, owner_id)
+            if row is not None:
+                return row
+            if await self._in_db_thread(self._shared.owner, public_id) is None:
+                # Landed and deleted since, or the writer's deadline passed: gone, as a missing row.
+                raise StoredResponse.DoesNotExist(f"No stored response {public_id}.")
+            if self._clock() >= deadline:
+                raise StorageTimeoutError(f"Response {public_id} is still being stored; retry shortly.")
+            await asyncio.sleep(self.poll_s)  # the row lands in another process: poll for it
 
     async def _get(self, public_id: str, owner_id: int) -> StoredResponse | None:
         try:
@@ -414,6 +482,9 @@ class Persistence:
             self._stats["lag_s_max"] = max(self._stats["lag_s_max"], lag)
             entry.landed.set()
             _call(entry.on_settled, "on_settled")
+            if self._shared is not None:
+                removal = self._in_db_thread(self._shared.remove, public_id)
+                self._spawn(asyncio.get_running_loop(), _logged(removal, f"shared pending {public_id}"))
             return
         entry = self._late.pop(public_id, None)
         if entry is not None:
@@ -532,6 +603,7 @@ def persistence() -> Persistence:
             poll_s=settings.MLXHOST_PERSIST_POLL_S,
             tombstone_ttl_s=settings.MLXHOST_TOMBSTONE_TTL_S,
             sweep_interval_s=settings.MLXHOST_SWEEP_INTERVAL_S,
+            shared=SharedPending() if settings.REDIS_URL else None,
         )
     return _persistence
 

@@ -6,15 +6,15 @@ It runs inside the turn service (`models_app.turns`) as that turn's `TurnHooks`.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
 from mlxhost.engine import Done, Failed, Message, ToolCall, ToolChoice, Usage
 from mlxhost.runtime import BOOT_ID
-from models_app import conversations, item_references
+from models_app import control, conversations, item_references, live_responses
 from models_app.models import StoredResponse
 from models_app.persistence import ResponseRecord, persistence
+from models_app.response_ids import new_response_id
 from models_app.turns import CacheScope, StartedTurn, TurnHooks, TurnRequest, TurnResult, turn_start
 
 if TYPE_CHECKING:
@@ -41,9 +41,6 @@ STATUS = {
     "aborted": ("incomplete", "draining"),
 }
 
-# Responses being generated in this process -> their tenant, so cancel is tenant-scoped too.
-_live_owners: dict[str, int] = {}
-
 
 class ChainError(Exception):
     """A stored response that cannot be read or continued, with what a client may be told: the
@@ -61,9 +58,18 @@ def not_found() -> ChainError:
     return ChainError(404, NOT_FOUND, code="response_not_found", param="response_id")
 
 
-def live_owner(response_id: str) -> int | None:
-    """The tenant of a response being generated in this process (for a tenant-scoped cancel)."""
-    return _live_owners.get(response_id)
+async def response_cancel(*, public_id: str, owner_id: int) -> bool:
+    """Stop the caller's response `public_id` if it is queued or running on any host (LANE-6).
+
+    Returns whether it was live: here (cancelled at once) or, in a fleet, on another host (the
+    cancel goes there over the channel layer). False: it is stored, pending or unknown.
+    """
+    if live_responses.cancel_here(public_id=public_id, owner_id=owner_id):
+        return True
+    if await live_responses.shared_owner(public_id) == owner_id:
+        await control.cancel_everywhere(public_id=public_id, owner_id=owner_id)
+        return True
+    return False
 
 
 def response_status(event: Done | Failed | None) -> str:
@@ -250,7 +256,7 @@ class ResponseHooks(TurnHooks):
             retention.release()
             raise
         self.alias, self.retention = alias, retention
-        _live_owners[self.response_id] = self.owner_id
+        await live_responses.started(self.response_id, self.owner_id)
         cache = CacheScope(
             salt=self.data.get("cache_salt"),
             prompt_cache_key=self.data.get("prompt_cache_key"),
@@ -274,7 +280,7 @@ class ResponseHooks(TurnHooks):
         )
 
     def refused(self) -> None:
-        _live_owners.pop(self.response_id, None)
+        live_responses.ended(self.response_id)
         if self.retention is not None:
             self.retention.release()
 
@@ -283,7 +289,7 @@ class ResponseHooks(TurnHooks):
 
         Returns the persist handoff, which the turn awaits before its terminal event (PER-1).
         """
-        _live_owners.pop(self.response_id, None)
+        live_responses.ended(self.response_id)
         retention = self.retention
         assert retention is not None and self.alias is not None, "ended() after prepare()"
         if not self.data["store"]:
@@ -354,7 +360,7 @@ async def response_start(
         EngineError: refused by the lane or the engine (429/503 via the error table).
         ModelAlias.DoesNotExist: no enabled alias has that name.
     """
-    response_id = response_id or f"resp_{secrets.token_hex(16)}"
+    response_id = response_id or new_response_id()
     hooks = ResponseHooks(data, owner_id, response_id)
     turn = TurnRequest(model=data["model"], owner_id=owner_id, sampling=sampling)
     started = await turn_start(turn, request_id=response_id, hooks=hooks, on_queued=on_queued)

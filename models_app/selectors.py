@@ -221,7 +221,7 @@ class AliasLiveState:
     progress_done: int = 0
     progress_total: int = 0
     last_action: str = ""  # "reload failed: <reason>", "load done", "unload running"
-    last_action_state: str = ""  # running | done | failed
+    last_action_state: str = ""  # waiting (its turn in a rolling reload) | running | done | failed
 
     @property
     def reporting(self) -> bool:

@@ -15,11 +15,11 @@ from api.openai.views import sse_response, validated
 from api.sampling import sampling_overrides
 from api.tools import ToolSet
 from mlxhost.engine import Usage
-from mlxhost.runtime import get_engine
 from models_app import services
 from models_app.models import StoredResponse
 from models_app.persistence import persistence
-from models_app.response_turns import live_owner, not_found, response_start
+from models_app.response_turns import not_found, response_start
+from models_app.response_turns import response_cancel as cancel_response
 
 
 @api_endpoint(dialect="openai", methods=("POST",))
@@ -87,9 +87,9 @@ async def response_detail(request: HttpRequest, public_id: str) -> HttpResponse:
 
 @api_endpoint(dialect="openai", methods=("POST",))
 async def response_cancel(request: HttpRequest, public_id: str) -> HttpResponse:
-    """POST /v1/responses/{id}/cancel: stop a queued or running response of the caller's (LANE-6)."""
-    if live_owner(public_id) == caller_of(request).owner_id:
-        get_engine().cancel(public_id)
+    """POST /v1/responses/{id}/cancel: stop a queued or running response of the caller's, on
+    whichever host runs it (LANE-6)."""
+    if await cancel_response(public_id=public_id, owner_id=caller_of(request).owner_id):
         return JsonResponse({"id": public_id, "object": "response", "status": "cancelled"})
     return JsonResponse(_stored_body(await _owned(request, public_id)))
 

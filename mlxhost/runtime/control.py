@@ -17,11 +17,12 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
+from django.conf import settings
 from django.core.exceptions import ValidationError
 
 from mlxhost.engine import Engine, EngineError, ModelSpec, UnknownModelError, is_internal_name
 from mlxhost.runtime import lifecycle
-from models_app import control, hotcache, selectors, services
+from models_app import control, hotcache, live_responses, selectors, services
 from models_app.models import Model, ModelAlias
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,9 @@ logger = logging.getLogger(__name__)
 # Channels' Redis layer forgets a group member after a day; re-join well before that.
 REJOIN_INTERVAL_S = 600.0
 LISTENER_RETRY_S = 2.0
+# A rolling reload (issue 15) looks at the hosts before this one this often, and waits for them at
+# most as long as a load and a drain may take.
+ROLLING_POLL_S = 0.5
 
 
 # Reconciling ------------------------------------------------------------------------------------
@@ -123,23 +127,71 @@ class Actions:
         self.results: dict[str, dict[str, Any]] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
 
-    def start(self, model_name: str, action: str) -> asyncio.Task[None]:
-        """Run `action` in the background; one action at a time per model, in arrival order."""
+    def start(
+        self, model_name: str, action: str, *, rolling: dict[str, Any] | None = None
+    ) -> asyncio.Task[None]:
+        """Run `action` in the background; one action at a time per model, in arrival order.
+
+        `rolling` ({"id", "order"}: a fleet-wide reload, `control.request_action`) makes this host
+        wait its turn: until every host before it in "order" has finished that reload or left.
+        """
         previous = self._running.get(model_name)
-        task = asyncio.get_running_loop().create_task(self._after(previous, model_name, action))
+        task = asyncio.get_running_loop().create_task(self._after(previous, model_name, action, rolling))
         self._running[model_name] = task
         task.add_done_callback(
             lambda t: self._running.pop(model_name, None) if self._running.get(model_name) is t else None
         )
         return task
 
-    async def _after(self, previous: asyncio.Task[None] | None, model_name: str, action: str) -> None:
+    async def _after(
+        self,
+        previous: asyncio.Task[None] | None,
+        model_name: str,
+        action: str,
+        rolling: dict[str, Any] | None,
+    ) -> None:
         if previous is not None:
             await asyncio.wait({previous})
-        await self.run(model_name, action)
+        rolling_id = None
+        if rolling is not None:
+            rolling_id = str(rolling.get("id", ""))
+            self.results[model_name] = {"action": action, "state": "waiting", "error": "", "at": time.time()}
+            await self._wait_turn(model_name, rolling_id, [int(h) for h in rolling.get("order", [])])
+        await self.run(model_name, action, rolling_id=rolling_id)
 
-    async def run(self, model_name: str, action: str) -> None:
-        self.results[model_name] = {"action": action, "state": "running", "error": "", "at": time.time()}
+    async def _wait_turn(self, model_name: str, rolling_id: str, order: list[int]) -> None:
+        """Wait until the hosts before this one in `order` have finished reload `rolling_id` of
+        `model_name` (done or failed), or stopped publishing their status (gone)."""
+        me = settings.MLXHOST_HOST_ID
+        before = set(order[: order.index(me)]) if me in order else set()
+        deadline = time.monotonic() + self.engine.config.load_timeout_s + self.engine.config.drain_timeout_s
+        while before and time.monotonic() < deadline:
+            statuses = await sync_to_async(control.engine_statuses)()
+            finished = {
+                s.get("host_id")
+                for s in statuses
+                if (s.get("actions", {}).get(model_name) or {}).get("rolling_id") == rolling_id
+                and s["actions"][model_name]["state"] in ("done", "failed")
+            }
+            alive = {s.get("host_id") for s in statuses}
+            before = {host for host in before if host in alive and host not in finished}
+            if before:
+                await asyncio.sleep(ROLLING_POLL_S)  # their status comes once a second: poll it
+        if before:
+            logger.warning(
+                "rolling reload of %s: hosts %s did not finish in time; going on", model_name, before
+            )
+
+    async def run(self, model_name: str, action: str, *, rolling_id: str | None = None) -> None:
+        started_at = time.time()
+        self.results[model_name] = {
+            "action": action,
+            "state": "running",
+            "error": "",
+            "at": started_at,
+            "started_at": started_at,
+            "rolling_id": rolling_id,
+        }
         try:
             instance_id = await self._run(model_name, action)
         except (EngineError, ValidationError, Model.DoesNotExist) as exc:
@@ -150,6 +202,8 @@ class Actions:
                 "state": "failed",
                 "error": error,
                 "at": time.time(),
+                "started_at": started_at,
+                "rolling_id": rolling_id,
             }
             return
         self.results[model_name] = {
@@ -158,6 +212,8 @@ class Actions:
             "error": "",
             "at": time.time(),
             "instance_id": instance_id,
+            "started_at": started_at,
+            "rolling_id": rolling_id,
         }
 
     async def _run(self, model_name: str, action: str) -> int | None:
@@ -271,7 +327,15 @@ async def handle_message(engine: Engine, actions: Actions, message: dict[str, An
             hotcache.aliases.clear()  # an edit in another process: resolve names afresh
             await reconcile(engine)
         elif kind == control.MODEL_ACTION:
-            actions.start(str(message.get("model", "")), str(message.get("action", "")))
+            host = message.get("host")
+            if host is not None and host != settings.MLXHOST_HOST_ID:
+                return  # meant for another host of the fleet
+            rolling = message.get("rolling")
+            actions.start(str(message.get("model", "")), str(message.get("action", "")), rolling=rolling)
+        elif kind == control.RESPONSE_CANCEL:
+            live_responses.cancel_here(
+                public_id=str(message.get("id", "")), owner_id=int(message.get("owner_id", 0))
+            )
         else:
             logger.warning("ignoring control message of type %r", kind)
     except Exception:

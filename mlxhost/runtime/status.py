@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
+from django.conf import settings
 
 from mlxhost.runtime import lifecycle
 from mlxhost.runtime.control import Actions, actions_for, is_alias
@@ -77,6 +78,7 @@ class StatusBuilder:
         return {
             "boot_id": lifecycle.BOOT_ID,
             "host": socket.gethostname(),
+            "host_id": settings.MLXHOST_HOST_ID,  # in a fleet: this host's number
             "pid": os.getpid(),
             "started_at": STARTED_AT,
             "at": time.time(),

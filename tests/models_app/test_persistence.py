@@ -381,3 +381,66 @@ async def test_server_start_runs_one_monitor_and_the_embedded_sweeper(make_store
     # The second start's monitor and sweeper return at once; the first ones keep running.
     await eventually(lambda: names() == ["persist-monitor", "persist-sweeper"], what="one of each task")
     store.close()
+
+
+# Pending writes across hosts (issue 15) ----------------------------------------------------------
+
+
+@pytest.fixture
+def shared_redis():
+    """A SharedPending on the real Redis (REDIS_URL, else the machine's own), under a key prefix of
+    this test's, cleared afterwards."""
+    import os
+    import uuid
+
+    from django.core.cache.backends.redis import RedisCache
+
+    from models_app.persistence import SharedPending
+
+    url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
+    cache = RedisCache(url, {"KEY_PREFIX": f"test-{uuid.uuid4().hex}"})
+    yield SharedPending(cache)
+    cache.clear()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_another_host_waits_for_a_write_pending_on_this_one(user, make_store, shared_redis):
+    """Issue 15: host B sees host A's pending write through Redis and waits for the row, never 404."""
+    host_a = make_store(eager=False, publish=drop, shared=shared_redis)
+    host_b = make_store(eager=False, publish=drop, shared=shared_redis)
+    record = make_record(user.pk, text="Written by A.")
+    await host_a.record(record)  # the handoff: shared before the client hears the turn is over
+
+    async def worker_lands_it():
+        await asyncio.sleep(0.3)  # the thing under test: the row lands late, while B waits
+        await off_loop(services.response_persist)(payload=record.as_payload())
+
+    landing = asyncio.create_task(worker_lands_it())
+    row = await host_b.fetch(public_id=record.public_id, owner_id=user.pk, wait_s=5)
+    assert row.output_text == "Written by A."
+    await landing
+    await eventually(lambda: shared_redis.owner(record.public_id) is None)  # A saw it land, cleared it
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_another_hosts_pending_write_past_the_wait_is_a_storage_timeout(user, make_store, shared_redis):
+    host_a = make_store(eager=False, publish=drop, shared=shared_redis)
+    host_b = make_store(eager=False, publish=drop, shared=shared_redis)
+    record = make_record(user.pk)
+    await host_a.record(record)
+    with pytest.raises(StorageTimeoutError):
+        await host_b.fetch(public_id=record.public_id, owner_id=user.pk, wait_s=0.3)
+    # Another tenant asking for the same id is told it is missing, as for any id (PER-6).
+    with pytest.raises(StoredResponse.DoesNotExist):
+        await host_b.fetch(public_id=record.public_id, owner_id=user.pk + 1000, wait_s=0.3)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_without_a_shared_table_another_host_answers_missing(user, make_store):
+    """The behaviour without Redis is unchanged: only the writing process knows the id is pending."""
+    host_a = make_store(eager=False, publish=drop)
+    host_b = make_store(eager=False, publish=drop)
+    record = make_record(user.pk)
+    await host_a.record(record)
+    with pytest.raises(StoredResponse.DoesNotExist):
+        await host_b.fetch(public_id=record.public_id, owner_id=user.pk, wait_s=0.3)
