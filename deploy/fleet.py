@@ -7,7 +7,8 @@ prints the addresses and runs until Ctrl-C. The fleet tests (`tests/fleet/`) use
     python deploy/fleet.py [--port 8000] [--hosts 2]
 
 Every process shares DATABASE_URL (PostgreSQL) and REDIS_URL (broker, channel layer, cache and
-pending writes). Each engine host has its own MLXHOST_HOST_ID, port and var folder (its disk tier).
+pending writes), and the models folder. Each engine host has its own MLXHOST_HOST_ID, port and disk
+tier (MLXHOST_KV_DIR).
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ class Fleet:
         admin_port = free_port()
         self.procs["admin"] = self._daphne("admin", admin_port, base | {"MLXHOST_RUN_ENGINE": "false"})
         for n in range(1, self.hosts + 1):
-            var = self.folder / f"h{n:02d}"
-            host_env = base | {"MLXHOST_HOST_ID": str(n), "MLXHOST_VAR_DIR": str(var)}
+            # One disk tier per host; the models folder and the rest of var/ are shared.
+            kv = self.folder / f"h{n:02d}" / "kv"
+            host_env = base | {"MLXHOST_HOST_ID": str(n), "MLXHOST_KV_DIR": str(kv)}
             self.procs[f"h{n:02d}"] = self._daphne(f"h{n:02d}", free_port(), host_env)
         worker = [py, "-m", "celery", "-A", "mlxhost.celery", "worker", "--pool=solo", "--loglevel=INFO"]
         worker += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
