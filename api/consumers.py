@@ -12,7 +12,7 @@ import functools
 import json
 import logging
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from asgiref.sync import sync_to_async
@@ -31,6 +31,9 @@ from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
 from models_app.response_ids import new_response_id
 from models_app.response_turns import response_start
+
+if TYPE_CHECKING:
+    from mlxhost.engine import Timings
 
 logger = logging.getLogger(__name__)
 _closing: set[asyncio.Future[None]] = set()  # closes started by a timer, kept until done
@@ -325,7 +328,8 @@ class ResponsesConsumer(_TrackedConsumer):
             await self.send_error(as_api_error(exc, model=data.get("model")), response_id=response_id)
             return
         generation = started.turn.generation
-        events = response_events(response_shape(data, started), started.turn)
+        shape = response_shape(data, started)
+        events = response_events(shape, started.turn)
         try:
             async for event in events:
                 if event["type"] == "response.created":
@@ -334,6 +338,8 @@ class ResponsesConsumer(_TrackedConsumer):
                     # Turns run back to back (API-3): a create sent the moment this event arrives
                     # must not find the socket's turn still taken.
                     self.turns.pop(response_id, None)
+                    if shape.done is not None:  # an extension of the socket's frames (ADM-4)
+                        event["timings"] = timings_body(shape.done.timings)
                 await self.send_json(event)
         finally:
             # A send that failed (the socket closed) leaves the event generator unfinished; its
@@ -354,6 +360,18 @@ class ResponsesConsumer(_TrackedConsumer):
         if error.retry_after is not None:
             frame["retry_after"] = error.retry_after
         await self.send_json(frame)
+
+
+def timings_body(timings: Timings) -> dict[str, float]:
+    """The server's clock of a finished turn, sent with the socket's terminal frame: `queue_ms`
+    (waiting in the lane), `ttft_ms` (accepted to first token, the wait included), `prefill_tps`
+    and `decode_tps` (output tokens after the first, per second after the first)."""
+    return {
+        "queue_ms": round(timings.queue_ms, 1),
+        "ttft_ms": round(timings.ttft_ms, 1),
+        "prefill_tps": round(timings.prefill_tps, 1),
+        "decode_tps": round(timings.decode_tps, 1),
+    }
 
 
 def _frame(text: str | None) -> dict[str, Any]:

@@ -3,6 +3,7 @@ through services."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from django.contrib import admin, messages
@@ -14,7 +15,7 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 
-from models_app import control, selectors, services
+from models_app import control, selectors, services, transcripts
 from models_app.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
 from models_app.forms import MODEL_FORM_FIELDS as MODEL_FORM_FIELDS
 from models_app.forms import ApiKeyCreateForm, ModelAliasForm, ModelForm
@@ -460,8 +461,25 @@ class StoredResponseAdmin(_StoredResponseAdminBase):
     )
     list_filter = ("status", "alias_name")
     list_select_related = ("owner",)
-    search_fields = ("public_id", "previous_response_id", "alias_name", "owner__username", "output_text")
+    # The prompt lives in JSON: `request__input` is a key transform, matched as text by icontains on
+    # SQLite (JSON_EXTRACT) and PostgreSQL (->>) alike (ADM-5).
+    search_fields = (
+        "public_id",
+        "previous_response_id",
+        "alias_name",
+        "owner__username",
+        "output_text",
+        "request__input",
+        "request__instructions",
+    )
     readonly_fields = [f.name for f in StoredResponse._meta.fields]
+    # The conversation is rendered above these (change_form.html); the raw JSON stays, folded.
+    fieldsets = (
+        (None, {"fields": ("public_id", "owner", "alias_name", "status", "previous_response_id")}),
+        ("Dates", {"fields": ("created_at", "updated_at", "expires_at")}),
+        ("Weights", {"fields": ("alias", "instance_id", "weights_fingerprint", "boot_id")}),
+        ("Raw JSON", {"fields": ("request", "output", "output_text", "usage"), "classes": ("collapse",)}),
+    )
 
     @admin.display(description="chain")
     def chain_link(self, obj: StoredResponse) -> SafeString:
@@ -474,6 +492,39 @@ class StoredResponseAdmin(_StoredResponseAdminBase):
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[StoredResponse], search_term: str
+    ) -> tuple[QuerySet[StoredResponse], bool]:
+        found, may_have_duplicates = super().get_search_results(request, queryset, search_term)
+        if not search_term.isascii():
+            # SQLite keeps JSON as text with non-ASCII letters escaped ("K\\u00e4se"): search that
+            # spelling too, or a prompt word like "Käse" is found on PostgreSQL only (ADM-5).
+            escaped = "".join(c if c.isascii() else json.dumps(c)[1:-1] for c in search_term)
+            also, more = super().get_search_results(request, queryset, escaped)
+            found, may_have_duplicates = found | also, may_have_duplicates or more
+        return found, may_have_duplicates
+
+    def render_change_form(
+        self,
+        request: HttpRequest,
+        context: dict[str, Any],
+        add: bool = False,
+        change: bool = False,
+        form_url: str = "",
+        obj: StoredResponse | None = None,
+    ) -> HttpResponse:
+        if obj is not None and obj.pk is not None:  # the conversation instead of raw JSON (ADM-5)
+            transcript = transcripts.response_transcript(response=obj)
+            context.update(
+                transcript=transcript,
+                previous_url=self._change_url(transcript.previous),
+                next_links=[(row.public_id, self._change_url(row)) for row in transcript.next],
+            )
+        return super().render_change_form(request, context, add, change, form_url, obj)
+
+    def _change_url(self, row: StoredResponse | None) -> str:
+        return reverse("admin:models_app_storedresponse_change", args=(quote(row.pk),)) if row else ""
 
     def get_urls(self) -> list[URLPattern]:
         chain = path(

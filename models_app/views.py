@@ -1,4 +1,5 @@
-"""Staff pages outside the admin: the live dashboard and its playground (ADM-2, OPS-4)."""
+"""Staff pages outside the admin: the live dashboard and its playground, and the chat page (ADM-2,
+ADM-4, OPS-4)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from django.core.exceptions import PermissionDenied
 from django.shortcuts import render
 from django.views.decorators.http import require_safe
 
-from models_app import control, selectors
+from models_app import control, selectors, transcripts
 
 if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse
@@ -73,6 +74,34 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "no_instance_label": control.LIVE_LABELS["unloaded"],
     }
     response = render(request, "dashboard/index.html", context)
+    response["Content-Security-Policy"] = content_security_policy(request)
+    response["Referrer-Policy"] = "same-origin"
+    return response
+
+
+@require_safe
+@staff_only
+def chat(request: HttpRequest) -> HttpResponse:
+    """A chat with any enabled alias over /ws/v1/responses (ADM-4).
+
+    The server holds the conversation: each turn continues the last by `previous_response_id`, and
+    `?response=<id>` reopens one of this user's stored conversations (another's is a 404, PER-6).
+    """
+    owner_id = request.user.pk
+    assert owner_id is not None, "staff_only let a signed-in user through"
+    public_id = request.GET.get("response", "")
+    history = transcripts.chat_history(owner_id=owner_id, public_id=public_id) if public_id else None
+    context = {
+        **admin.site.each_context(request),
+        "title": "Chat",
+        "is_nav_sidebar_enabled": False,
+        "aliases": list(selectors.aliases_enabled()),
+        "history": history,
+        "missing_id": public_id if public_id and history is None else "",
+        "recent": transcripts.conversations_recent(owner_id=owner_id),
+        "current_id": history["id"] if history else "",
+    }
+    response = render(request, "chat/index.html", context, status=404 if context["missing_id"] else 200)
     response["Content-Security-Policy"] = content_security_policy(request)
     response["Referrer-Policy"] = "same-origin"
     return response

@@ -72,6 +72,37 @@ async def test_two_turns_run_back_to_back_and_the_second_continues_the_first(tin
     await socket.disconnect()
 
 
+async def test_the_terminal_frame_carries_the_servers_timings(tiny_alias, api_key, mlx_engine, tiny_eos_id):
+    """API-3, ADM-4: an extension of the socket's frames (the chat page's figures): a finished or
+    cancelled turn's terminal frame has `timings`; the HTTP answer is unchanged."""
+    socket = await connect(key_headers(api_key))
+    await ws_create(socket, input="Hello there", max_output_tokens=6, store=False)
+    done = (await frames_until(socket, *WS_TERMINAL))[-1]
+    timings = done["timings"]
+    assert set(timings) == {"queue_ms", "ttft_ms", "prefill_tps", "decode_tps"}
+    assert 0 <= timings["queue_ms"] <= timings["ttft_ms"]
+    assert timings["prefill_tps"] > 0
+    assert (timings["decode_tps"] > 0) == (done["response"]["usage"]["output_tokens"] > 1)
+    assert "timings" not in done["response"]  # the response object stays OpenAI's
+
+    no_eos = {str(tiny_eos_id): -100}
+    await ws_create(socket, input="Count", max_output_tokens=100_000, logit_bias=no_eos, store=False)
+    await frames_until(socket, "response.output_text.delta")
+    await socket.send_to(text_data=json.dumps({"type": "response.cancel"}))
+    cancelled = (await frames_until(socket, *WS_TERMINAL))[-1]
+    assert cancelled["response"]["status"] == "cancelled"
+    assert cancelled["timings"]["ttft_ms"] > 0
+    await socket.disconnect()
+
+    http = await AsyncClient().post(
+        "/v1/responses",
+        data=json.dumps({"model": "tiny", "input": "Hello", "max_output_tokens": 2, "store": False}),
+        content_type="application/json",
+        headers={"Authorization": f"Bearer {api_key}"},
+    )
+    assert "timings" not in http.json()
+
+
 async def test_no_credentials_close_with_4401_before_accept(tiny_alias, mlx_engine):
     """API-5: no API key and no session: the handshake is refused with 4401, nothing is accepted."""
     socket = WebsocketCommunicator(application, WS_PATH, headers=[WS_HOST])
