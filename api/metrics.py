@@ -7,6 +7,7 @@ globally and a scrape never builds the engine or the persistence layer.
 
 from __future__ import annotations
 
+import socket
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -83,11 +84,23 @@ class _Collector:
         self._store = store
 
     def collect(self) -> Iterator[Metric]:
+        for metric in self._families():
+            # Every sample names its host, so a fleet's scrapes add up and split by host (issue 15).
+            metric.samples = [s._replace(labels={**s.labels, "host": host_label()}) for s in metric.samples]
+            yield metric
+
+    def _families(self) -> Iterator[Metric]:
         if self._engine is not None:
             yield from _request_metrics(self._engine)
             yield from _instance_metrics(self._engine)
         if self._store is not None:
             yield from _persist_metrics(self._store)
+
+
+def host_label() -> str:
+    """This process's `host` label: `h01`.. on a fleet host (MLXHOST_HOST_ID), else the hostname."""
+    host: int | None = settings.MLXHOST_HOST_ID
+    return f"h{host:02d}" if host is not None else socket.gethostname()
 
 
 def _request_metrics(engine: Engine) -> Iterator[Metric]:

@@ -220,13 +220,15 @@ class ModelAdmin(_ModelAdminBase):
     def reload(self, request: HttpRequest, queryset: QuerySet[Model]) -> None:
         self._request_actions(request, queryset, "reload")
 
-    def _request_actions(self, request: HttpRequest, models: Iterable[Model], action: str) -> None:
+    def _request_actions(
+        self, request: HttpRequest, models: Iterable[Model], action: str, *, host: int | None = None
+    ) -> None:
         # Only services talk to the engines; this collects their answers into messages.
         requested: list[str] = []
         for model in models:
             try:
                 services.model_request_action(
-                    model=model, action=action, requested_by=request.user.get_username()
+                    model=model, action=action, requested_by=request.user.get_username(), host=host
                 )
             except ValidationError as exc:
                 messages.error(request, "; ".join(exc.messages))
@@ -249,7 +251,8 @@ class ModelAdmin(_ModelAdminBase):
         return [action, *super().get_urls()]
 
     def action_view(self, request: HttpRequest, object_id: str, action: str) -> HttpResponse:
-        """POST only: ask the engines to load, unload or reload this model (ADM-1)."""
+        """POST only: ask the engines to load, unload or reload this model (ADM-1); a `host`
+        field names one fleet host, none asks them all (a reload then rolls, issue 15)."""
         if request.method != "POST":
             return HttpResponseNotAllowed(["POST"])
         model = self.get_object(request, unquote(object_id))
@@ -257,7 +260,11 @@ class ModelAdmin(_ModelAdminBase):
             raise Http404("No such model.")
         if not self.has_change_permission(request, model):
             raise PermissionDenied
-        self._request_actions(request, [model], action)
+        host = request.POST.get("host") or None
+        if host is not None and (not host.isdigit() or int(host) not in control.fleet_hosts()):
+            messages.error(request, f"No fleet host {host} is running.")
+        else:
+            self._request_actions(request, [model], action, host=int(host) if host else None)
         return redirect(reverse("admin:models_app_model_change", args=(quote(model.pk),)))
 
     def render_change_form(
@@ -274,7 +281,10 @@ class ModelAdmin(_ModelAdminBase):
             live = selectors.model_live_state(model=obj, views=views, actions=actions)
             add_alias = reverse("admin:models_app_modelalias_add") + f"?model={obj.pk}"
             context.update(
-                _live_context(live), model_actions=self._action_buttons(request, obj), add_alias_url=add_alias
+                _live_context(live),
+                model_actions=self._action_buttons(request, obj),
+                fleet_hosts=[(host, f"h{host:02d}") for host in control.fleet_hosts()],
+                add_alias_url=add_alias,
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 

@@ -205,13 +205,63 @@ def engine_statuses() -> list[dict[str, Any]]:
     return sorted(found.values(), key=lambda status: status.get("started_at", 0))
 
 
+# Counters that add up across the hosts holding an instance (a fleet's totals, issue 15).
+SUMMED = (
+    "active",
+    "queued",
+    "capacity",
+    "tokens_per_s",
+    "warm_sessions",
+    "warm_bytes",
+    "cache_tokens_saved",
+    "memory_bytes",
+    "requests_finished",
+)
+# Which host's state an instance shows when its hosts differ: the first that needs attention.
+STATE_ORDER = ("error", "loading", "draining", "degraded", "resident", "unloaded")
+
+
+def host_name(status: dict[str, Any]) -> str:
+    """How pages name an engine process: `h01`.. on a fleet host, else hostname and pid."""
+    host_id = status.get("host_id")
+    return f"h{host_id:02d}" if host_id is not None else f"{status.get('host', '?')}:{status.get('pid', '?')}"
+
+
 def instance_views(statuses: list[dict[str, Any]] | None = None) -> dict[int, dict[str, Any]]:
-    """Instance id -> its live view (state, counters, progress), across engine processes."""
-    views: dict[int, dict[str, Any]] = {}
+    """Instance id -> its live view (state, counters, progress), across engine processes.
+
+    An instance held by several hosts (a fleet) gets their totals (SUMMED), the state that needs
+    attention first (STATE_ORDER) with a label naming each host's, and `hosts`: one view per host,
+    so a page never shows one host's numbers as the model's.
+    """
+    per_instance: dict[int, list[dict[str, Any]]] = {}
     for status in engine_statuses() if statuses is None else statuses:
         for view in status.get("instances", []):
-            views[view["instance_id"]] = view
-    return views
+            per_instance.setdefault(view["instance_id"], []).append({**view, "host": host_name(status)})
+    return {instance_id: _merged(views) for instance_id, views in per_instance.items()}
+
+
+def _merged(views: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(views) == 1:
+        return {**views[0], "hosts": views}
+    views = sorted(views, key=lambda v: v["host"])
+    rank = {state: i for i, state in enumerate(STATE_ORDER)}
+    first = min(views, key=lambda v: rank.get(str(v.get("live_state")), len(STATE_ORDER)))
+    merged = {**first, "hosts": views, "aliases": sorted({a for v in views for a in v.get("aliases", [])})}
+    for key in SUMMED:
+        merged[key] = sum(v.get(key) or 0 for v in views)
+    for key in ("disk_entries", "disk_bytes"):  # None: the disk tier is off on every host
+        known = [v[key] for v in views if v.get(key) is not None]
+        merged[key] = sum(known) if known else None
+    lookups = [(v.get("cache_hit_rate"), v.get("requests_finished") or 0) for v in views]
+    weighted = [(rate, n) for rate, n in lookups if rate is not None]
+    total = sum(n for _, n in weighted)
+    merged["cache_hit_rate"] = (
+        sum(rate * n for rate, n in weighted) / total if total else (weighted[0][0] if weighted else None)
+    )
+    if len({v.get("label") for v in views}) > 1:
+        merged["label"] = "; ".join(f"{v['label']} on {v['host']}" for v in views)
+    return merged
 
 
 def action_views(statuses: list[dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:

@@ -222,6 +222,8 @@ class AliasLiveState:
     progress_total: int = 0
     last_action: str = ""  # "reload failed: <reason>", "load done", "unload running"
     last_action_state: str = ""  # waiting (its turn in a rolling reload) | running | done | failed
+    # In a fleet, each host's view of the instance (host, label, active, queued, capacity, memory).
+    hosts: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def reporting(self) -> bool:
@@ -302,6 +304,7 @@ def model_live_state(
         progress_total=int(progress.get("total") or 0),
         last_action=action,
         last_action_state=action_state,
+        hosts=tuple(view.get("hosts") or ()),
     )
 
 

@@ -133,8 +133,11 @@ def model_switch_instance(*, model: Model, instance: ModelInstance) -> Model:
     return model
 
 
-def model_request_action(*, model: Model, action: str, requested_by: str = "") -> None:
-    """Ask the engines to load, unload or reload the model, through their writer path (ADM-1).
+def model_request_action(
+    *, model: Model, action: str, requested_by: str = "", host: int | None = None
+) -> None:
+    """Ask the engines to load, unload or reload the model, through their writer path (ADM-1):
+    every engine, or the fleet host `host` (a fleet-wide reload rolls host by host, issue 15).
 
     Raises:
         ValidationError: the action is unknown.
@@ -143,7 +146,7 @@ def model_request_action(*, model: Model, action: str, requested_by: str = "") -
         raise ValidationError(f"Unknown action {action!r}.")
     with transaction.atomic():
         checked = cast("control.Action", action)  # one of control.ACTIONS, checked above
-        control.request_action(model_name=model.name, action=checked, requested_by=requested_by)
+        control.request_action(model_name=model.name, action=checked, requested_by=requested_by, host=host)
 
 
 @transaction.atomic

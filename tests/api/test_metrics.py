@@ -174,3 +174,11 @@ async def test_metrics_can_be_made_public(settings):
     """OPS-1: MLXHOST_METRICS_PUBLIC=true lets a scraper without credentials in."""
     settings.MLXHOST_METRICS_PUBLIC = True
     await scrape()  # a 200 in the exposition format, without any credentials
+
+
+async def test_every_sample_names_its_fleet_host(tiny_alias, api_key, mlx_engine, settings):
+    """Issue 15: on fleet host 3 every sample carries host="h03", so scrapes of a fleet add up."""
+    settings.MLXHOST_HOST_ID = 3
+    assert (await post_chat(api_key, max_tokens=2)).status_code == 200
+    samples = (await scrape(**auth(api_key))).samples
+    assert samples and {s.labels.get("host") for s in samples} == {"h03"}
