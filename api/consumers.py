@@ -13,7 +13,7 @@ import json
 import logging
 import secrets
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from asgiref.sync import sync_to_async
@@ -31,6 +31,9 @@ from api.sampling import sampling_overrides
 from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
 from models_app.response_turns import response_start
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 _closing: set[asyncio.Future[None]] = set()  # closes started by a timer, kept until done
@@ -92,6 +95,9 @@ def session_user(scope: dict[str, Any]) -> Any | None:
 class _TrackedConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channels ships no types: Any
     """A consumer whose accepted sockets the shutdown closes (see `close_open_sockets`)."""
 
+    revoked = False  # its key or login ended: closed with 4401, and it serves nothing more
+    _credential_check: Callable[[], bool] | None = None
+
     async def accept(self, subprotocol: str | None = None, headers: Any = None) -> None:
         await super().accept(subprotocol, headers)
         self._app_task = asyncio.current_task()  # the ASGI instance that runs this consumer
@@ -119,19 +125,36 @@ class _TrackedConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channel
             check = functools.partial(selectors.session_is_live, session_key=session_key, user_id=user_id)
         else:
             return
-        self._credential_group = group
+        self._credential_group, self._credential_check = group, check
         await self.channel_layer.group_add(group, self.channel_name)
-        self._recheck = asyncio.get_running_loop().create_task(self._recheck_credentials(check))
+        self._recheck = asyncio.get_running_loop().create_task(self._recheck_credentials())
 
-    async def _recheck_credentials(self, check: Any) -> None:
+    async def credentials_live(self) -> bool:
+        """False once the watched key or login has ended (or the socket was told so); True when
+        none is watched. Every frame asks first, so a socket whose close message never came (no
+        shared channel layer) still cannot start a turn after a logout (API-5)."""
+        if self.revoked:
+            return False
+        check = self._credential_check
+        return check is None or bool(await database_sync_to_async(check)())
+
+    async def _recheck_credentials(self) -> None:
         while True:
             await asyncio.sleep(settings.MLXHOST_WS_AUTH_RECHECK_S)
-            if not await database_sync_to_async(check)():
+            try:
+                live = await self.credentials_live()
+            except Exception:  # the database is away for a moment: the next round asks again
+                logger.warning("could not re-check a socket's credentials", exc_info=True)
+                continue
+            if not live:
                 await self.credentials_revoked({})
                 return
 
     async def credentials_revoked(self, message: dict[str, Any]) -> None:
         """The `credentials.revoked` group message: the key was revoked or the login ended."""
+        if self.revoked:
+            return  # the push and a re-check can both get here
+        self.revoked = True
         await self.close(code=CLOSE_UNAUTHENTICATED)
 
     async def _unwatch_credentials(self) -> None:
@@ -227,6 +250,8 @@ class ResponsesConsumer(_TrackedConsumer):
             )
 
     async def credentials_revoked(self, message: dict[str, Any]) -> None:
+        if self.revoked:
+            return
         await super().credentials_revoked(message)
         await self.disconnect(CLOSE_UNAUTHENTICATED)  # stop the turns now, not at the client's reply
 
@@ -259,6 +284,9 @@ class ResponsesConsumer(_TrackedConsumer):
 
     async def _dispatch(self, frame: dict[str, Any]) -> None:
         kind = frame.get("type")
+        if self.caller is not None and not await self.credentials_live():
+            await self.credentials_revoked({})  # logged out or revoked, and no push reached us
+            return
         if self.caller is None:
             if kind != "auth" or not isinstance(frame.get("api_key"), str):
                 await self.close(code=CLOSE_UNAUTHENTICATED)
@@ -382,5 +410,11 @@ class DashboardConsumer(_TrackedConsumer):
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         pass  # the dashboard only listens; actions go through the admin's forms (CSRF)
 
+    async def credentials_revoked(self, message: dict[str, Any]) -> None:
+        await super().credentials_revoked(message)
+        await self.channel_layer.group_discard(control.DASHBOARD_GROUP, self.channel_name)
+
     async def dashboard_status(self, message: dict[str, Any]) -> None:
+        if self.revoked:
+            return  # closed by a logout: not one more status frame
         await self.send(text_data=json.dumps({"type": "status", "status": message["status"]}))

@@ -231,8 +231,9 @@ MLXHOST_WS_MAX_FRAME_BYTES = env.int("MLXHOST_WS_MAX_FRAME_BYTES", default=1024 
 MLXHOST_WS_MAX_TURNS = env.int("MLXHOST_WS_MAX_TURNS", default=1)
 MLXHOST_WS_ALLOWED_ORIGINS = env.list("MLXHOST_WS_ALLOWED_ORIGINS", default=[])
 # A revoked key or a logout closes its sockets at once (a channel-layer message); this re-check
-# of each socket's key or session is the backstop, e.g. for a session that simply expires.
-MLXHOST_WS_AUTH_RECHECK_S = env.float("MLXHOST_WS_AUTH_RECHECK_S", default=10.0)
+# of each socket's key or session is the backstop, e.g. for a session that simply expires or a
+# logout in a process without a shared channel layer. Every frame a socket sends is checked too.
+MLXHOST_WS_AUTH_RECHECK_S = env.float("MLXHOST_WS_AUTH_RECHECK_S", default=5.0)
 # An SSE stream idle this long gets a keep-alive (Anthropic `ping`, an SSE comment elsewhere): a long
 # prefill must not look like a dead connection to coding agents and proxies (issue 17).
 MLXHOST_SSE_KEEPALIVE_S = env.float("MLXHOST_SSE_KEEPALIVE_S", default=5.0)
