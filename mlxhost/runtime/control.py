@@ -123,25 +123,28 @@ class Actions:
         self.results: dict[str, dict[str, Any]] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
 
-    def start(self, model_name: str, action: str) -> asyncio.Task[None]:
-        """Run `action` in the background; one action at a time per model, in arrival order."""
+    def start(self, model_name: str, action: str, by: str = "") -> asyncio.Task[None]:
+        """Run `action` in the background; one action at a time per model, in arrival order.
+        `by` names who asked (for the model's history, ADM-4); empty for the engine's own."""
         previous = self._running.get(model_name)
-        task = asyncio.get_running_loop().create_task(self._after(previous, model_name, action))
+        task = asyncio.get_running_loop().create_task(self._after(previous, model_name, action, by))
         self._running[model_name] = task
         task.add_done_callback(
             lambda t: self._running.pop(model_name, None) if self._running.get(model_name) is t else None
         )
         return task
 
-    async def _after(self, previous: asyncio.Task[None] | None, model_name: str, action: str) -> None:
+    async def _after(
+        self, previous: asyncio.Task[None] | None, model_name: str, action: str, by: str
+    ) -> None:
         if previous is not None:
             await asyncio.wait({previous})
-        await self.run(model_name, action)
+        await self.run(model_name, action, by)
 
-    async def run(self, model_name: str, action: str) -> None:
+    async def run(self, model_name: str, action: str, by: str = "") -> None:
         self.results[model_name] = {"action": action, "state": "running", "error": "", "at": time.time()}
         try:
-            instance_id = await self._run(model_name, action)
+            instance_id = await self._run(model_name, action, by)
         except (EngineError, ValidationError, Model.DoesNotExist) as exc:
             error = _reason(exc)
             logger.error("%s of model %s failed: %s", action, model_name, error)
@@ -160,14 +163,14 @@ class Actions:
             "instance_id": instance_id,
         }
 
-    async def _run(self, model_name: str, action: str) -> int | None:
+    async def _run(self, model_name: str, action: str, by: str) -> int | None:
         model = await sync_to_async(_model_named)(model_name)
         if action == "unload":
             return await self._unload(model)
         if action == "load":
             return await self._load(model, selectors.model_spec_for(model=model))
         if action == "reload":
-            return await self._reload(model)
+            return await self._reload(model, by)
         raise ValueError(f"unknown action {action!r}")
 
     def _serving(self, model: Model) -> list[str]:
@@ -188,7 +191,7 @@ class Actions:
             await self._drain(instance_id)
         return model.instance_id if ids else None  # None: nothing of it was resident here
 
-    async def _reload(self, model: Model) -> int:
+    async def _reload(self, model: Model, by: str) -> int:
         """Read the model's weights again. New weights load beside the old instance, which keeps
         serving until they are resident and is kept if they fail (OPS-4)."""
         fresh = await sync_to_async(services.model_fresh_instance)(model=model)
@@ -196,7 +199,9 @@ class Actions:
 
         async def switch() -> None:
             if fresh.pk != model.instance_id:
-                await sync_to_async(services.model_switch_instance)(model=model, instance=fresh)
+                await sync_to_async(services.model_switch_instance)(
+                    model=model, instance=fresh, requested_by=by
+                )
 
         return await self.engine.reload(self._serving(model), spec, on_resident=switch)
 
@@ -271,7 +276,9 @@ async def handle_message(engine: Engine, actions: Actions, message: dict[str, An
             hotcache.aliases.clear()  # an edit in another process: resolve names afresh
             await reconcile(engine)
         elif kind == control.MODEL_ACTION:
-            actions.start(str(message.get("model", "")), str(message.get("action", "")))
+            actions.start(
+                str(message.get("model", "")), str(message.get("action", "")), str(message.get("by", ""))
+            )
         else:
             logger.warning("ignoring control message of type %r", kind)
     except Exception:
