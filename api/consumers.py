@@ -28,6 +28,7 @@ from api.openai.responses_input import ResponsesInput
 from api.openai.views import validated
 from api.parsing import loads_object
 from api.sampling import sampling_overrides
+from mlxhost import request_log
 from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
 from models_app.response_turns import response_start
@@ -334,6 +335,10 @@ class ResponsesConsumer(_TrackedConsumer):
                 engine.cancel(target)  # the turn ends with its terminal event, status "cancelled"
 
     async def _run_turn(self, response_id: str, data: dict[str, Any]) -> None:
+        with request_log.recording(method="WS", path=self.scope["path"]):  # its log line (OPS-6)
+            await self._turn(response_id, data)
+
+    async def _turn(self, response_id: str, data: dict[str, Any]) -> None:
         async def on_queued(position: int) -> None:
             await self.send_json(
                 {"type": "response.queued", "response_id": response_id, "position": position}
@@ -374,6 +379,7 @@ class ResponsesConsumer(_TrackedConsumer):
             await self.send(text_data=json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
 
     async def send_error(self, error: ApiError, response_id: str | None = None) -> None:
+        request_log.note_error(error.code or error.type)  # a turn's refusal, in its log line
         frame: dict[str, Any] = {"type": "error", "status": error.status, **error_body(error, "openai")}
         if error.code in OVERLOADED_CODES:
             frame["error"]["type"] = "overloaded"  # LANE-2: the socket's word for 429/529

@@ -52,7 +52,12 @@ INSTALLED_APPS = [
 # Django's stock stack, whose hooks run on the event loop for /v1/ requests instead of one hop
 # each to asgiref's single sync thread (fast refusals in a burst; see mlxhost/middleware.py).
 MIDDLEWARE = [
-    # First, so every /v1/ answer to an allowed origin carries CORS headers (async-capable).
+    # Outermost, so it sees every API answer as it leaves: its id header and its log line (OPS-6).
+    "mlxhost.request_log.RequestLogMiddleware",
+    # Before the middleware that answer early (a CSRF failure, a redirect, a bad Host): their
+    # HTML pages get the policy too (OPS-7).
+    "mlxhost.security.ContentSecurityPolicyMiddleware",
+    # So every /v1/ answer to an allowed origin carries CORS headers. All three async-capable.
     "api.cors.CorsMiddleware",
     "mlxhost.middleware.InlineSecurityMiddleware",
     "mlxhost.middleware.InlineSessionMiddleware",
@@ -61,8 +66,6 @@ MIDDLEWARE = [
     "mlxhost.middleware.InlineAuthenticationMiddleware",
     "mlxhost.middleware.InlineMessageMiddleware",
     "mlxhost.middleware.InlineXFrameOptionsMiddleware",
-    # Both async-capable: no thread hop.
-    "mlxhost.security.ContentSecurityPolicyMiddleware",
     # Last, as django-axes asks: it turns a lockout into its 429 page.
     "axes.middleware.AxesMiddleware",
 ]
