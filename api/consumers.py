@@ -27,12 +27,15 @@ from api.openai.responses_input import ResponsesInput
 from api.openai.views import validated
 from api.parsing import loads_object
 from api.sampling import sampling_overrides
+from mlxhost import request_log
 from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
 from models_app.response_ids import new_response_id
 from models_app.response_turns import response_start
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from mlxhost.engine import Timings
 
 logger = logging.getLogger(__name__)
@@ -95,6 +98,9 @@ def session_user(scope: dict[str, Any]) -> Any | None:
 class _TrackedConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channels ships no types: Any
     """A consumer whose accepted sockets the shutdown closes (see `close_open_sockets`)."""
 
+    revoked = False  # its key or login ended: closed with 4401, and it serves nothing more
+    _credential_check: Callable[[], bool] | None = None
+
     async def accept(self, subprotocol: str | None = None, headers: Any = None) -> None:
         await super().accept(subprotocol, headers)
         self._app_task = asyncio.current_task()  # the ASGI instance that runs this consumer
@@ -122,19 +128,36 @@ class _TrackedConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channel
             check = functools.partial(selectors.session_is_live, session_key=session_key, user_id=user_id)
         else:
             return
-        self._credential_group = group
+        self._credential_group, self._credential_check = group, check
         await self.channel_layer.group_add(group, self.channel_name)
-        self._recheck = asyncio.get_running_loop().create_task(self._recheck_credentials(check))
+        self._recheck = asyncio.get_running_loop().create_task(self._recheck_credentials())
 
-    async def _recheck_credentials(self, check: Any) -> None:
+    async def credentials_live(self) -> bool:
+        """False once the watched key or login has ended (or the socket was told so); True when
+        none is watched. Every frame asks first, so a socket whose close message never came (no
+        shared channel layer) still cannot start a turn after a logout (API-5)."""
+        if self.revoked:
+            return False
+        check = self._credential_check
+        return check is None or bool(await database_sync_to_async(check)())
+
+    async def _recheck_credentials(self) -> None:
         while True:
             await asyncio.sleep(settings.MLXHOST_WS_AUTH_RECHECK_S)
-            if not await database_sync_to_async(check)():
+            try:
+                live = await self.credentials_live()
+            except Exception:  # the database is away for a moment: the next round asks again
+                logger.warning("could not re-check a socket's credentials", exc_info=True)
+                continue
+            if not live:
                 await self.credentials_revoked({})
                 return
 
     async def credentials_revoked(self, message: dict[str, Any]) -> None:
         """The `credentials.revoked` group message: the key was revoked or the login ended."""
+        if self.revoked:
+            return  # the push and a re-check can both get here
+        self.revoked = True
         await self.close(code=CLOSE_UNAUTHENTICATED)
 
     async def _unwatch_credentials(self) -> None:
@@ -230,6 +253,8 @@ class ResponsesConsumer(_TrackedConsumer):
             )
 
     async def credentials_revoked(self, message: dict[str, Any]) -> None:
+        if self.revoked:
+            return
         await super().credentials_revoked(message)
         await self.disconnect(CLOSE_UNAUTHENTICATED)  # stop the turns now, not at the client's reply
 
@@ -262,6 +287,9 @@ class ResponsesConsumer(_TrackedConsumer):
 
     async def _dispatch(self, frame: dict[str, Any]) -> None:
         kind = frame.get("type")
+        if self.caller is not None and not await self.credentials_live():
+            await self.credentials_revoked({})  # logged out or revoked, and no push reached us
+            return
         if self.caller is None:
             if kind != "auth" or not isinstance(frame.get("api_key"), str):
                 await self.close(code=CLOSE_UNAUTHENTICATED)
@@ -309,6 +337,10 @@ class ResponsesConsumer(_TrackedConsumer):
                 engine.cancel(target)  # the turn ends with its terminal event, status "cancelled"
 
     async def _run_turn(self, response_id: str, data: dict[str, Any]) -> None:
+        with request_log.recording(method="WS", path=self.scope["path"]):  # its log line (OPS-6)
+            await self._turn(response_id, data)
+
+    async def _turn(self, response_id: str, data: dict[str, Any]) -> None:
         async def on_queued(position: int) -> None:
             await self.send_json(
                 {"type": "response.queued", "response_id": response_id, "position": position}
@@ -352,6 +384,7 @@ class ResponsesConsumer(_TrackedConsumer):
             await self.send(text_data=json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
 
     async def send_error(self, error: ApiError, response_id: str | None = None) -> None:
+        request_log.note_error(error.code or error.type)  # a turn's refusal, in its log line
         frame: dict[str, Any] = {"type": "error", "status": error.status, **error_body(error, "openai")}
         if error.code in OVERLOADED_CODES:
             frame["error"]["type"] = "overloaded"  # LANE-2: the socket's word for 429/529
@@ -400,5 +433,11 @@ class DashboardConsumer(_TrackedConsumer):
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         pass  # the dashboard only listens; actions go through the admin's forms (CSRF)
 
+    async def credentials_revoked(self, message: dict[str, Any]) -> None:
+        await super().credentials_revoked(message)
+        await self.channel_layer.group_discard(control.DASHBOARD_GROUP, self.channel_name)
+
     async def dashboard_status(self, message: dict[str, Any]) -> None:
+        if self.revoked:
+            return  # closed by a logout: not one more status frame
         await self.send(text_data=json.dumps({"type": "status", "status": message["status"]}))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -13,6 +12,7 @@ from django.http import HttpRequest, HttpResponse
 from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 
+from mlxhost import request_log
 from mlxhost.engine import (
     DrainingError,
     DuplicateRequestError,
@@ -145,7 +145,7 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
             return ApiError(status, message or str(exc), type_, code, param=param, retry_after=retry_after)
     if isinstance(exc, RequestDataTooBig):  # a body read outside `parsing.read_body`
         return ApiError(413, "The request body is too large.", code="request_too_large")
-    request_id = f"req_{secrets.token_hex(12)}"
+    request_id = request_log.current_request_id()
     # The traceback stays in the server's log; the client gets a fixed text and the id (API-4).
     logger.error("unhandled API error, request id %s", request_id, exc_info=exc)
     if isinstance(exc, EngineError):
@@ -195,6 +195,7 @@ def error_status(error: ApiError, dialect: Dialect) -> int:
 
 
 def error_response(error: ApiError, dialect: Dialect) -> HttpResponse:
+    request_log.note_error(error.code or error.type)
     status = error_status(error, dialect)
     response = HttpResponse(
         json.dumps(error_body(error, dialect)), status=status, content_type="application/json"

@@ -53,7 +53,12 @@ INSTALLED_APPS = [
 # Django's stock stack, whose hooks run on the event loop for /v1/ requests instead of one hop
 # each to asgiref's single sync thread (fast refusals in a burst; see mlxhost/middleware.py).
 MIDDLEWARE = [
-    # First, so every /v1/ answer to an allowed origin carries CORS headers (async-capable).
+    # Outermost, so it sees every API answer as it leaves: its id header and its log line (OPS-6).
+    "mlxhost.request_log.RequestLogMiddleware",
+    # Before the middleware that answer early (a CSRF failure, a redirect, a bad Host): their
+    # HTML pages get the policy too (OPS-7).
+    "mlxhost.security.ContentSecurityPolicyMiddleware",
+    # So every /v1/ answer to an allowed origin carries CORS headers. All three async-capable.
     "api.cors.CorsMiddleware",
     "mlxhost.middleware.InlineSecurityMiddleware",
     "mlxhost.middleware.InlineSessionMiddleware",
@@ -62,8 +67,6 @@ MIDDLEWARE = [
     "mlxhost.middleware.InlineAuthenticationMiddleware",
     "mlxhost.middleware.InlineMessageMiddleware",
     "mlxhost.middleware.InlineXFrameOptionsMiddleware",
-    # Both async-capable: no thread hop.
-    "mlxhost.security.ContentSecurityPolicyMiddleware",
     # Last, as django-axes asks: it turns a lockout into its 429 page.
     "axes.middleware.AxesMiddleware",
 ]
@@ -237,8 +240,9 @@ MLXHOST_WS_MAX_FRAME_BYTES = env.int("MLXHOST_WS_MAX_FRAME_BYTES", default=1024 
 MLXHOST_WS_MAX_TURNS = env.int("MLXHOST_WS_MAX_TURNS", default=1)
 MLXHOST_WS_ALLOWED_ORIGINS = env.list("MLXHOST_WS_ALLOWED_ORIGINS", default=[])
 # A revoked key or a logout closes its sockets at once (a channel-layer message); this re-check
-# of each socket's key or session is the backstop, e.g. for a session that simply expires.
-MLXHOST_WS_AUTH_RECHECK_S = env.float("MLXHOST_WS_AUTH_RECHECK_S", default=10.0)
+# of each socket's key or session is the backstop, e.g. for a session that simply expires or a
+# logout in a process without a shared channel layer. Every frame a socket sends is checked too.
+MLXHOST_WS_AUTH_RECHECK_S = env.float("MLXHOST_WS_AUTH_RECHECK_S", default=5.0)
 # An SSE stream idle this long gets a keep-alive (Anthropic `ping`, an SSE comment elsewhere): a long
 # prefill must not look like a dead connection to coding agents and proxies (issue 17).
 MLXHOST_SSE_KEEPALIVE_S = env.float("MLXHOST_SSE_KEEPALIVE_S", default=5.0)

@@ -223,13 +223,12 @@ class ModelAdmin(_ModelAdminBase):
     def _request_actions(
         self, request: HttpRequest, models: Iterable[Model], action: str, *, host: int | None = None
     ) -> None:
-        # Only services talk to the engines; this collects their answers into messages.
+        # Only services talk to the engines (and record the request in the history, ADM-6);
+        # this collects their answers into messages.
         requested: list[str] = []
         for model in models:
             try:
-                services.model_request_action(
-                    model=model, action=action, requested_by=request.user.get_username(), host=host
-                )
+                services.model_request_action(model=model, action=action, actor=request.user, host=host)
             except ValidationError as exc:
                 messages.error(request, "; ".join(exc.messages))
                 continue
@@ -305,7 +304,7 @@ class ModelAdmin(_ModelAdminBase):
     def save_model(
         self, request: HttpRequest, obj: Model, form: forms.ModelForm[Model], change: bool
     ) -> None:
-        try:
+        try:  # no actor: the change form records this save in the history itself (ADM-6)
             services.model_save(model=obj)
         except ValidationError as exc:  # the folder changed between clean() and save
             messages.error(request, "; ".join(exc.messages))
@@ -372,7 +371,7 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
     def save_model(
         self, request: HttpRequest, obj: ModelAlias, form: forms.ModelForm[ModelAlias], change: bool
     ) -> None:
-        services.alias_save(alias=obj)
+        services.alias_save(alias=obj)  # no actor: the change form records its own save (ADM-6)
 
     def delete_model(self, request: HttpRequest, obj: ModelAlias) -> None:
         services.alias_delete(alias=obj)
@@ -449,7 +448,7 @@ class ApiKeyAdmin(_ApiKeyAdminBase):
     @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         for key in queryset.filter(revoked_at__isnull=True):
-            services.apikey_revoke(key=key)
+            services.apikey_revoke(key=key, actor=request.user)
 
 
 # Stored responses ------------------------------------------------------------------------------------

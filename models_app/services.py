@@ -24,10 +24,13 @@ from mlxhost.engine import (
 )
 from models_app import control, hotcache
 from models_app.apikeys import key_generate, key_hash, key_prefix
+from models_app.audit import ADDED, actor_named, audit_changes, audit_record, audit_saved
 from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User  # AUTH_USER_MODEL: ApiKey.owner's target
+
+    from models_app.audit import Actor
 
 logger = logging.getLogger(__name__)
 HF_REPO_HELP = "A Hugging Face repo id looks like 'owner/name'."
@@ -75,8 +78,11 @@ def instance_register(*, source_kind: str, source: str, revision: str, fingerpri
 
 
 @transaction.atomic
-def model_save(*, model: Model) -> Model:
+def model_save(*, model: Model, actor: Actor = None) -> Model:
     """Validate and save `model`, registering the weights its source holds now (REG-2/3).
+
+    `actor` is who saved it, for its admin history (ADM-6): None from the admin's change form,
+    which records its own saves, and from scripts.
 
     Raises:
         ValidationError: the source or a setting is invalid.
@@ -90,7 +96,9 @@ def model_save(*, model: Model) -> Model:
         source_kind=model.source_kind, source=source, revision=revision, fingerprint=fingerprint
     )
     model.full_clean()
+    changes = audit_changes(model) if actor is not None else []
     model.save()
+    audit_saved(actor=actor, obj=model, changes=changes)
     control.notify_models_changed()  # on commit: engines in every process reconcile (ADM-3)
     return model
 
@@ -125,39 +133,58 @@ def model_fresh_instance(*, model: Model) -> ModelInstance:
 
 
 @transaction.atomic
-def model_switch_instance(*, model: Model, instance: ModelInstance) -> Model:
-    """Point the model at `instance` (its reloaded weights are resident) and tell the engines."""
-    Model.objects.filter(pk=model.pk).update(instance=instance, updated_at=timezone.now())
+def model_switch_instance(*, model: Model, instance: ModelInstance, requested_by: str = "") -> Model:
+    """Point the model at `instance` (its reloaded weights are resident) and tell the engines.
+
+    The switch goes into the model's history as done by `requested_by` (the reload's requester),
+    once, however many engine processes ran the reload (ADM-6).
+    """
+    switched = (
+        Model.objects.filter(pk=model.pk)
+        .exclude(instance=instance)
+        .update(instance=instance, updated_at=timezone.now())
+    )
     model.instance = instance
+    if switched:
+        message = f"Reloaded: now serving instance #{instance.pk}."
+        audit_record(actor=actor_named(requested_by), obj=model, message=message)
     control.notify_models_changed()
     return model
 
 
 def model_request_action(
-    *, model: Model, action: str, requested_by: str = "", host: int | None = None
+    *, model: Model, action: str, requested_by: str = "", actor: Actor = None, host: int | None = None
 ) -> None:
     """Ask the engines to load, unload or reload the model, through their writer path (ADM-1):
-    every engine, or the fleet host `host` (a fleet-wide reload rolls host by host, issue 15).
+    every engine, or the fleet host `host` (a fleet-wide reload rolls host by host, issue 15). The
+    request goes into the model's history as `actor`'s (ADM-6).
 
     Raises:
         ValidationError: the action is unknown.
     """
     if action not in control.ACTIONS:
         raise ValidationError(f"Unknown action {action!r}.")
+    if actor is not None and actor.is_authenticated and not requested_by:
+        requested_by = actor.get_username()
     with transaction.atomic():
         checked = cast("control.Action", action)  # one of control.ACTIONS, checked above
         control.request_action(model_name=model.name, action=checked, requested_by=requested_by, host=host)
+        where = f" on h{host:02d}" if host is not None else ""
+        audit_record(actor=actor, obj=model, message=f"Requested {action}{where}.")
 
 
 @transaction.atomic
-def alias_save(*, alias: ModelAlias) -> ModelAlias:
+def alias_save(*, alias: ModelAlias, actor: Actor = None) -> ModelAlias:
     """Validate and save `alias` (its name, sampling and limits); engines reconcile on commit.
+    `actor` is as for `model_save` (ADM-6).
 
     Raises:
         ValidationError: a setting is invalid.
     """
     alias.full_clean()
+    changes = audit_changes(alias) if actor is not None else []
     alias.save()
+    audit_saved(actor=actor, obj=alias, changes=changes)
     control.notify_models_changed()
     return alias
 
@@ -226,10 +253,12 @@ def _free_model_name(wanted: str) -> str:
     return name
 
 
-def apikey_create(*, owner: User, name: str) -> tuple[ApiKey, str]:
-    """Create a key; returns the row and the full key, which is never retrievable again."""
+def apikey_create(*, owner: User, name: str, actor: Actor = None) -> tuple[ApiKey, str]:
+    """Create a key; returns the row and the full key, which is never retrievable again.
+    `actor` is who created it, for its history (ADM-6); the admin's add form records its own."""
     raw = key_generate()
     key = ApiKey.objects.create(owner=owner, name=name, prefix=key_prefix(raw), secret_hash=key_hash(raw))
+    audit_saved(actor=actor, obj=key, changes=ADDED if actor is not None else [])
     _forget_cached_keys()  # an attempt with this key a moment ago may have cached a refusal
     return key, raw
 
@@ -250,11 +279,12 @@ def apikey_ensure(*, owner: User, raw_key: str, name: str) -> ApiKey:
     return key
 
 
-def apikey_revoke(*, key: ApiKey) -> ApiKey:
+def apikey_revoke(*, key: ApiKey, actor: Actor = None) -> ApiKey:
     """Revoke `key`: refused at once in this process, within `hotcache.KEY_TTL_S` in others, and
-    its open WebSockets close with 4401 once this commits (API-5)."""
+    its open WebSockets close with 4401 once this commits (API-5); recorded as `actor`'s (ADM-6)."""
     key.revoked_at = timezone.now()
     key.save(update_fields=["revoked_at", "updated_at"])
+    audit_record(actor=actor, obj=key, message="Revoked.")
     _forget_cached_keys()
     control.sockets_close_on_commit(group=control.apikey_group(key.pk))
     return key

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mlxhost import request_log
 from mlxhost.engine import Delta, Done, Failed, Message, Tool, ToolChoice
 from mlxhost.engine import GenerationRequest as EngineRequest
 from mlxhost.runtime.control import engine_for
@@ -189,6 +190,10 @@ async def turn_start(
             generation.cancel()
         hooks.refused()
         raise
+    # The request's log line (OPS-6) names the turn: its alias, model and how it ended.
+    request_log.note_turn(
+        request_id=request_id, alias=alias.name, model=alias.model.name, generation=generation
+    )
     return StartedTurn(request_id, alias.name, generation, hooks)
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.utils import timezone
 
 from mlxhost.security import DEFAULT_CSP
 
@@ -85,6 +88,96 @@ def test_every_html_page_sends_a_content_security_policy(client, staff, path):
         assert csp == DEFAULT_CSP
         # Nothing the default policy would block: every script is loaded by src.
         assert b"<script>" not in response.content
+
+
+ADMIN_LINK = re.compile(r'href="(/admin/[^"#?]*)')
+
+
+def assert_policy(response, path: str) -> None:
+    """An HTML answer carries the page policy: the default, or the dashboard's own."""
+    assert response.status_code < 500, path
+    if not response.get("Content-Type", "").startswith("text/html"):
+        return
+    csp = response.get("Content-Security-Policy")
+    assert csp, f"{path} ({response.status_code}) has no Content-Security-Policy"
+    if path.startswith("/dashboard/"):
+        assert "connect-src" in csp and "script-src 'self'" in csp
+    else:
+        assert csp == DEFAULT_CSP, path
+        assert b"<script>" not in response.content, path  # every script by src: nothing blocked
+
+
+def walk_admin(client, start: list[str], limit: int = 400) -> list[str]:
+    """Every admin page reachable by links from `start` (breadth first), each checked; returns them."""
+    seen: list[str] = []
+    queue = list(start)
+    while queue and len(seen) < limit:
+        path = queue.pop(0)
+        if path in seen or path.endswith("/logout/"):
+            continue
+        seen.append(path)
+        response = client.get(path)
+        assert_policy(response, path)
+        if response.get("Content-Type", "").startswith("text/html"):
+            queue += [link for link in ADMIN_LINK.findall(response.content.decode()) if link not in seen]
+    return seen
+
+
+@pytest.mark.django_db
+def test_every_admin_page_and_the_dashboard_send_the_policy(client, staff, tiny_alias, user):
+    """OPS-7: every page the admin links to (walked from its index: changelists, add, change,
+    history and delete pages of every model, the chain view, the password pages), the dashboard,
+    and the pages answered before any view (a CSRF failure, a bad Host, a missing slash, a lockout,
+    the logout page, an action's confirmation, a 404) carry the Content-Security-Policy."""
+    from django.test import Client
+
+    from models_app import services
+    from models_app.models import InstanceTombstone, StoredResponse
+
+    key, _ = services.apikey_create(owner=user, name="walked")
+    StoredResponse.objects.create(
+        public_id="resp_walk", owner=user, alias=tiny_alias, alias_name="tiny", instance_id=1,
+        weights_fingerprint="f" * 64, boot_id="b", expires_at=timezone.now() + timedelta(days=1),
+    )  # fmt: skip
+    InstanceTombstone.objects.create(
+        instance_id=9, source="tiny-llama", fingerprint="f" * 64, response_public_id="resp_t",
+        expires_at=timezone.now() + timedelta(days=1),
+    )  # fmt: skip
+    client.force_login(staff)
+    walked = walk_admin(client, ["/admin/", "/dashboard/"])
+    for must in (
+        f"/admin/models_app/model/{tiny_alias.model_id}/history/",
+        f"/admin/models_app/modelalias/{tiny_alias.pk}/delete/",
+        f"/admin/models_app/apikey/{key.pk}/change/",
+        "/admin/models_app/storedresponse/",
+        "/admin/models_app/instancetombstone/",
+        "/admin/auth/user/add/",
+        "/admin/password_change/",
+    ):
+        assert must in walked, must
+    assert len(walked) > 40
+
+    early = {
+        "missing slash": client.get("/admin"),
+        "bad host": client.get("/admin/", headers={"host": "evil.example"}),
+        "not found": client.get("/admin/models_app/nothing-here/"),
+        "page not found": client.get("/no-such-page/"),
+        "action confirmation": client.post(
+            "/admin/models_app/apikey/", {"action": "delete_selected", "_selected_action": [key.pk]}
+        ),
+        "anonymous": Client().get("/admin/"),
+        "login": Client().get(LOGIN),
+        "csrf failure": Client(enforce_csrf_checks=True).post(LOGIN, {"username": "root", "password": "x"}),
+    }
+    for _ in range(6):
+        early["lockout"] = log_in(Client(), "wrong-password")
+    early["logged out"] = client.post("/admin/logout/")
+    assert early["csrf failure"].status_code == 403 and early["lockout"].status_code == 429
+    assert early["bad host"].status_code == 400
+    for name, response in early.items():
+        assert_policy(response, name)
+        if name in ("csrf failure", "lockout", "bad host", "logged out", "action confirmation", "not found"):
+            assert response["Content-Security-Policy"] == DEFAULT_CSP, name
 
 
 def test_json_responses_get_no_page_policy(client):

@@ -108,6 +108,7 @@ class Generation:
         self.stop_flag = threading.Event()
         self.finished = False
         self.cancelled = False
+        self.result: Done | Failed | None = None  # the terminal event, once the reader had it
         self.session_outcome: Outcome = "fresh"
         self.cached_tokens = 0
         self.instance_id = 0  # set by the engine once the binding is resolved
@@ -215,6 +216,7 @@ class Generation:
                 event = await self._next_event()
                 if isinstance(event, Done | Failed):
                     self.finished = True
+                    self.result = event
                 reader = self.reader
                 if reader is not None and isinstance(event, Delta | Done):
                     for part in reader.feed(event) if isinstance(event, Delta) else reader.finish(event):

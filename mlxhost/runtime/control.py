@@ -128,15 +128,16 @@ class Actions:
         self._running: dict[str, asyncio.Task[None]] = {}
 
     def start(
-        self, model_name: str, action: str, *, rolling: dict[str, Any] | None = None
+        self, model_name: str, action: str, by: str = "", *, rolling: dict[str, Any] | None = None
     ) -> asyncio.Task[None]:
         """Run `action` in the background; one action at a time per model, in arrival order.
+        `by` names who asked (for the model's history, ADM-6); empty for the engine's own.
 
         `rolling` ({"id", "order"}: a fleet-wide reload, `control.request_action`) makes this host
         wait its turn: until every host before it in "order" has finished that reload or left.
         """
         previous = self._running.get(model_name)
-        task = asyncio.get_running_loop().create_task(self._after(previous, model_name, action, rolling))
+        task = asyncio.get_running_loop().create_task(self._after(previous, model_name, action, by, rolling))
         self._running[model_name] = task
         task.add_done_callback(
             lambda t: self._running.pop(model_name, None) if self._running.get(model_name) is t else None
@@ -148,6 +149,7 @@ class Actions:
         previous: asyncio.Task[None] | None,
         model_name: str,
         action: str,
+        by: str,
         rolling: dict[str, Any] | None,
     ) -> None:
         if previous is not None:
@@ -157,7 +159,7 @@ class Actions:
             rolling_id = str(rolling.get("id", ""))
             self.results[model_name] = {"action": action, "state": "waiting", "error": "", "at": time.time()}
             await self._wait_turn(model_name, rolling_id, [int(h) for h in rolling.get("order", [])])
-        await self.run(model_name, action, rolling_id=rolling_id)
+        await self.run(model_name, action, by, rolling_id=rolling_id)
 
     async def _wait_turn(self, model_name: str, rolling_id: str, order: list[int]) -> None:
         """Wait until the hosts before this one in `order` have finished reload `rolling_id` of
@@ -182,7 +184,7 @@ class Actions:
                 "rolling reload of %s: hosts %s did not finish in time; going on", model_name, before
             )
 
-    async def run(self, model_name: str, action: str, *, rolling_id: str | None = None) -> None:
+    async def run(self, model_name: str, action: str, by: str = "", *, rolling_id: str | None = None) -> None:
         started_at = time.time()
         self.results[model_name] = {
             "action": action,
@@ -193,7 +195,7 @@ class Actions:
             "rolling_id": rolling_id,
         }
         try:
-            instance_id = await self._run(model_name, action)
+            instance_id = await self._run(model_name, action, by)
         except (EngineError, ValidationError, Model.DoesNotExist) as exc:
             error = _reason(exc)
             logger.error("%s of model %s failed: %s", action, model_name, error)
@@ -216,14 +218,14 @@ class Actions:
             "rolling_id": rolling_id,
         }
 
-    async def _run(self, model_name: str, action: str) -> int | None:
+    async def _run(self, model_name: str, action: str, by: str) -> int | None:
         model = await sync_to_async(_model_named)(model_name)
         if action == "unload":
             return await self._unload(model)
         if action == "load":
             return await self._load(model, selectors.model_spec_for(model=model))
         if action == "reload":
-            return await self._reload(model)
+            return await self._reload(model, by)
         raise ValueError(f"unknown action {action!r}")
 
     def _serving(self, model: Model) -> list[str]:
@@ -244,7 +246,7 @@ class Actions:
             await self._drain(instance_id)
         return model.instance_id if ids else None  # None: nothing of it was resident here
 
-    async def _reload(self, model: Model) -> int:
+    async def _reload(self, model: Model, by: str) -> int:
         """Read the model's weights again. New weights load beside the old instance, which keeps
         serving until they are resident and is kept if they fail (OPS-4)."""
         fresh = await sync_to_async(services.model_fresh_instance)(model=model)
@@ -252,7 +254,9 @@ class Actions:
 
         async def switch() -> None:
             if fresh.pk != model.instance_id:
-                await sync_to_async(services.model_switch_instance)(model=model, instance=fresh)
+                await sync_to_async(services.model_switch_instance)(
+                    model=model, instance=fresh, requested_by=by
+                )
 
         return await self.engine.reload(self._serving(model), spec, on_resident=switch)
 
@@ -330,8 +334,12 @@ async def handle_message(engine: Engine, actions: Actions, message: dict[str, An
             host = message.get("host")
             if host is not None and host != settings.MLXHOST_HOST_ID:
                 return  # meant for another host of the fleet
-            rolling = message.get("rolling")
-            actions.start(str(message.get("model", "")), str(message.get("action", "")), rolling=rolling)
+            actions.start(
+                str(message.get("model", "")),
+                str(message.get("action", "")),
+                str(message.get("by", "")),
+                rolling=message.get("rolling"),
+            )
         elif kind == control.RESPONSE_CANCEL:
             live_responses.cancel_here(
                 public_id=str(message.get("id", "")), owner_id=int(message.get("owner_id", 0))

@@ -184,6 +184,26 @@ async def test_a_reload_with_new_weights_swaps_and_a_failed_one_keeps_the_old_in
     assert (kept.instance_id, kept.state) == (new_id, "ready")
 
 
+async def test_a_reload_is_in_the_model_history_as_its_requesters(
+    reload_folder, mlx_engine, listening, django_user_model
+):
+    """ADM-6: the reload request and the engine's switch to the new weights are both in the
+    model's history, in the name of the staff member who asked."""
+    from django.contrib.admin.models import LogEntry
+
+    staff = await django_user_model.objects.acreate(username="reloader", is_staff=True)
+    alias = await sync_to_async(register_alias)(name="swappy", folder="tiny-reload", temperature=0.0)
+    build_tiny_model(reload_folder, seed=1)  # new weights in the same folder
+    await sync_to_async(services.model_request_action)(model=alias.model, action="reload", actor=staff)
+    await eventually(lambda: settled(listening, "swappy", "reload"), timeout=30)
+    assert listening.results["swappy"]["state"] == "done", listening.results
+    new_id = (await ModelAlias.objects.select_related("model").aget(pk=alias.pk)).instance_id
+    history = LogEntry.objects.filter(object_id=str(alias.model_id), content_type__model="model")
+    assert [
+        (entry.user_id, entry.get_change_message()) async for entry in history.order_by("action_time", "pk")
+    ] == [(staff.pk, "Requested reload."), (staff.pk, f"Reloaded: now serving instance #{new_id}.")]
+
+
 async def test_the_status_reports_rates_and_reaches_the_cache(tiny_alias, api_key, mlx_engine):
     """ADM-2, OPS-4: the published status carries live counters and is readable from the cache."""
     from django.test import AsyncClient

@@ -409,3 +409,71 @@ async def test_an_expired_session_is_caught_by_the_periodic_recheck(tiny_alias, 
     assert await socket.receive_nothing(timeout=0.3)  # several re-checks pass while it is live
     await Session.objects.filter(session_key=session_key).adelete()
     assert await socket.receive_output(timeout=10) == {"type": "websocket.close", "code": 4401}
+
+
+async def _session_sockets(django_user_model, username: str):
+    """A logged-in staff client and the playground and dashboard sockets its session opened."""
+    staff = await django_user_model.objects.acreate(username=username, is_staff=True)
+    client = AsyncClient()
+    await client.aforce_login(staff)
+    headers = [
+        WS_HOST,
+        (b"cookie", f"sessionid={client.cookies['sessionid'].value}".encode()),
+        (b"origin", b"http://testserver"),
+    ]
+    return client, await connect(headers), await connect(headers, path="/ws/dashboard")
+
+
+async def test_a_logged_out_socket_cannot_start_a_turn_when_no_close_message_came(
+    tiny_alias, mlx_engine, django_user_model, settings, monkeypatch
+):
+    """API-5: a logout in a process that shares no channel layer with this one sends no close
+    message; the socket's next frame re-checks the session, closes it with 4401 and runs nothing."""
+    from models_app import control
+
+    settings.MLXHOST_WS_AUTH_RECHECK_S = 3600  # only the per-frame check can catch it here
+    monkeypatch.setattr(control, "sockets_close_rollback_unsafe", lambda *, group: None)
+    client, playground, dashboard = await _session_sockets(django_user_model, "elsewhere")
+    await ws_create(playground, input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(playground, *WS_TERMINAL))[-1]["type"] == "response.incomplete"
+
+    await client.alogout()
+    assert await playground.receive_nothing(timeout=0.2)  # no message came: still open
+    await ws_create(playground, input="Hi again", max_output_tokens=2, store=False)
+    assert await playground.receive_output(timeout=10) == {"type": "websocket.close", "code": 4401}
+    assert await playground.receive_nothing(timeout=0.2)  # no turn started: not one event
+    assert mlx_engine.snapshot()[0]["requests_finished"] == 1  # only the turn before the logout
+    await dashboard.disconnect()
+
+
+async def test_a_logged_out_dashboard_gets_no_more_status_frames(tiny_alias, mlx_engine, django_user_model):
+    """API-5, ADM-2: once the logout closed it (4401), the dashboard socket sends nothing more,
+    though status messages keep arriving for its group until the client hangs up."""
+    from models_app.control import DASHBOARD_GROUP, DASHBOARD_STATUS
+
+    client, playground, dashboard = await _session_sockets(django_user_model, "watcher")
+    await client.alogout()
+    while (output := await dashboard.receive_output(timeout=10))["type"] != "websocket.close":
+        pass  # status frames sent before the logout
+    assert output["code"] == 4401
+    await get_channel_layer().group_send(DASHBOARD_GROUP, {"type": DASHBOARD_STATUS, "status": {"n": 1}})
+    assert await dashboard.receive_nothing(timeout=0.3)
+    assert await playground.receive_output(timeout=10) == {"type": "websocket.close", "code": 4401}
+
+
+async def test_a_logout_closes_the_sockets_within_seconds_by_the_recheck_alone(
+    tiny_alias, mlx_engine, django_user_model, settings, monkeypatch
+):
+    """API-5: with no close message (no shared channel layer), the periodic re-check closes an
+    idle logged-out socket with 4401 within MLXHOST_WS_AUTH_RECHECK_S."""
+    from models_app import control
+
+    settings.MLXHOST_WS_AUTH_RECHECK_S = 0.1
+    monkeypatch.setattr(control, "sockets_close_rollback_unsafe", lambda *, group: None)
+    client, playground, dashboard = await _session_sockets(django_user_model, "idle")
+    assert await playground.receive_nothing(timeout=0.3)  # live: several re-checks pass
+    await client.alogout()
+    assert await playground.receive_output(timeout=5) == {"type": "websocket.close", "code": 4401}
+    while (output := await dashboard.receive_output(timeout=5))["type"] != "websocket.close":
+        pass
+    assert output["code"] == 4401

@@ -297,3 +297,89 @@ def test_the_playground_shows_error_frames(daphne_server, tiny_alias, staff_user
     assert page.locator('#pg-transcript li.pg-assistant[data-status="failed"]').count() == 1
     assert page.input_value("#pg-input") == "Hello"  # given back, to send again
     assert page.is_enabled("#pg-send") and page.is_disabled("#pg-cancel")
+
+
+# A socket of the page's own, beside the dashboard's two: it records every frame and its close code.
+PROBE_JS = """(model) => new Promise((resolve, reject) => {
+  const scheme = location.protocol === "https:" ? "wss://" : "ws://";
+  const ws = new WebSocket(scheme + location.host + "/ws/v1/responses");
+  const probe = (window.probe = { ws, frames: [], closed: null });
+  probe.create = () => ws.send(JSON.stringify(
+    { type: "response.create", model, input: "Hi", max_output_tokens: 2, store: false }));
+  ws.onmessage = (m) => probe.frames.push(JSON.parse(m.data).type);
+  ws.onclose = (e) => { probe.closed = e.code; };
+  ws.onopen = () => resolve();
+  ws.onerror = () => reject(new Error("the probe socket failed"));
+})"""
+PROBE_DONE = "() => window.probe.frames.some(t => t === 'response.completed' || t === 'response.incomplete')"
+
+
+def test_a_logged_out_tab_is_closed_and_cannot_generate(
+    daphne_server, tiny_alias, staff_user, browser_context
+):
+    """API-5: signing out in one tab closes the other tab's sockets with 4401 within seconds (the
+    dashboard's, the playground's and any other), and that tab can no longer generate."""
+    with artifacts_on_failure(browser_context, daphne_server):
+        dash = browser_context.new_page()
+        sign_in(dash)
+        dash.goto("/dashboard/")
+        dash.wait_for_selector('#ws-state[data-state="open"]')
+        dash.wait_for_selector('#pg-socket[data-state="open"]')
+        dash.evaluate(PROBE_JS, tiny_alias.name)
+        dash.evaluate("() => window.probe.create()")
+        dash.wait_for_function(PROBE_DONE)  # the session generates while it lasts
+
+        other = browser_context.new_page()
+        other.goto("/admin/")
+        other.click("#logout-form button[type=submit]")
+        other.wait_for_url("**/admin/logout/")
+
+        seconds = {"timeout": 5_000}
+        dash.wait_for_function("() => window.probe.closed === 4401", **seconds)
+        dash.wait_for_selector('#ws-state[data-state="denied"]', **seconds)
+        dash.wait_for_selector('#pg-socket[data-state="denied"]', **seconds)
+        assert "signed out (4401)" in dash.inner_text("#ws-state")
+
+        assert dash.evaluate("() => window.probe.ws.readyState") == 3  # CLOSED: nothing can be sent
+        assert dash.is_disabled("#pg-send")  # the playground knows it is signed out
+        dash.reload()  # the page itself is gone with the login
+        dash.wait_for_url(re.compile(r"/admin/login/\?next=/dashboard/"))
+
+
+@pytest.fixture
+def an_api_key(staff_user):
+    """A key, so the walk visits a key's pages too (made before the browser's loop starts)."""
+    from models_app import services
+
+    return services.apikey_create(owner=staff_user, name="walked")[0]
+
+
+def test_every_admin_page_keeps_its_policy_and_breaks_nothing_under_it(
+    daphne_server, tiny_alias, an_api_key, staff_user, browser_context
+):
+    """OPS-7: walked in a real browser from the admin index (every page linked, the dashboard
+    too), each page arrives with its Content-Security-Policy, and none logs a violation of it
+    (the context fails the test on any console error)."""
+    page = browser_context.new_page()
+    sign_in(page)
+    seen: list[str] = []
+    queue = ["/admin/", "/dashboard/"]
+    while queue and len(seen) < 200:
+        path = queue.pop(0)
+        if path in seen or path.endswith("/logout/"):
+            continue
+        seen.append(path)
+        response = page.goto(path)
+        assert response is not None and response.status < 400, path
+        csp = response.header_value("content-security-policy") or ""
+        assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp, path
+        links = page.eval_on_selector_all("a[href^='/admin/']", "els => els.map(e => e.getAttribute('href'))")
+        queue += [link.split("?")[0].split("#")[0] for link in links]
+    for must in (
+        f"/admin/models_app/model/{tiny_alias.model_id}/history/",
+        f"/admin/models_app/modelalias/{tiny_alias.pk}/delete/",
+        f"/admin/models_app/apikey/{an_api_key.pk}/change/",
+        "/admin/auth/user/add/",
+        "/dashboard/",
+    ):
+        assert must in seen, must
