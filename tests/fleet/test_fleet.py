@@ -23,7 +23,13 @@ from tests.support import wait_until
 if TYPE_CHECKING:
     from deploy.fleet import Fleet
 
-pytestmark = [pytest.mark.fleet, pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
+# Sequences reset with each flush, so the content types the flush re-creates keep their ids: the
+# admin-only process caches them (its history entries would point at vanished ids otherwise).
+pytestmark = [
+    pytest.mark.fleet,
+    pytest.mark.django_db(transaction=True, reset_sequences=True),
+    pytest.mark.timeout(600),
+]
 
 WARM = ("hit", "disk")
 
@@ -93,7 +99,9 @@ def test_a_continuation_on_the_other_host_waits_for_its_parent_row(fleet: Fleet,
         cold = turn(two, "And a follow-up on host two.", parent)
         warm = turn(one, "And a follow-up on host two.", parent)
     assert (cold.status_code, warm.status_code) == (200, 200), (cold.text, warm.text)
-    assert cold.headers["x-session-cache"] == "cold_replay" and warm.headers["x-session-cache"] in WARM
+    # Host two never held the parent: it rebuilt the chain from the stored row (a shared template
+    # prefix of its own may still be reused, so its outcome is not asserted).
+    assert home_host(cold.json()["id"]) == 2 and warm.headers["x-session-cache"] in WARM
     assert text_of(cold.json()) == text_of(warm.json())
 
 
