@@ -122,6 +122,8 @@ class Actions:
         self.engine = engine
         self.results: dict[str, dict[str, Any]] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
+        # Set when an action starts or ends: the status publisher reports at once (ADM-4).
+        self.changed = asyncio.Event()
 
     def start(self, model_name: str, action: str) -> asyncio.Task[None]:
         """Run `action` in the background; one action at a time per model, in arrival order."""
@@ -140,6 +142,7 @@ class Actions:
 
     async def run(self, model_name: str, action: str) -> None:
         self.results[model_name] = {"action": action, "state": "running", "error": "", "at": time.time()}
+        self.changed.set()
         try:
             instance_id = await self._run(model_name, action)
         except (EngineError, ValidationError, Model.DoesNotExist) as exc:
@@ -151,6 +154,7 @@ class Actions:
                 "error": error,
                 "at": time.time(),
             }
+            self.changed.set()
             return
         self.results[model_name] = {
             "action": action,
@@ -159,6 +163,7 @@ class Actions:
             "at": time.time(),
             "instance_id": instance_id,
         }
+        self.changed.set()
 
     async def _run(self, model_name: str, action: str) -> int | None:
         model = await sync_to_async(_model_named)(model_name)
