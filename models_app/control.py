@@ -54,6 +54,25 @@ LIVE_LABELS = {
 }
 
 
+# What the pages say of a model while no engine process publishes status.
+NO_ENGINE_LABEL = "no engine process reporting"
+# The live states in which the weights are in memory and serving.
+RESIDENT_STATES = ("resident", "degraded")
+
+# Which actions make sense in each live state (ADM-7): the Models page and the model's admin page
+# offer these and disable the rest. Nothing while no engine reports (no one would run it), while
+# weights load or drain, or while an earlier action on the model still runs.
+ACTIONS_BY_STATE: dict[str, tuple[Action, ...]] = {
+    "unreported": (),
+    "unloaded": ("load",),
+    "loading": (),
+    "resident": ("unload", "reload"),
+    "degraded": ("unload", "reload"),
+    "draining": (),
+    "error": ("load", "reload"),
+}
+
+
 def _send(message: dict[str, Any]) -> None:
     layer = get_channel_layer()
     if layer is None:

@@ -1,10 +1,15 @@
-"""Admin forms: registering a model (folder suggestions, source validation), its aliases, and API keys."""
+"""Admin forms: registering a model (folder suggestions, source validation), its aliases, and API keys.
+
+Every field of the model and alias forms has a human label and help text saying its range and
+what an empty value means (ADM-7); the texts live here, not on the model fields, so that wording
+changes need no migration."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 from django import forms
+from django.core.exceptions import ValidationError
 from django.utils.html import format_html, format_html_join
 
 from models_app import selectors, services
@@ -32,19 +37,93 @@ ALIAS_FORM_FIELDS = (
     "max_output_tokens", "max_input_tokens", "enable_thinking", "chat_template_kwargs",
 )  # fmt: skip
 FOLDERS_FOUND_HELP = (
-    "A folder relative to MODELS_ROOT. Suggested: the {count} folder(s) there that look like "
-    "mlx-lm models (config.json and *.safetensors, up to two levels down)."
+    "A folder relative to MODELS_ROOT, for a local source. Found there: the {count} folder(s) that look "
+    "like mlx-lm models (config.json and *.safetensors, up to two levels down); click one or type a path."
 )
 NO_FOLDERS_HELP = (
-    "A folder relative to MODELS_ROOT. None there looks like an mlx-lm model yet "
+    "A folder relative to MODELS_ROOT, for a local source. None there looks like an mlx-lm model yet "
     "(config.json and *.safetensors, up to two levels down); or use a Hugging Face repo id below."
 )
 SOURCE_HELP = "A folder under MODELS_ROOT, or a Hugging Face repo id with a pinned revision."
 API_KEY_ONCE_HELP = "The full key is shown once, right after you save; only its prefix is kept readable."
+MAX_TOKENS_OVER_CLAMP = "The default ({default}) is above the clamp ({clamp}): raise the clamp or lower this."
+SOURCE_FIELDS = ("source_kind", "local_path", "hf_repo", "hf_revision")
+MAX_SUGGESTIONS = 30  # folders shown under the field; the datalist offers them all
+
+MODEL_LABELS = {
+    "name": "Name",
+    "description": "Description",
+    "pinned": "Pinned (always loaded)",
+    "source_kind": "Weights come from",
+    "local_path": "Folder",
+    "hf_repo": "Hugging Face repo id",
+    "hf_revision": "Pinned revision",
+    "concurrency": "Concurrent requests",
+    "queue_depth": "Queue depth",
+    "queue_unbounded": "Unbounded queue",
+    "queue_timeout_s": "Queue timeout (seconds)",
+    "keep_alive_s": "Keep-alive (idle seconds)",
+}
+MODEL_HELP = {
+    "name": "A slug for staff (letters, digits, - and _; up to 64). Clients never see it: they use aliases.",
+    "description": "Optional, up to 200 characters: a note for staff.",
+    "pinned": "Load at server start and never free for idleness or the memory budget. Off: loads on first "
+    "use and is freed after the keep-alive.",
+    "source_kind": SOURCE_HELP,
+    "local_path": NO_FOLDERS_HELP,
+    "hf_repo": "For a hub source: owner/name, such as mlx-community/SmolLM2-135M-Instruct. Empty for a folder.",
+    "hf_revision": "For a hub source: the commit hash or tag to serve, so the weights never change under "
+    "a name. Empty for a folder.",
+    "concurrency": "1 to 64. 1 runs one request at a time (exclusive); more runs them batched. Every alias "
+    "of this model shares these slots.",
+    "queue_depth": "0 or more (default 16): requests that may wait for a slot; one more is refused at once "
+    "(429, or 529 on the Anthropic surface).",
+    "queue_unbounded": "Let any number of requests wait; the queue depth is then ignored.",
+    "queue_timeout_s": "0.1 or more: a request waiting longer gets 503. Empty: it waits as long as it takes.",
+    "keep_alive_s": "0 or more (default 1800, half an hour): free the memory after this long without a "
+    "request; the next request loads it again. Empty: never free it for idleness.",
+}
+ALIAS_LABELS = {
+    "name": "Name (what clients send as model)",
+    "description": "Description",
+    "model": "Model",
+    "enabled": "Enabled",
+    "temperature": "Temperature",
+    "top_p": "Top p",
+    "top_k": "Top k",
+    "min_p": "Min p",
+    "repetition_penalty": "Repetition penalty",
+    "max_tokens": "Default output tokens",
+    "max_output_tokens": "Output token clamp",
+    "max_input_tokens": "Input token limit",
+    "enable_thinking": "Thinking",
+    "chat_template_kwargs": "Chat template options",
+}
+ALIAS_HELP = {
+    "name": "A slug (letters, digits, - and _; up to 64), unique: clients put it in the request's model.",
+    "description": "Optional, up to 200 characters: a note for staff.",
+    "model": "The weights, lane and memory policy that serve this name; aliases of one model share them.",
+    "enabled": "Off: requests for this name get 404, and /v1/models leaves it out.",
+    "temperature": "0 to 2 (default 0.7), when the request gives none. 0 always picks the likeliest token.",
+    "top_p": "0 to 1 (default 1, off): sample only from the likeliest tokens whose probabilities add up to this.",
+    "top_k": "0 or more (default 0, off): sample only from this many likeliest tokens.",
+    "min_p": "0 to 1 (default 0, off): drop tokens less likely than this share of the likeliest one.",
+    "repetition_penalty": "0.01 or more; 1 changes nothing, above 1 discourages repeats. Empty: off.",
+    "max_tokens": "1 or more (default 512), at most the clamp: the output length when a request asks none.",
+    "max_output_tokens": "1 or more (default 4096): no request may generate more, whatever it asks.",
+    "max_input_tokens": "1 or more: prompts longer than this are refused with 400. Empty: only the model's "
+    "context length limits them.",
+    "enable_thinking": "For reasoning models: On lets the model think before it answers (its reasoning is "
+    "sent apart from the answer), Off turns thinking off. A request may still choose with Anthropic's "
+    "thinking parameter. Models without thinking markers ignore it.",
+    "chat_template_kwargs": "A JSON object of at most 16 keywords for the chat template, such as "
+    '{"reasoning_effort": "low"}. Empty ({}): none.',
+}
 
 
 class DatalistInput(forms.TextInput):
-    """A text box that suggests values through an HTML <datalist> (no JavaScript needed)."""
+    """A text box that suggests values through an HTML <datalist>, and lists them visibly below it:
+    plain text without JavaScript, buttons that fill the box with it (mlxhost/model_form.js)."""
 
     def __init__(self, options: list[str], attrs: dict[str, Any] | None = None) -> None:
         super().__init__(attrs={"class": "vTextField", **(attrs or {})})
@@ -56,7 +135,28 @@ class DatalistInput(forms.TextInput):
         list_id = f"{(attrs or {}).get('id') or name}_choices"
         html = super().render(name, value, {**(attrs or {}), "list": list_id}, renderer)
         options = format_html_join("", '<option value="{}"></option>', ((option,) for option in self.options))
-        return format_html('{}<datalist id="{}">{}</datalist>', html, list_id, options)
+        return format_html(
+            '{}<datalist id="{}">{}</datalist>{}', html, list_id, options, self._suggestions(attrs, name)
+        )
+
+    def _suggestions(self, attrs: dict[str, Any] | None, name: str) -> SafeString | str:
+        if not self.options:
+            return ""
+        target = (attrs or {}).get("id") or name
+        shown = self.options[:MAX_SUGGESTIONS]
+        buttons = format_html_join(
+            " ",
+            '<button type="button" class="mlxhost-suggestion" data-fill="{}" value="{}">{}</button>',
+            ((target, option, option) for option in shown),
+        )
+        more = len(self.options) - len(shown)
+        rest = format_html(" and {} more: type to filter", more) if more > 0 else ""
+        return format_html(
+            '<div class="mlxhost-suggestions" id="{}_suggestions"><span class="mlxhost-muted">Found:</span> {}{}</div>',
+            target,
+            buttons,
+            rest,
+        )
 
 
 class ModelForm(_ModelFormBase):
@@ -65,6 +165,11 @@ class ModelForm(_ModelFormBase):
     class Meta:
         model = Model
         fields = MODEL_FORM_FIELDS
+        labels = MODEL_LABELS
+        help_texts = MODEL_HELP
+
+    class Media:
+        js = ("mlxhost/model_form.js",)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -75,18 +180,20 @@ class ModelForm(_ModelFormBase):
             local_path.help_text = (
                 FOLDERS_FOUND_HELP.format(count=len(folders)) if folders else NO_FOLDERS_HELP
             )
-        if "source_kind" in self.fields:
-            self.fields["source_kind"].help_text = SOURCE_HELP
 
     def clean(self) -> dict[str, Any]:
         super().clean()  # ModelForm's returns self.cleaned_data; the stubs allow None (a subclass may)
         cleaned = self.cleaned_data
-        if not self.errors:
-            for field, value in cleaned.items():
-                setattr(self.instance, field, value)
-            # Folder safety (MODELS_ROOT, remote code, weights) or a pinned revision, keyed by the
-            # offending field, before save_model runs.
-            services.model_source_check(model=self.instance)
+        # Folder safety (MODELS_ROOT, remote code, weights) or a pinned revision, keyed by the
+        # offending field, before save_model runs; checked whatever else is wrong, so the page
+        # shows every error at once.
+        if all(field in cleaned for field in SOURCE_FIELDS):
+            for field in SOURCE_FIELDS:
+                setattr(self.instance, field, cleaned[field])
+            try:
+                services.model_source_check(model=self.instance)
+            except ValidationError as exc:
+                self.add_error(None, exc)
         return cleaned
 
 
@@ -104,10 +211,21 @@ class ModelAliasForm(_ModelAliasFormBase):
     class Meta:
         model = ModelAlias
         fields = ALIAS_FORM_FIELDS
+        labels = ALIAS_LABELS
+        help_texts = ALIAS_HELP
         widgets = {
             "enable_thinking": ThinkingSelect(),
             "chat_template_kwargs": forms.Textarea(attrs={"rows": 2, "cols": 60, "class": "vLargeTextField"}),
         }
+
+    def clean(self) -> dict[str, Any]:
+        super().clean()
+        cleaned = self.cleaned_data
+        default, clamp = cleaned.get("max_tokens"), cleaned.get("max_output_tokens")
+        if default is not None and clamp is not None and default > clamp:
+            # On the field, in words, and with the other errors (the table constraint says it too late).
+            self.add_error("max_tokens", MAX_TOKENS_OVER_CLAMP.format(default=default, clamp=clamp))
+        return cleaned
 
 
 class ApiKeyCreateForm(_ApiKeyFormBase):

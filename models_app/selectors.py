@@ -47,6 +47,11 @@ def aliases_enabled() -> QuerySet[ModelAlias]:
     )
 
 
+def models_with_aliases() -> QuerySet[Model]:
+    """Every model, by name, with its instance and its aliases (the Models page, ADM-7)."""
+    return Model.objects.select_related("instance").prefetch_related("aliases").order_by("name")
+
+
 def models_served() -> QuerySet[Model]:
     """Every model with an instance, with its aliases (the engines' desired state)."""
     return Model.objects.select_related("instance").prefetch_related("aliases").filter(instance__isnull=False)
@@ -222,6 +227,9 @@ class AliasLiveState:
     progress_total: int = 0
     last_action: str = ""  # "reload failed: <reason>", "load done", "unload running"
     last_action_state: str = ""  # waiting (its turn in a rolling reload) | running | done | failed
+    memory_bytes: int = 0
+    tokens_per_s: float = 0.0
+    unload_label: str = ""  # when the keep-alive frees it, in the publisher's words (OPS-3)
     # In a fleet, each host's view of the instance (host, label, active, queued, capacity, memory).
     hosts: tuple[Mapping[str, Any], ...] = ()
 
@@ -241,6 +249,13 @@ class AliasLiveState:
     @property
     def disk_hit_percent(self) -> int | None:
         return None if self.disk_hit_rate is None else round(100 * self.disk_hit_rate)
+
+    @property
+    def allowed_actions(self) -> tuple[str, ...]:
+        """The admin actions that make sense now (ADM-7); none while one is still running."""
+        if self.last_action_state == "running":
+            return ()
+        return control.ACTIONS_BY_STATE.get(self.state, ())
 
     @property
     def progress_percent(self) -> int | None:
@@ -278,7 +293,7 @@ def model_live_state(
         )
 
     if views is None:
-        return idle("unreported", "no engine process reporting")
+        return idle("unreported", control.NO_ENGINE_LABEL)
     view = _view_for(model.instance_id, names, views)
     if view is None:
         return idle("unloaded", control.LIVE_LABELS["unloaded"])
@@ -304,6 +319,9 @@ def model_live_state(
         progress_total=int(progress.get("total") or 0),
         last_action=action,
         last_action_state=action_state,
+        memory_bytes=int(view.get("memory_bytes") or 0),
+        tokens_per_s=float(view.get("tokens_per_s") or 0.0),
+        unload_label=str(view.get("unload_label") or ""),
         hosts=tuple(view.get("hosts") or ()),
     )
 
@@ -321,6 +339,33 @@ def alias_live_state(
         # Its weights may be resident for another alias, but nothing is served under this name.
         return replace(live, state="disabled", label="disabled (not served)", active=0, queued=0)
     return live
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsUp:
+    """How many models are up, for the admin index's summary (ADM-7)."""
+
+    total: int
+    up: list[str]  # resident (degraded too), by name
+    loading: int
+    failed: int
+    reporting: bool  # False: no engine process publishes status
+
+
+def models_up() -> ModelsUp:
+    """Which models the engines hold now, from one read of their status."""
+    views, actions = live_views()
+    states = [
+        (model.name, model_live_state(model=model, views=views, actions=actions).state)
+        for model in models_with_aliases()
+    ]
+    return ModelsUp(
+        total=len(states),
+        up=[name for name, state in states if state in control.RESIDENT_STATES],
+        loading=sum(state == "loading" for _, state in states),
+        failed=sum(state == "error" for _, state in states),
+        reporting=views is not None,
+    )
 
 
 def _view_for(

@@ -1,4 +1,4 @@
-"""Routes of the staff pages, mounted under /dashboard/ (ADM-2, ADM-4)."""
+"""Routes of the staff pages, mounted under /dashboard/ (ADM-2, ADM-7)."""
 
 from __future__ import annotations
 
@@ -11,4 +11,6 @@ app_name = "dashboard"
 urlpatterns = [
     path("", views.dashboard, name="index"),
     path("chat/", views.chat, name="chat"),
+    path("models/", views.models_page, name="models"),
+    path("models/<int:pk>/<str:action>/", views.model_action, name="model-action"),
 ]

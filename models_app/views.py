@@ -1,5 +1,5 @@
-"""Staff pages outside the admin: the live dashboard and its playground, and the chat page (ADM-2,
-ADM-4, OPS-4)."""
+"""Staff pages outside the admin: the live dashboard (ADM-2), the chat page (ADM-4) and the live
+Models page with its load / unload / reload buttons (ADM-7, OPS-4)."""
 
 from __future__ import annotations
 
@@ -7,18 +7,27 @@ from collections.abc import Callable
 from functools import wraps
 from typing import TYPE_CHECKING, Any
 
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.core.exceptions import PermissionDenied
-from django.shortcuts import render
-from django.views.decorators.http import require_safe
+from django.http import Http404, HttpResponseNotAllowed, JsonResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_http_methods, require_safe
 
-from models_app import control, selectors, transcripts
+from models_app import control, selectors, services, transcripts
 
 if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse
 
+    from models_app.models import Model
+
 View = Callable[..., "HttpResponse"]
+
+CHANGE_MODEL = "models_app.change_model"
+ACTION_LABELS = {"load": "Load", "unload": "Unload\u2026", "reload": "Reload"}
+ACTION_REQUESTED = "{action} requested for {model}."
 
 
 def staff_only(view: View) -> View:
@@ -57,7 +66,7 @@ def content_security_policy(request: HttpRequest) -> str:
 @require_safe
 @staff_only
 def dashboard(request: HttpRequest) -> HttpResponse:
-    """The live instance table, charts and load progress, plus the playground (ADM-2, OPS-4).
+    """The live instance table, its charts and load progress (ADM-2, OPS-4).
 
     The first paint comes from the engines' last published status (the cache); the page's
     script then follows `/ws/dashboard`, which pushes a status frame per engine every second.
@@ -73,7 +82,145 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "actions": control.action_views(statuses),
         "no_instance_label": control.LIVE_LABELS["unloaded"],
     }
-    response = render(request, "dashboard/index.html", context)
+    return _hardened(request, render(request, "dashboard/index.html", context))
+
+
+@require_safe
+@staff_only
+def models_page(request: HttpRequest) -> HttpResponse:
+    """Every model and its aliases, live, with the actions that fit each one's state (ADM-7, OPS-4).
+
+    The first paint comes from the engines' last published status; the page's script then
+    follows `/ws/dashboard` and re-renders each row from every pushed status, without a reload.
+    """
+    statuses = control.engine_statuses()
+    views = control.instance_views(statuses) if statuses else None
+    actions = control.action_views(statuses)
+    can_act = request.user.has_perm(CHANGE_MODEL)
+    rows = [
+        model_row(
+            model, selectors.model_live_state(model=model, views=views, actions=actions), can_act=can_act
+        )
+        for model in selectors.models_with_aliases()
+    ]
+    context = {
+        **admin.site.each_context(request),
+        "title": "Models",
+        "is_nav_sidebar_enabled": False,
+        "rows": rows,
+        "statuses": statuses,
+        "models_data": [row["data"] for row in rows],
+        "page_data": {
+            "actions_by_state": control.ACTIONS_BY_STATE,
+            "labels": {"unreported": control.NO_ENGINE_LABEL, **control.LIVE_LABELS},
+            "can_act": can_act,
+        },
+    }
+    return _hardened(request, render(request, "dashboard/models.html", context))
+
+
+@require_http_methods(["GET", "POST"])
+@staff_only
+def model_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
+    """POST: ask the engines to load, unload or reload the model (ADM-1, ADM-7); back to `next`.
+
+    An unload is confirmed first: a GET, or a POST without `confirmed`, answers a page naming
+    every alias it takes down. A script that asks for JSON gets 202 and the message instead.
+    """
+    if action not in control.ACTIONS:
+        raise Http404("No such action.")
+    model = get_object_or_404(selectors.models_with_aliases(), pk=pk)
+    if not request.user.has_perm(CHANGE_MODEL):
+        raise PermissionDenied
+    back = _next_url(request)
+    host = _fleet_host(request)
+    if action == "unload" and not request.POST.get("confirmed"):
+        return _hardened(request, unload_confirmation(request, model, back, host))
+    if request.method != "POST":
+        return HttpResponseNotAllowed(["POST"])
+    services.model_request_action(model=model, action=action, actor=request.user, host=host)
+    where = f" on h{host:02d}" if host is not None else ""
+    message = ACTION_REQUESTED.format(action=action.capitalize(), model=model.name + where)
+    if "application/json" in request.headers.get("Accept", ""):
+        return JsonResponse({"message": message, "model": model.name, "action": action}, status=202)
+    messages.success(request, message)
+    return redirect(back)
+
+
+def _fleet_host(request: HttpRequest) -> int | None:
+    """The fleet host an action names (`host`, one of the hosts reporting now), None for all.
+
+    Raises:
+        Http404: the host is not a number or no such host reports.
+    """
+    raw = request.POST.get("host") or request.GET.get("host") or ""
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) not in control.fleet_hosts():
+        raise Http404("No such fleet host is running.")
+    return int(raw)
+
+
+def unload_confirmation(
+    request: HttpRequest, model: Model, back: str, host: int | None = None
+) -> HttpResponse:
+    context = {
+        "host": host,
+        **admin.site.each_context(request),
+        "title": f"Unload {model.name}?",
+        "is_nav_sidebar_enabled": False,
+        "model": model,
+        "serving": serving_names(model),
+        "next": back,
+        "action_url": reverse("dashboard:model-action", args=(model.pk, "unload")),
+    }
+    return render(request, "dashboard/unload_confirm.html", context)
+
+
+def serving_names(model: Model) -> list[str]:
+    """The aliases an unload takes down: the model's enabled ones (they share its instance)."""
+    return [alias.name for alias in model.aliases.all() if alias.enabled]
+
+
+def model_row(model: Model, live: selectors.AliasLiveState, *, can_act: bool) -> dict[str, Any]:
+    """One model as the Models page renders it, and the facts its script needs to follow it."""
+    aliases = list(model.aliases.all())
+    serving = serving_names(model)
+    buttons = [
+        {
+            "name": action,
+            "label": ACTION_LABELS[action],
+            "url": reverse("dashboard:model-action", args=(model.pk, action)),
+            "enabled": action in live.allowed_actions,
+        }
+        for action in control.ACTIONS
+    ]
+    return {
+        "model": model,
+        "live": live,
+        "aliases": aliases,
+        "serving": serving,
+        "admin_url": reverse("admin:models_app_model_change", args=(model.pk,)),
+        "buttons": buttons if can_act else [],
+        "data": {
+            "id": model.pk,
+            "name": model.name,
+            "instance_id": model.instance_id,
+            "aliases": [alias.name for alias in aliases],
+            "serving": serving,
+        },
+    }
+
+
+def _next_url(request: HttpRequest) -> str:
+    wanted = request.POST.get("next") or request.GET.get("next") or ""
+    safe = url_has_allowed_host_and_scheme(
+        wanted, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    )
+    return wanted if wanted and safe else reverse("dashboard:models")
+
+
+def _hardened(request: HttpRequest, response: HttpResponse) -> HttpResponse:
     response["Content-Security-Policy"] = content_security_policy(request)
     response["Referrer-Policy"] = "same-origin"
     return response
@@ -122,6 +269,8 @@ def instance_rows(statuses: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "label": view.get("label") or control.LIVE_LABELS["unloaded"],  # as the engine published it
             "load_percent": load_percent(view.get("load_progress") or {}),
             "cache_hit_percent": _percent(view.get("cache_hit_rate")),
+            # The last request's first-token time means nothing once the weights are gone.
+            "ttft_live": bool(view.get("ttft_ms")) and view.get("live_state") in control.RESIDENT_STATES,
         }
         for status in statuses
         for view in status.get("instances", [])

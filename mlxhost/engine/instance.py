@@ -179,7 +179,8 @@ class Instance:
             "requests_cancelled": stats.requests_cancelled,
             "requests_failed": stats.requests_failed,
             "decode_tps": round(stats.last_decode_tps, 2),
-            "ttft_ms": round(stats.last_ttft_ms, 1),
+            "ttft_ms": round(stats.last_ttft_ms, 1),  # includes the queue wait...
+            "queue_ms": round(stats.last_queue_ms, 1),  # ...which is this much of it
             "batch_size": stats.batch_size,  # sequences sharing decode steps now (batched scheduler)
             "stalled_s": round(self.stalled_for(), 1),
             # Unattributed failures (OPS-2): degraded until a generation finishes cleanly again.

@@ -109,7 +109,8 @@ class WorkerStats:
     requests_failed: int = 0
     active_request: str | None = None  # with a batch: its oldest sequence
     last_decode_tps: float = 0.0
-    last_ttft_ms: float = 0.0  # the last finished request's time to first token
+    last_ttft_ms: float = 0.0  # the last finished request's time to first token (from lane entry)
+    last_queue_ms: float = 0.0  # ...and how much of that it waited before the worker took it
     last_progress_at: float = 0.0  # the active request's last token (or start): a stall shows here
     batch_size: int = 0  # sequences in the batched scheduler now (0 when it runs exclusively)
     burst_waits: int = 0  # times a new batch waited for requests still preparing
@@ -153,7 +154,7 @@ def post_done(
     stats.last_decode_tps = decode_tps or stats.last_decode_tps
     ttft_ms = (first_at - job.submitted_at) * 1000
     if count:
-        stats.last_ttft_ms = ttft_ms
+        stats.last_ttft_ms, stats.last_queue_ms = ttft_ms, turn.queue_ms
     if finish == "cancelled":
         stats.requests_cancelled += 1
     else:

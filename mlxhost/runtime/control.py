@@ -126,6 +126,8 @@ class Actions:
         self.engine = engine
         self.results: dict[str, dict[str, Any]] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
+        # Set when an action starts or ends: the status publisher reports at once (ADM-7).
+        self.changed = asyncio.Event()
 
     def start(
         self, model_name: str, action: str, by: str = "", *, rolling: dict[str, Any] | None = None
@@ -158,6 +160,7 @@ class Actions:
         if rolling is not None:
             rolling_id = str(rolling.get("id", ""))
             self.results[model_name] = {"action": action, "state": "waiting", "error": "", "at": time.time()}
+            self.changed.set()
             await self._wait_turn(model_name, rolling_id, [int(h) for h in rolling.get("order", [])])
         await self.run(model_name, action, by, rolling_id=rolling_id)
 
@@ -194,6 +197,7 @@ class Actions:
             "started_at": started_at,
             "rolling_id": rolling_id,
         }
+        self.changed.set()
         try:
             instance_id = await self._run(model_name, action, by)
         except (EngineError, ValidationError, Model.DoesNotExist) as exc:
@@ -207,6 +211,7 @@ class Actions:
                 "started_at": started_at,
                 "rolling_id": rolling_id,
             }
+            self.changed.set()
             return
         self.results[model_name] = {
             "action": action,
@@ -217,6 +222,7 @@ class Actions:
             "started_at": started_at,
             "rolling_id": rolling_id,
         }
+        self.changed.set()
 
     async def _run(self, model_name: str, action: str, by: str) -> int | None:
         model = await sync_to_async(_model_named)(model_name)

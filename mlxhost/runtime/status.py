@@ -11,6 +11,7 @@ Registered on import: the publisher runs from the engine's start until it stops.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -64,13 +65,45 @@ def live_fields(*, state: str, status: str, draining: bool) -> dict[str, str]:
     return {"live_state": live_state, "label": control.LIVE_LABELS[live_state]}
 
 
+def duration_words(seconds: float) -> str:
+    """`seconds` the way the pages say it: "45 s", "4 min 10 s", "2 h 5 min"."""
+    total = max(0, round(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    if minutes:
+        return f"{minutes} min {secs} s" if secs else f"{minutes} min"
+    return f"{secs} s"
+
+
+def idle_unload_fields(
+    *, live_state: str, pinned: bool, keep_alive_s: float | None, idle_s: float, busy: bool
+) -> dict[str, Any]:
+    """When the keep-alive frees this instance's memory (OPS-3): `unload_in_s`, the seconds left
+    if no request comes (None when nothing counts down), and `unload_label`, in words."""
+    if pinned:
+        return {"unload_in_s": None, "unload_label": "never (pinned)"}
+    if keep_alive_s is None:
+        return {"unload_in_s": None, "unload_label": "never (no keep-alive)"}
+    if live_state not in control.RESIDENT_STATES:
+        return {"unload_in_s": None, "unload_label": "\u2014"}
+    if busy:  # the idle clock starts when the last request leaves
+        return {"unload_in_s": None, "unload_label": f"{duration_words(keep_alive_s)} after the last request"}
+    left = max(0.0, keep_alive_s - idle_s)
+    return {"unload_in_s": round(left), "unload_label": f"in {duration_words(left)}"}
+
+
 class StatusBuilder:
     """Turns engine snapshots into the status the admin and dashboard show, with rates over time."""
 
-    def __init__(self, engine: Engine, actions: Actions) -> None:
+    def __init__(self, engine: Engine, actions: Actions, *, min_rate_window_s: float = 0.0) -> None:
         self.engine = engine
         self.actions = actions
-        self._last: dict[int, tuple[int, float]] = {}  # instance id -> (tokens generated, when)
+        # A report sooner than this after the last one (pushed early: an action started or
+        # ended) repeats the last rate instead of measuring over a sliver of time.
+        self.min_rate_window_s = min_rate_window_s
+        self._last: dict[int, tuple[int, float, float]] = {}  # instance id -> (tokens, when, rate)
 
     def build(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -87,27 +120,38 @@ class StatusBuilder:
         }
 
     def _view(self, snap: dict[str, Any], now: float) -> dict[str, Any]:
-        instance_id, tokens = snap["instance_id"], snap["tokens_generated"]
-        last_tokens, last_at = self._last.get(instance_id, (tokens, now))
-        self._last[instance_id] = (tokens, now)
-        elapsed = now - last_at
+        instance_id = snap["instance_id"]
         lane, progress = snap["lane"], snap["load_progress"]
         cache, disk = snap["prefix_cache"]["memory"], snap["prefix_cache"].get("disk")
         status = instance_status(snap)
+        live = live_fields(state=snap["state"], status=status, draining=lane["draining"])
         return {
             "instance_id": instance_id,
             "aliases": [name for name in snap["aliases"] if is_alias(name)],
             "state": snap["state"],
             "status": status,
-            **live_fields(state=snap["state"], status=status, draining=lane["draining"]),
+            **live,
+            **idle_unload_fields(
+                live_state=live["live_state"],
+                pinned=bool(snap.get("pinned")),
+                keep_alive_s=snap.get("keep_alive_s"),
+                idle_s=float(snap.get("idle_s") or 0.0),
+                busy=bool(lane["active"] or lane["queued"]),
+            ),
+            "pinned": bool(snap.get("pinned")),
+            "keep_alive_s": snap.get("keep_alive_s"),
+            "idle_s": snap.get("idle_s"),
             "error": snap["last_error"] or "",
             "active": lane["active"],
             "queued": lane["queued"],
             "capacity": lane["capacity"],
             "draining": lane["draining"],
-            "tokens_per_s": round((tokens - last_tokens) / elapsed, 1) if elapsed > 0 else 0.0,
+            "tokens_per_s": self._rate(instance_id, snap["tokens_generated"], now),
             "decode_tps": snap["decode_tps"],
+            # The last finished request's time to first token counts from when it entered the
+            # lane, so it includes its queue wait; `queue_ms` is that wait.
             "ttft_ms": snap["ttft_ms"],
+            "queue_ms": snap.get("queue_ms", 0.0),
             "batch_size": snap["batch_size"],
             "warm_sessions": cache["entries"],
             "warm_bytes": cache["bytes"],
@@ -123,11 +167,20 @@ class StatusBuilder:
             "stalled_s": snap["stalled_s"],
         }
 
+    def _rate(self, instance_id: int, tokens: int, now: float) -> float:
+        last_tokens, last_at, rate = self._last.get(instance_id, (tokens, now, 0.0))
+        elapsed = now - last_at
+        if instance_id in self._last and elapsed < self.min_rate_window_s:
+            return rate
+        rate = round((tokens - last_tokens) / elapsed, 1) if elapsed > 0 else 0.0
+        self._last[instance_id] = (tokens, now, rate)
+        return rate
+
 
 async def run_status_publisher(engine: Engine, actions: Actions) -> None:
     """Publish this engine's status every STATUS_INTERVAL_S until cancelled."""
     layer = get_channel_layer()
-    builder = StatusBuilder(engine, actions)
+    builder = StatusBuilder(engine, actions, min_rate_window_s=STATUS_INTERVAL_S / 2)
     failing = False
     while True:
         status = builder.build()
@@ -142,7 +195,15 @@ async def run_status_publisher(engine: Engine, actions: Actions) -> None:
             if not failing:  # say it once, not every second
                 logger.warning("could not publish the engine status", exc_info=True)
             failing = True
-        await asyncio.sleep(STATUS_INTERVAL_S)
+        await _next_report(actions)
+
+
+async def _next_report(actions: Actions) -> None:
+    """Wait a report's interval, or less when an admin action starts or ends: the pages show
+    an unload within a moment, not at the next tick."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(actions.changed.wait(), STATUS_INTERVAL_S)
+    actions.changed.clear()
 
 
 def start_status_publisher(engine: Engine) -> None:

@@ -1,11 +1,11 @@
 /* mlxhost staff dashboard (ADM-2, OPS-4): the live instance table, uPlot charts and load
  * progress, fed by the status frames that /ws/dashboard pushes (one per engine per second).
- * Also exports the reconnecting socket and formatters the playground uses (window.mlxhost). */
+ * Also exports the reconnecting socket and formatters the Models page and chat use (window.mlxhost). */
 (function () {
   "use strict";
 
   var DASH = "\u2014"; // an em dash: no value (yet)
-  var HISTORY_POINTS = 120; // two minutes at one report a second
+  var HISTORY_POINTS = 300; // five minutes at one report a second
   var ENGINE_STALE_MS = 15000; // matches STATUS_TTL_S: an engine silent this long is gone
   var BACKOFF_MIN_MS = 500;
   var BACKOFF_MAX_MS = 15000;
@@ -151,7 +151,9 @@
     el: el,
     formatBytes: formatBytes,
     formatNumber: formatNumber,
+    loadProgress: loadProgress,
     showState: showState,
+    slug: slug,
   };
 
   // The live table and charts -------------------------------------------------------------------
@@ -164,7 +166,7 @@
     this.actions = document.getElementById("actions-list");
     this.grid = document.getElementById("charts-grid");
     this.engines = new Map(); // boot_id -> {status, seen}
-    this.series = new Map(); // row key -> {t, tps, queued, active, charts, card}
+    this.series = new Map(); // row key -> {t, one array per SAMPLE_FIELDS name, charts, card}
   }
 
   Dashboard.prototype.start = function () {
@@ -203,17 +205,21 @@
       var key = status.boot_id + ":" + view.instance_id;
       var data = self.series.get(key);
       if (!data) {
-        data = { t: [], tps: [], queued: [], active: [], charts: null, card: null };
+        data = { t: [], charts: null, card: null };
+        SAMPLE_FIELDS.forEach(function (name) {
+          data[name] = [];
+        });
         self.series.set(key, data);
       }
       data.view = view;
       // A reconnect replays the last report: keep x strictly increasing for uPlot.
       if (data.t.length && data.t[data.t.length - 1] >= status.at) return;
       data.t.push(status.at);
-      data.tps.push(view.tokens_per_s);
-      data.queued.push(view.queued);
-      data.active.push(view.active);
-      ["t", "tps", "queued", "active"].forEach(function (name) {
+      var point = sample(view);
+      SAMPLE_FIELDS.forEach(function (name) {
+        data[name].push(point[name]);
+      });
+      ["t"].concat(SAMPLE_FIELDS).forEach(function (name) {
         if (data[name].length > HISTORY_POINTS) data[name].shift();
       });
     });
@@ -271,28 +277,35 @@
     if (view.state === "loading") state.append(loadProgress(view.load_progress || { done: 0, total: 0 }));
     if (view.error) state.append(el("div", { className: "error-text", text: view.error }));
     var lane = view.active + " / " + view.queued + " / " + view.capacity;
+    var point = sample(view);
+    var ttft =
+      point.ttft === null
+        ? [DASH]
+        : [formatNumber(point.ttft) + " ", el("span", { className: "quiet", text: "(queue " + formatNumber(point.queue_ms) + ")" })];
+    state.dataset.label = "State";
     tr.replaceChildren(
-      el("td", { className: "num mono" }, [
+      el("td", { className: "num mono", "data-label": "Instance" }, [
         "#" + view.instance_id,
         el("div", { className: "quiet", text: status.host + " \u00b7 pid " + status.pid }),
       ]),
-      el("td", { className: "aliases", text: view.aliases.length ? view.aliases.join(", ") : DASH }),
+      el("td", { className: "aliases", "data-label": "Aliases", text: view.aliases.length ? view.aliases.join(", ") : DASH }),
       state,
-      el("td", { className: "num lane", text: lane + (view.draining ? " (draining)" : "") }),
-      el("td", { className: "num tps", text: formatNumber(view.tokens_per_s) }),
-      el("td", { className: "num ttft", text: view.ttft_ms ? formatNumber(view.ttft_ms) : DASH }),
+      el("td", { className: "num lane", "data-label": "Active / queued / capacity", text: lane + (view.draining ? " (draining)" : "") }),
+      el("td", { className: "num tps", "data-label": "Tokens/s", text: formatNumber(view.tokens_per_s) }),
+      el("td", { className: "num ttft", "data-label": "TTFT (ms, incl. queue)" }, ttft),
       el("td", {
         className: "num warm",
+        "data-label": "Prefix cache",
         title: (view.cache_tokens_saved || 0) + " prompt tokens saved",
         text: String(view.warm_sessions) + (view.cache_hit_rate == null ? "" : " \u00b7 " + Math.round(view.cache_hit_rate * 100) + "% hits"),
       }),
-      el("td", { className: "num warm-bytes" }, [
+      el("td", { className: "num warm-bytes", "data-label": "Cache bytes" }, [
         formatBytes(view.warm_bytes),
         view.disk_entries == null
           ? null
           : el("div", { className: "quiet", text: "disk: " + view.disk_entries + " \u00b7 " + formatBytes(view.disk_bytes) }),
       ]),
-      el("td", { className: "num memory", text: formatBytes(view.memory_bytes) })
+      el("td", { className: "num memory", "data-label": "Memory", text: formatBytes(view.memory_bytes) })
     );
   };
 
@@ -343,7 +356,94 @@
       : "no engine has reported in the last 15 s";
   };
 
-  // Charts: per instance, tokens/s and queue depth (uPlot) ---------------------------------------
+  // Charts: per instance, five uPlot charts with units on their axes -----------------------------
+
+  var RESIDENT = { resident: true, degraded: true }; // control.RESIDENT_STATES
+  // One point per report. The first-token time is the last finished request's; it counts from when
+  // the request entered the lane, so it includes the queue wait (`queue_ms`, drawn apart). Both are
+  // blank (null: a gap) while the weights are not resident, rather than a stale figure.
+  var SAMPLE_FIELDS = ["tps", "queued", "active", "ttft", "queue_ms", "memory", "cache_bytes", "hits"];
+
+  function sample(view) {
+    var up = RESIDENT[view.live_state] === true;
+    var ttft = up && view.ttft_ms > 0 ? view.ttft_ms : null;
+    return {
+      tps: view.tokens_per_s,
+      queued: view.queued,
+      active: view.active,
+      ttft: ttft,
+      queue_ms: ttft === null ? null : Math.min(view.queue_ms || 0, ttft),
+      memory: view.memory_bytes,
+      cache_bytes: view.warm_bytes,
+      hits: up && view.cache_hit_rate != null ? Math.round(view.cache_hit_rate * 1000) / 10 : null,
+    };
+  }
+
+  function pad(n) {
+    return (n < 10 ? "0" : "") + n;
+  }
+
+  function clock(seconds) {
+    var d = new Date(seconds * 1000);
+    return pad(d.getHours()) + ":" + pad(d.getMinutes()) + ":" + pad(d.getSeconds());
+  }
+
+  var COUNT_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000];
+  var TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600]; // seconds between time labels
+
+  // Each chart: its title (with the unit), y-axis label and format, and the series it draws.
+  var CHARTS = [
+    {
+      title: "Tokens per second (tokens/s)",
+      unit: "tokens/s",
+      format: function (v) {
+        return formatNumber(v, v >= 100 ? 0 : 1);
+      },
+      series: [{ label: "generated", field: "tps", stroke: "#417690", fill: "rgba(65,118,144,0.15)" }],
+    },
+    {
+      title: "Queued and running (requests)",
+      unit: "requests",
+      integer: true,
+      format: function (v) {
+        return String(Math.round(v));
+      },
+      series: [
+        { label: "queued", field: "queued", stroke: "#ba2121", stepped: true },
+        { label: "running", field: "active", stroke: "#79aec8", stepped: true },
+      ],
+    },
+    {
+      title: "Time to first token (ms): last request, queue wait included",
+      unit: "ms",
+      format: function (v) {
+        return formatNumber(v, v >= 100 ? 0 : 1);
+      },
+      series: [
+        { label: "first token (incl. queue)", field: "ttft", stroke: "#417690", points: true },
+        { label: "of which queue wait", field: "queue_ms", stroke: "#c99500", points: true },
+      ],
+    },
+    {
+      title: "Memory (bytes)",
+      unit: "bytes",
+      bytes: true,
+      format: formatBytes,
+      series: [
+        { label: "weights", field: "memory", stroke: "#417690", fill: "rgba(65,118,144,0.12)" },
+        { label: "prefix cache", field: "cache_bytes", stroke: "#2e8540" },
+      ],
+    },
+    {
+      title: "Prefix-cache hit rate (%) of all lookups so far",
+      unit: "%",
+      percent: true,
+      format: function (v) {
+        return Math.round(v) + "%";
+      },
+      series: [{ label: "hit rate", field: "hits", stroke: "#2e8540" }],
+    },
+  ];
 
   function chartColors() {
     var css = getComputedStyle(document.documentElement);
@@ -353,20 +453,51 @@
     };
   }
 
-  function makeChart(target, title, series) {
+  function yRange(spec) {
+    return function (_u, _min, max) {
+      if (spec.percent) return [0, 100];
+      var top = Math.max(spec.integer ? 2 : 1, max || 0);
+      return [0, spec.integer ? Math.ceil(top) : top * 1.1];
+    };
+  }
+
+  function makeChart(target, spec) {
     var colors = chartColors();
     var axis = { stroke: colors.fg, grid: { stroke: colors.grid, width: 1 }, ticks: { stroke: colors.grid } };
+    var x = Object.assign({}, axis, {
+      space: 72, // pixels between time labels, so "12:34:56" never overlaps its neighbour
+      incrs: TIME_STEPS,
+      values: function (_u, splits) {
+        return splits.map(clock);
+      },
+    });
+    var y = Object.assign({}, axis, {
+      label: spec.unit,
+      labelSize: 18,
+      size: spec.bytes ? 64 : 48,
+      space: 28,
+      values: function (_u, splits) {
+        return splits.map(spec.format);
+      },
+    });
+    if (spec.integer) y.incrs = COUNT_STEPS; // whole requests: no 0.5 steps
     var opts = {
-      title: title,
       width: Math.max(200, target.clientWidth),
-      height: 140,
-      scales: { x: { time: true }, y: { range: function (_u, _min, max) { return [0, Math.max(1, max)]; } } },
-      axes: [axis, Object.assign({ size: 44 }, axis)],
+      height: 200,
+      scales: { x: { time: true }, y: { range: yRange(spec) } },
+      axes: [x, y],
       cursor: { drag: { x: false, y: false } },
       legend: { live: false },
-      series: [{}].concat(series),
+      series: [{ value: function (_u, v) { return v == null ? DASH : clock(v); } }].concat(
+        spec.series.map(function (s) {
+          var series = { label: s.label, stroke: s.stroke, width: 2, fill: s.fill, value: function (_u, v) { return v == null ? DASH : spec.format(v); } };
+          if (s.stepped && window.uPlot.paths && window.uPlot.paths.stepped) series.paths = window.uPlot.paths.stepped({ align: 1 });
+          if (s.points) series.points = { show: true, size: 4 };
+          return series;
+        })
+      ),
     };
-    return new window.uPlot(opts, [[]].concat(series.map(function () { return []; })), target);
+    return new window.uPlot(opts, [[]].concat(spec.series.map(function () { return []; })), target);
   }
 
   Dashboard.prototype.renderCharts = function (live) {
@@ -381,23 +512,22 @@
       }
       if (!data.view) return; // first paint only: wait for live points
       if (!data.card) {
-        var tpsBox = el("div", { className: "chart" });
-        var queueBox = el("div", { className: "chart" });
+        var boxes = CHARTS.map(function (spec) {
+          return el("figure", { className: "chart", "data-unit": spec.unit }, [el("figcaption", { text: spec.title })]);
+        });
         data.title = el("h3", {});
-        data.card = el("div", { className: "chart-card", "data-key": key }, [data.title, tpsBox, queueBox]);
+        data.card = el("div", { className: "chart-card", "data-key": key }, [data.title, el("div", { className: "charts-grid" }, boxes)]);
         self.grid.append(data.card);
-        data.charts = [
-          makeChart(tpsBox, "tokens/s", [{ label: "tokens/s", stroke: "#417690", fill: "rgba(65,118,144,0.15)", width: 2 }]),
-          makeChart(queueBox, "queue", [
-            { label: "queued", stroke: "#ba2121", width: 2 },
-            { label: "active", stroke: "#79aec8", width: 2 },
-          ]),
-        ];
+        data.charts = CHARTS.map(function (spec, i) {
+          return makeChart(boxes[i], spec);
+        });
       }
       var aliases = data.view.aliases.length ? data.view.aliases.join(", ") : "unbound";
-      data.title.textContent = "#" + data.view.instance_id + " " + aliases;
-      data.charts[0].setData([data.t, data.tps]);
-      data.charts[1].setData([data.t, data.queued, data.active]);
+      data.title.textContent = "#" + data.view.instance_id + " " + aliases + " \u00b7 " + data.view.label;
+      data.card.dataset.points = String(data.t.length); // how much history the charts hold
+      data.charts.forEach(function (chart, i) {
+        chart.setData([data.t].concat(CHARTS[i].series.map(function (s) { return data[s.field]; })));
+      });
     });
   };
 

@@ -222,6 +222,8 @@ async def test_the_status_reports_rates_and_reaches_the_cache(tiny_alias, api_ke
     view = first["instances"][0]
     assert (view["aliases"], view["state"], view["status"], view["capacity"]) == (["tiny"], "ready", "ok", 1)
     assert view["ttft_ms"] > 0 and view["memory_bytes"] > 0 and view["load_progress"]["done"] > 0
+    assert 0 <= view["queue_ms"] <= view["ttft_ms"]  # the first-token time includes the queue wait
+    assert 1790 <= view["unload_in_s"] <= 1800 and view["unload_label"].startswith("in ")  # OPS-3
 
     await AsyncClient().post(
         "/v1/chat/completions",

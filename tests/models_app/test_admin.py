@@ -218,10 +218,14 @@ def test_bulk_actions_send_the_control_message(
 def test_change_page_buttons_post_the_action(
     admin_client, tiny_alias, sent, action, django_capture_on_commit_callbacks
 ):
-    """ADM-1: the change page has a CSRF-protected POST button per action; pressing it sends the message."""
+    """ADM-1, ADM-7: the change page has a CSRF-protected POST button per action (an unload's asks
+    first, on the confirmation page); the action URL sends the message."""
     url = f"{MODELS_URL}{tiny_alias.model_id}/action/{action}/"
     page = admin_client.get(f"{MODELS_URL}{tiny_alias.model_id}/change/").content.decode()
-    assert f'action="{url}"' in page and "csrfmiddlewaretoken" in page
+    if action == "unload":
+        assert f'action="/dashboard/models/{tiny_alias.model_id}/unload/"' in page
+    else:
+        assert f'action="{url}"' in page and "csrfmiddlewaretoken" in page
     with django_capture_on_commit_callbacks(execute=True):
         response = admin_client.post(url)
     assert response.status_code == 302 and response["Location"].endswith(f"/{tiny_alias.model_id}/change/")

@@ -85,21 +85,30 @@ def test_signed_in_non_staff_users_are_refused(client, user):
 
 
 def test_staff_sees_the_instance_table_skeleton_and_the_enabled_aliases(staff_client, tiny_enabled):
-    """ADM-2: the live table's columns and the playground's alias list render on first paint."""
+    """ADM-2: the live table's columns and the enabled aliases render on first paint; chat and the
+    load buttons have pages of their own, linked from here."""
     register_alias(name="tiny-off", folder="tiny-llama", enabled=False)
     response = staff_client.get(URL)
     assert response.status_code == 200
     page = response.content.decode()
     assert 'id="instances-table"' in page
     assert 'id="instances-body"' in page
-    for column in ("Instance", "Aliases", "State", "Active / queued / capacity", "Tokens/s", "TTFT (ms)"):
+    for column in (
+        "Instance",
+        "Aliases",
+        "State",
+        "Active / queued / capacity",
+        "Tokens/s",
+        "TTFT (ms, incl. queue)",
+    ):
         assert column in page
     assert "Prefix cache" in page and "Cache bytes" in page and "Memory" in page
     assert 'id="charts-grid"' in page
-    assert '<option value="tiny-dash"' in page
-    assert 'value="tiny-off"' not in page
+    assert 'data-alias="tiny-dash"' in page
+    assert 'data-alias="tiny-off"' not in page
     assert 'data-ws-path="/ws/dashboard"' in page
-    assert 'data-ws-path="/ws/v1/responses"' in page
+    assert 'id="playground"' not in page  # chat moved to /dashboard/chat/
+    assert 'href="/dashboard/chat/"' in page and 'href="/dashboard/models/"' in page
 
 
 def test_the_first_paint_shows_the_engines_last_status(staff_client, tiny_enabled):
@@ -118,6 +127,17 @@ def test_the_first_paint_shows_the_engines_last_status(staff_client, tiny_enable
     assert 'id="initial-status"' in page
 
 
+def test_the_first_token_time_says_its_queue_wait_and_is_blank_when_unloaded(staff_client, tiny_enabled):
+    """ADM-2: the first-token figure includes the queue wait, shown apart, and is not shown stale
+    once the weights are gone."""
+    control.status_publish(engine_status(ttft_ms=40.5, queue_ms=30.0))
+    page = staff_client.get(URL).content.decode()
+    assert re.search(r'class="num ttft">40.5 <span class="quiet">\(queue 30.0\)</span>', page)
+    control.status_publish(engine_status(state="unloaded", status="unloaded", ttft_ms=40.5, queue_ms=30.0))
+    page = staff_client.get(URL).content.decode()
+    assert re.search(r'class="num ttft">—</td>', page)
+
+
 def test_a_failed_load_shows_its_reason(staff_client, tiny_enabled):
     """OPS-4: a failed load is visible with its reason."""
     control.status_publish(engine_status(state="error", status="error", error="config.json is missing"))
@@ -126,19 +146,27 @@ def test_a_failed_load_shows_its_reason(staff_client, tiny_enabled):
     assert "badge-error" in page
 
 
-def test_every_script_is_served_from_this_site(staff_client, tiny_enabled):
-    """API-5: JavaScript from this site only: no CDN, no inline code, a CSP that says so."""
-    response = staff_client.get(URL)
+@pytest.mark.parametrize(
+    ("url", "script"),
+    [
+        pytest.param(URL, "mlxhost/dashboard.js", id="dashboard"),
+        pytest.param("/dashboard/models/", "mlxhost/models.js", id="models"),
+    ],
+)
+def test_every_script_is_served_from_this_site(staff_client, tiny_enabled, url, script):
+    """API-5: JavaScript from this site only: no CDN, no inline code or style, a CSP that says so."""
+    response = staff_client.get(url)
     page = response.content.decode()
     sources = re.findall(r"<script\b[^>]*\bsrc=\"([^\"]+)\"", page)
-    assert any(src.endswith("mlxhost/dashboard.js") for src in sources)
-    assert any(src.endswith("mlxhost/playground.js") for src in sources)
-    assert any("vendor/uplot/" in src for src in sources)
+    assert any(src.endswith(script) for src in sources)
+    if url == URL:
+        assert any("vendor/uplot/" in src for src in sources)
     assert all(src.startswith("/static/") for src in sources), sources
-    # The only script without src is the JSON data island, which is never executed.
+    # The only scripts without src are JSON data islands, which are never executed.
     for tag in re.findall(r"<script\b[^>]*>", page):
         assert "src=" in tag or 'type="application/json"' in tag, tag
     assert not re.search(r"\son[a-z]+=", page), "inline event handler"
+    assert not re.search(r"\sstyle=", page), "inline style"
     csp = response["Content-Security-Policy"]
     assert "script-src 'self'" in csp
     assert "frame-ancestors 'none'" in csp
@@ -149,11 +177,20 @@ def test_the_page_cannot_be_framed(staff_client):
     assert staff_client.get(URL)["X-Frame-Options"] == "DENY"
 
 
-def test_every_form_carries_a_csrf_token(staff_client, tiny_enabled):
-    """API-5: browser pages use Django sessions + CSRF, on every form (the playground's and logout)."""
-    page = staff_client.get(URL).content.decode()
-    forms = re.findall(r"<form\b.*?</form>", page, flags=re.S)
-    assert any('id="playground-form"' in form for form in forms)
+@pytest.mark.parametrize("url", [URL, "/dashboard/models/"])
+def test_every_form_carries_a_csrf_token(staff_client, tiny_enabled, url, django_user_model):
+    """API-5: browser pages use Django sessions + CSRF, on every POST form (the Models page's
+    action buttons and logout)."""
+    from django.contrib.auth.models import Permission
+
+    django_user_model.objects.get(username="ops").user_permissions.add(
+        Permission.objects.get(codename="change_model")
+    )
+    page = staff_client.get(url).content.decode()
+    forms = [form for form in re.findall(r"<form\b.*?</form>", page, flags=re.S) if 'method="post"' in form]
+    assert forms
+    if url != URL:
+        assert any('value="load"' in form for form in forms)
     for form in forms:
         assert 'name="csrfmiddlewaretoken"' in form, form[:200]
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from mlxhost.runtime.status import instance_live_state, live_fields
+from mlxhost.runtime.status import idle_unload_fields, instance_live_state, live_fields
 from models_app.control import LIVE_LABELS
+from tests.support import eventually
 
 
 @pytest.mark.parametrize(
@@ -32,3 +33,47 @@ def test_the_published_label_is_the_vocabulary_word():
     assert (
         live_fields(state="unloaded", status="unloaded", draining=False)["label"] == LIVE_LABELS["unloaded"]
     )
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        pytest.param({}, (600, "in 10 min"), id="counting-down"),
+        pytest.param({"idle_s": 1795.4}, (5, "in 5 s"), id="almost"),
+        pytest.param({"keep_alive_s": 7500, "idle_s": 0}, (7500, "in 2 h 5 min"), id="hours"),
+        pytest.param({"busy": True}, (None, "30 min after the last request"), id="busy"),
+        pytest.param({"pinned": True}, (None, "never (pinned)"), id="pinned"),
+        pytest.param({"keep_alive_s": None}, (None, "never (no keep-alive)"), id="no-keep-alive"),
+        pytest.param({"live_state": "unloaded"}, (None, "\u2014"), id="not-loaded"),
+    ],
+)
+def test_the_status_says_when_the_keep_alive_frees_an_instance(fields, expected):
+    """OPS-3, ADM-7: seconds left and the words the Models page shows, from one place."""
+    args = {"live_state": "resident", "pinned": False, "keep_alive_s": 1800, "idle_s": 1200.0, "busy": False}
+    got = idle_unload_fields(**{**args, **fields})
+    assert (got["unload_in_s"], got["unload_label"]) == expected
+
+
+async def test_an_admin_action_is_reported_at_once(monkeypatch):
+    """ADM-7: the publisher reports as soon as an action starts or ends, not at its next tick."""
+    import asyncio
+
+    from mlxhost.runtime import status
+    from mlxhost.runtime.control import Actions
+
+    class NoInstances:
+        def snapshot(self) -> list:
+            return []
+
+    published: list[float] = []
+    monkeypatch.setattr(status, "STATUS_INTERVAL_S", 60.0)
+    monkeypatch.setattr(status.control, "status_publish", lambda payload: published.append(payload["at"]))
+    actions = Actions(NoInstances())
+    publisher = asyncio.create_task(status.run_status_publisher(NoInstances(), actions))
+    try:
+        await eventually(lambda: len(published) == 1, timeout=5)
+        actions.results["tiny"] = {"action": "unload", "state": "done", "error": "", "at": 1.0}
+        actions.changed.set()
+        await eventually(lambda: len(published) == 2, timeout=5)  # well before the 60 s tick
+    finally:
+        publisher.cancel()
