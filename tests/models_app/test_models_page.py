@@ -312,9 +312,9 @@ def test_the_model_admin_page_disables_what_does_not_fit(admin_client, shared, i
     """ADM-7: the model's admin page offers the same actions as the Models page; its unload asks first."""
     publish(*([view(shared.instance_id, **instance)] if instance else []))
     page = admin_client.get(f"/admin/models_app/model/{shared.pk}/change/").content.decode()
-    found = dict(re.findall(r'name="action" value="(\w+)"( disabled)?>', page))
+    found = dict(re.findall(r'formaction="[^"]*/(load|unload|reload)/"( disabled)?>', page))
     assert {name for name, disabled in found.items() if not disabled} == enabled
-    assert f'action="/dashboard/models/{shared.pk}/unload/"' in page
+    assert f'formaction="/dashboard/models/{shared.pk}/unload/"' in page
 
 
 # The forms ---------------------------------------------------------------------------------------------
@@ -379,3 +379,41 @@ def test_the_folder_suggestions_are_visible(admin_client, tiny_model_dir):
         page,
     )
     assert "mlxhost/model_form.js" in page
+
+
+# A fleet (issue 15) -------------------------------------------------------------------------------------
+
+
+def publish_host(host_id: int, *views: dict) -> None:
+    control.status_publish(
+        {
+            "boot_id": f"boot-h{host_id}",
+            "host": "box",
+            "host_id": host_id,
+            "pid": host_id,
+            "started_at": float(host_id),
+            "at": time.time(),
+            "instances": list(views),
+            "actions": {},
+        }
+    )
+
+
+def test_the_model_page_shows_each_host_and_can_act_on_one(
+    admin_client, shared, sent, django_capture_on_commit_callbacks
+):
+    """Issue 15: with two fleet hosts the model page shows each host's figures beside the totals,
+    and its actions can name one host (a reload of every host rolls)."""
+    publish_host(1, view(shared.instance_id, active=2, queued=2, capacity=2))
+    publish_host(2, view(shared.instance_id, active=0, queued=0, capacity=2))
+    page = admin_client.get(f"/admin/models_app/model/{shared.pk}/change/").content.decode()
+    assert '<option value="2">h02 only</option>' in page
+    assert re.search(r"<th scope=\"row\">h01</th><td>resident</td><td>2 / 2 / 2</td>", page)
+    assert re.search(r"<th scope=\"row\">h02</th><td>resident</td><td>0 / 0 / 2</td>", page)
+    url = f"/admin/models_app/model/{shared.pk}/action/reload/"
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(url, {"host": "2"})
+        admin_client.post(url, {"host": ""})
+        admin_client.post(url, {"host": "9"})  # no such host: refused, nothing sent
+    assert [(m.get("host"), "rolling" in m) for m in sent] == [(2, False), (None, True)]
+    assert sent[1]["rolling"]["order"] == [1, 2]
