@@ -11,7 +11,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from api.auth import api_endpoint, may_see_internals
 from mlxhost.runtime import engine_if_started
 from mlxhost.runtime.status import instance_status
-from models_app import selectors
+from models_app import control, selectors
 
 # A model in one of these states can take a request now: `unloaded` loads on it (OPS-3).
 SERVING_STATES = frozenset({"ok", "degraded", "unloaded"})
@@ -84,4 +84,6 @@ async def readyz(request: HttpRequest) -> HttpResponse:
             item["aliases"] = sorted({*bound, *names.get(item["instance_id"], [])})
         body["models"] = models
         body["instances"] = instances
+        # Every engine of the fleet as it last reported (this one included), and their total.
+        body["fleet"] = await sync_to_async(control.fleet_view)()
     return JsonResponse(body, status=200 if ready else 503)

@@ -260,6 +260,32 @@ def instance_views(statuses: list[dict[str, Any]] | None = None) -> dict[int, di
     return {instance_id: _merged(views) for instance_id, views in per_instance.items()}
 
 
+FLEET_COUNTERS = ("active", "queued", "capacity", "memory_bytes", "warm_sessions", "tokens_per_s")
+
+
+def fleet_view(statuses: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every engine reporting now, with its models and lanes, and the fleet's total (issue 15):
+    `{"hosts": [{"host", "host_id", "models": [...], **counters}], "total": counters}`."""
+    hosts = []
+    for status in engine_statuses() if statuses is None else statuses:
+        views = status.get("instances", [])
+        models = [
+            {
+                "instance_id": v["instance_id"],
+                "aliases": v.get("aliases", []),
+                "state": v.get("live_state"),
+                **{key: v.get(key) or 0 for key in FLEET_COUNTERS},
+            }
+            for v in views
+        ]
+        counters = {key: sum(m[key] for m in models) for key in FLEET_COUNTERS}
+        hosts.append(
+            {"host": host_name(status), "host_id": status.get("host_id"), "models": models, **counters}
+        )
+    total = {key: sum(h[key] for h in hosts) for key in FLEET_COUNTERS}
+    return {"hosts": sorted(hosts, key=lambda h: h["host"]), "total": total}
+
+
 def _merged(views: list[dict[str, Any]]) -> dict[str, Any]:
     if len(views) == 1:
         return {**views[0], "hosts": views}

@@ -286,7 +286,7 @@
     tr.replaceChildren(
       el("td", { className: "num mono", "data-label": "Instance" }, [
         "#" + view.instance_id,
-        el("div", { className: "quiet", text: status.host + " \u00b7 pid " + status.pid }),
+        el("div", { className: "quiet", text: engineName(status) + " \u00b7 pid " + status.pid }),
       ]),
       el("td", { className: "aliases", "data-label": "Aliases", text: view.aliases.length ? view.aliases.join(", ") : DASH }),
       state,
@@ -345,14 +345,32 @@
     );
   };
 
+  // A fleet host by its number (h01, MLXHOST_HOST_ID), any other engine by its machine's name.
+  function engineName(status) {
+    var id = status.host_id;
+    return id === null || id === undefined ? status.host : "h" + (id < 10 ? "0" : "") + id;
+  }
+
   Dashboard.prototype.renderSummary = function (now) {
     var parts = [];
+    var total = { active: 0, queued: 0, capacity: 0, memory: 0 };
     this.engines.forEach(function (entry) {
       var age = Math.max(0, Math.round((now - entry.seen) / 1000));
-      parts.push(entry.status.host + " pid " + entry.status.pid + " (updated " + age + " s ago)");
+      parts.push(engineName(entry.status) + " pid " + entry.status.pid + " (updated " + age + " s ago)");
+      entry.status.instances.forEach(function (view) {
+        total.active += view.active || 0;
+        total.queued += view.queued || 0;
+        total.capacity += view.capacity || 0;
+        total.memory += view.memory_bytes || 0;
+      });
     });
+    var fleet =
+      parts.length > 1
+        ? ". Fleet total: " + total.active + " active / " + total.queued + " queued / " + total.capacity +
+          " capacity, " + formatNumber(total.memory / 1048576) + " MiB of weights"
+        : "";
     this.summary.textContent = parts.length
-      ? parts.length + (parts.length === 1 ? " engine: " : " engines: ") + parts.join("; ")
+      ? parts.length + (parts.length === 1 ? " engine: " : " engines: ") + parts.join("; ") + fleet
       : "no engine has reported in the last 15 s";
   };
 

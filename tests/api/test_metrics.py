@@ -177,7 +177,7 @@ async def test_metrics_can_be_made_public(settings):
 
 
 async def test_every_sample_names_its_fleet_host(tiny_alias, api_key, mlx_engine, settings):
-    """Issue 15: on fleet host 3 every sample carries host="h03", so scrapes of a fleet add up."""
+    """OPS-10: on fleet host 3 every sample carries host="h03", so scrapes of a fleet add up."""
     settings.MLXHOST_HOST_ID = 3
     assert (await post_chat(api_key, max_tokens=2)).status_code == 200
     samples = (await scrape(**auth(api_key))).samples

@@ -1,4 +1,4 @@
-"""Two engine hosts behind HAProxy on PostgreSQL and Redis (issue 15): continuations go home warm,
+"""Two engine hosts behind HAProxy on PostgreSQL and Redis (OPS-8, OPS-9, OPS-10): continuations go home warm,
 pending writes are seen fleet-wide, cancel works from anywhere, admin edits reach both hosts, a
 fleet reload rolls, and a host killed mid-run leaves the survivor serving."""
 
@@ -275,6 +275,10 @@ def test_an_admin_edit_on_the_admin_process_reaches_both_hosts(
         what="both hosts to apply the edit",
     )
     assert time.monotonic() - edited < 5
+    # Either host's /readyz lists the whole fleet, each host's lane and the total.
+    readyz = httpx.get(f"{fleet.host(1).url}/readyz", headers={"Authorization": f"Bearer {api_key}"}).json()
+    assert [h["host"] for h in readyz["fleet"]["hosts"]] == ["h01", "h02"]
+    assert readyz["fleet"]["total"]["capacity"] == sum(h["capacity"] for h in readyz["fleet"]["hosts"]) >= 6
 
 
 def test_a_fleet_reload_rolls_host_by_host_under_traffic(

@@ -1,4 +1,4 @@
-"""What the admin and the dashboard show for a model held by several fleet hosts (issue 15)."""
+"""What the admin and the dashboard show for a model held by several fleet hosts (OPS-8, OPS-9, OPS-10)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,19 @@ def test_one_engine_is_shown_as_it_reports():
     only = status(1, active=1)
     view = control.instance_views([only])[7]
     assert view["active"] == 1 and [h["host"] for h in view["hosts"]] == ["h01"]
+
+
+def test_the_fleet_view_lists_every_host_with_its_models_and_a_total():
+    """/readyz's `fleet` (OPS-10): each host's models and lanes, and the fleet's sum."""
+    fleet = control.fleet_view([status(2, active=1, capacity=4), status(1, queued=3, capacity=2)])
+    assert [(h["host"], h["active"], h["queued"], h["capacity"]) for h in fleet["hosts"]] == [
+        ("h01", 0, 3, 2),
+        ("h02", 1, 0, 4),
+    ]
+    assert fleet["hosts"][0]["models"][0]["aliases"] == ["tiny"]
+    assert {k: fleet["total"][k] for k in ("active", "queued", "capacity", "memory_bytes")} == {
+        "active": 1,
+        "queued": 3,
+        "capacity": 6,
+        "memory_bytes": 2000,
+    }

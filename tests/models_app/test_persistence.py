@@ -405,7 +405,7 @@ def shared_redis():
 
 @pytest.mark.django_db(transaction=True)
 async def test_another_host_waits_for_a_write_pending_on_this_one(user, make_store, shared_redis):
-    """Issue 15: host B sees host A's pending write through Redis and waits for the row, never 404."""
+    """OPS-9: host B sees host A's pending write through Redis and waits for the row, never 404."""
     host_a = make_store(eager=False, publish=drop, shared=shared_redis)
     host_b = make_store(eager=False, publish=drop, shared=shared_redis)
     record = make_record(user.pk, text="Written by A.")
