@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.contrib.admin.models import ADDITION, CHANGE, LogEntry
 from django.contrib.auth import get_user_model
+from django.contrib.contenttypes.models import ContentType
 from django.utils.text import capfirst
 
 if TYPE_CHECKING:
@@ -42,6 +43,10 @@ def audit_record(
         text = message if isinstance(message, str) else json.dumps(message)
         logger.info("%s %s changed without a signed-in user: %s", obj._meta.label, obj.pk, text)
         return
+    # Content types can be created anew (a flush, a restore) under other ids than this process
+    # cached; entries are rare, so read them fresh rather than risk a stale id turning an admin
+    # action into a 500.
+    ContentType.objects.clear_cache()
     LogEntry.objects.log_actions(
         user_id=actor.pk, queryset=[obj], action_flag=flag, change_message=message, single_object=True
     )
