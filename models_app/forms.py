@@ -39,8 +39,13 @@ NO_FOLDERS_HELP = (
     "A folder relative to MODELS_ROOT. None there looks like an mlx-lm model yet "
     "(config.json and *.safetensors, up to two levels down); or use a Hugging Face repo id below."
 )
+API_KEY_CREATE_FIELDS = ("owner", "name", "requests_per_minute", "tokens_per_day")
+API_KEY_CHANGE_FIELDS = ("name", "requests_per_minute", "tokens_per_day")
 SOURCE_HELP = "A folder under MODELS_ROOT, or a Hugging Face repo id with a pinned revision."
-API_KEY_ONCE_HELP = "The full key is shown once, right after you save; only its prefix is kept readable."
+API_KEY_ONCE_HELP = (
+    "A label for people, such as the machine or app that uses the key. The full key is shown "
+    "once, right after you save; only its prefix is kept readable."
+)
 
 
 class DatalistInput(forms.TextInput):
@@ -111,7 +116,17 @@ class ModelAliasForm(_ModelAliasFormBase):
 
 
 class ApiKeyCreateForm(_ApiKeyFormBase):
+    """A new key: whose, a name to recognise it by, and its optional limits (KEY-1, KEY-4)."""
+
     class Meta:
         model = ApiKey
-        fields = ("owner", "name")
+        fields = API_KEY_CREATE_FIELDS
         help_texts = {"name": API_KEY_ONCE_HELP}
+
+
+class ApiKeyChangeForm(_ApiKeyFormBase):
+    """An existing key: its name and limits; the secret and the owner never change."""
+
+    class Meta:
+        model = ApiKey
+        fields = API_KEY_CHANGE_FIELDS

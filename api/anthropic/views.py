@@ -45,6 +45,7 @@ def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
         tool_choice=data.get("tool_choice") or ToolChoice(),
         json_format=data.get("json_format"),
         thinking=data.get("thinking_switch"),
+        key=caller.key,
     )
 
 

@@ -76,6 +76,7 @@ def _chat_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
             data.get("tool_choice") or ToolChoice(), single=data.get("parallel_tool_calls") is False
         ),
         json_format=data.get("response_format"),
+        key=caller.key,
     )
 
 
