@@ -69,8 +69,9 @@ def assert_fits(page, width: int, where: str) -> None:
     assert overflow <= 0, f"{where} at {width}px scrolls sideways by {overflow}px"
 
 
-def create_key(page, name: str) -> str:
+def create_key(page, name: str, width: int) -> str:
     page.goto("/admin/models_app/apikey/add/")
+    assert_fits(page, width, "the add form")
     page.select_option("#id_owner", label=STAFF)
     page.fill("#id_name", name)
     page.fill("#id_requests_per_minute", "60")
@@ -128,7 +129,7 @@ def test_keys_are_easy_to_create_copy_and_revoke(daphne_server, staff_user, usag
 def walk_through(page, device: str, width: int, older_key_id: int) -> None:
     name = f"laptop-{device}"
     sign_in(page)
-    created = create_key(page, name)
+    created = create_key(page, name, width)
     secret = page.inner_text("#mlxhost-secret").strip()
     assert RAW_KEY.fullmatch(secret), secret
     assert copy_and_read(page, "mlxhost-secret") == secret
