@@ -12,7 +12,7 @@ from django.http import HttpRequest, HttpResponseBase
 
 from api.errors import INVALID_KEY_MESSAGE, ApiError, Dialect, as_api_error, dialect_of, error_response
 from api.parsing import loads_object, read_body
-from models_app import hotcache, selectors, services
+from models_app import hotcache, selectors, usage
 from models_app.apikeys import key_hash
 from models_app.lookups import single_flight
 from models_app.selectors import KeyIdentity
@@ -30,10 +30,11 @@ class Caller:
     owner_id: int
     key_id: int | None  # None for a browser session (the WebSocket)
     auth: Literal["api_key", "session"]
+    key: KeyIdentity | None = None  # the key its turns count against, with its limits (KEY-2/4)
 
     @classmethod
     def of_key(cls, key: KeyIdentity) -> Caller:
-        return cls(owner_id=key.owner_id, key_id=key.key_id, auth="api_key")
+        return cls(owner_id=key.owner_id, key_id=key.key_id, auth="api_key", key=key)
 
 
 @dataclass(slots=True)
@@ -76,10 +77,7 @@ def presented_key(request: HttpRequest) -> str:
 
 def _authenticate_sync(raw_key: str, digest: str, generation: int) -> KeyIdentity | None:
     key = selectors.apikey_authenticate(raw_key=raw_key)
-    identity = None
-    if key is not None:
-        services.apikey_touch(key=key)  # only on a cache miss, and at most once a minute per key
-        identity = KeyIdentity(key_id=key.pk, owner_id=key.owner_id)
+    identity = KeyIdentity.of(key) if key is not None else None
     hotcache.api_keys.put(digest, identity, generation)
     return identity
 
@@ -89,18 +87,23 @@ async def authenticate_raw(raw_key: str) -> KeyIdentity | None:
 
     Cached by the key's hash for `hotcache.KEY_TTL_S` seconds, so a burst of requests, refused
     or not, reaches the lane without waiting for the database; a revoke in this process clears
-    the cache at once.
+    the cache at once. A live key's use is noted in memory; the usage flush stamps its
+    `last_used_at` (KEY-1), never this request.
     """
     if not raw_key:
         return None
     digest = key_hash(raw_key)  # the raw key itself is never kept in memory
     cached = hotcache.api_keys.get(digest)
-    if cached is not hotcache.MISS:
-        return cached
-    generation = hotcache.api_keys.generation  # read before the query: a revoke meanwhile wins
-    return await single_flight(
-        "api_key", digest, lambda: sync_to_async(_authenticate_sync)(raw_key, digest, generation)
-    )
+    if cached is hotcache.MISS:
+        generation = hotcache.api_keys.generation  # read before the query: a revoke meanwhile wins
+        identity = await single_flight(
+            "api_key", digest, lambda: sync_to_async(_authenticate_sync)(raw_key, digest, generation)
+        )
+    else:
+        identity = cached
+    if identity is not None:
+        usage.recorder().key_used(identity.key_id)  # in memory; the usage flush stamps last_used_at
+    return identity
 
 
 async def authenticate(request: HttpRequest) -> KeyIdentity:

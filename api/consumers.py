@@ -352,6 +352,7 @@ class ResponsesConsumer(_TrackedConsumer):
                 data,
                 self.caller.owner_id,
                 sampling_overrides(data),
+                key=self.caller.key,
                 response_id=response_id,
                 on_queued=on_queued,
             )

@@ -28,6 +28,7 @@ from mlxhost.engine import (
     RequestTooLargeError,
     UnknownModelError,
 )
+from models_app.limits import RateLimitedError
 from models_app.models import ModelAlias
 from models_app.persistence import StorageTimeoutError
 from models_app.response_turns import ChainError
@@ -125,6 +126,10 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
         return exc
     if isinstance(exc, ChainError):
         return ApiError(exc.status, exc.message, code=exc.code, param=exc.param)
+    if isinstance(exc, RateLimitedError):
+        # OpenAI's shape for a key's limit (type "requests" or "tokens"); Anthropic's
+        # `rate_limit_error` comes from the status (KEY-4).
+        return ApiError(429, str(exc), exc.kind, exc.code, retry_after=exc.retry_after)
     if isinstance(exc, ModelAlias.DoesNotExist):
         return ApiError(
             404, UNKNOWN_MODEL_MESSAGE.format(name=model or ""), code="model_not_found", param="model"

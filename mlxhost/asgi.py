@@ -16,7 +16,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 
 from api.routing import websocket_urlpatterns  # noqa: E402
 from mlxhost.daphne_options import configure_daphne_websockets  # noqa: E402
-from mlxhost.runtime import control, persistence, status  # noqa: E402, F401  (they register their hooks)
+from mlxhost.runtime import control, persistence, status, usage  # noqa: E402, F401  (they register their hooks)
 from mlxhost.runtime.lifecycle import schedule_engine_start  # noqa: E402
 
 # Daphne serves no static files itself; the admin's CSS and the dashboard's JS come from here.

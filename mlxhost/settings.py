@@ -198,6 +198,10 @@ MLXHOST_RESPONSE_RETENTION_MAX_S = 30 * 24 * 3600
 MLXHOST_TOMBSTONE_TTL_S = env.int("MLXHOST_TOMBSTONE_TTL_S", default=2 * 3600)
 # Without a broker (embedded default) the web process runs the periodic cleanups itself.
 MLXHOST_SWEEP_INTERVAL_S = env.float("MLXHOST_SWEEP_INTERVAL_S", default=300.0)
+# Usage per key (KEY-2) is tallied in memory and written behind this often (and at shutdown).
+MLXHOST_USAGE_FLUSH_S = env.float("MLXHOST_USAGE_FLUSH_S", default=2.0)
+# Per-key limits (KEY-4) live in Redis under this prefix when REDIS_URL is set.
+MLXHOST_LIMITS_PREFIX = env.str("MLXHOST_LIMITS_PREFIX", default=f"{MLXHOST_SHARED_PREFIX}:limits")
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},

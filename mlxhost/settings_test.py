@@ -22,6 +22,10 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # A file, not :memory:, so a daphne subprocess in the end-to-end tests can share it.
     # One file per pytest process, so concurrent runs never share (and corrupt) one database.
     DATABASES["default"]["TEST"] = {"NAME": str(BASE_DIR / ".cache" / f"test-db-{os.getpid()}.sqlite3")}
+# Usage is flushed when a test says so (`usage.recorder().flush()`), never in the middle of one.
+MLXHOST_USAGE_FLUSH_S = 3600.0
+# Per-key limit counters of this run only: concurrent runs on one Redis reuse the same key ids.
+MLXHOST_LIMITS_PREFIX = f"mlxhost-test-{os.getpid()}:limits"
 # The defaults whatever the environment says, the real tiny model, and pinned aliases that wait
 # for their first request instead of loading at start.
 MLXHOST_RUNTIME = RuntimeSettings(preload=False, engine=EngineConfig(backend="mlx"))

@@ -1,5 +1,5 @@
-"""Admin pages for models, aliases, instances, API keys, stored responses and tombstones; writes go
-through services."""
+"""Admin pages for models, aliases, instances, stored responses and tombstones; writes go through
+services. API keys and their usage are in `models_app.admin_keys`, registered from here."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 
+from models_app import admin_keys as admin_keys  # registers the API key and usage pages (KEY-1..4)
 from models_app import control, selectors, services, transcripts
 from models_app.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
 from models_app.forms import MODEL_FORM_FIELDS as MODEL_FORM_FIELDS
-from models_app.forms import ApiKeyCreateForm, ModelAliasForm, ModelForm
-from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
+from models_app.forms import ModelAliasForm, ModelForm
+from models_app.models import InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
 
     from django import forms
-    from django.contrib.admin.options import _FieldGroups  # the stubs' name for a fields list
     from django.db.models import QuerySet
     from django.utils.safestring import SafeString
 
@@ -35,16 +35,14 @@ if TYPE_CHECKING:
     _ModelAdminBase = admin.ModelAdmin[Model]
     _ModelAliasAdminBase = admin.ModelAdmin[ModelAlias]
     _ModelInstanceAdminBase = admin.ModelAdmin[ModelInstance]
-    _ApiKeyAdminBase = admin.ModelAdmin[ApiKey]
     _StoredResponseAdminBase = admin.ModelAdmin[StoredResponse]
     _InstanceTombstoneAdminBase = admin.ModelAdmin[InstanceTombstone]
 else:
     _AliasInlineBase = admin.TabularInline
     _ModelAdminBase = _ModelAliasAdminBase = _ModelInstanceAdminBase = admin.ModelAdmin
-    _ApiKeyAdminBase = _StoredResponseAdminBase = _InstanceTombstoneAdminBase = admin.ModelAdmin
+    _StoredResponseAdminBase = _InstanceTombstoneAdminBase = admin.ModelAdmin
 
 ACTION_REQUESTED = "{action} requested for {names}; progress shows here and on the dashboard."
-NEW_KEY_SHOWN_ONCE = "New API key (shown once, copy it now): {raw}"
 DASH = "—"
 
 
@@ -403,52 +401,6 @@ class ModelInstanceAdmin(_ModelInstanceAdminBase):
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
-
-
-# API keys ------------------------------------------------------------------------------------------
-
-
-@admin.register(ApiKey)
-class ApiKeyAdmin(_ApiKeyAdminBase):
-    """The full key appears once, in the message after creation; pages show only the prefix."""
-
-    list_display = ("name", "prefix", "owner", "created_at", "last_used_at", "revoked_at")
-    list_filter = ("revoked_at",)
-    search_fields = ("name", "prefix", "owner__username")
-    list_select_related = ("owner",)
-    exclude = ("secret_hash",)
-    actions = ("revoke",)
-
-    def get_form(
-        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
-    ) -> type[forms.ModelForm[ApiKey]]:
-        if obj is None:
-            kwargs["form"] = ApiKeyCreateForm
-        return super().get_form(request, obj, change=change, **kwargs)
-
-    def get_fields(self, request: HttpRequest, obj: Any = None) -> _FieldGroups:
-        if obj is None:
-            return ["owner", "name"]
-        return ["name", "owner", "prefix", "created_at", "last_used_at", "revoked_at"]  # never the hash
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
-        return ("owner", "prefix", "created_at", "last_used_at", "revoked_at") if obj else ()
-
-    def save_model(
-        self, request: HttpRequest, obj: ApiKey, form: forms.ModelForm[ApiKey], change: bool
-    ) -> None:
-        if change:
-            obj.save(update_fields=["name", "updated_at"])
-            return
-        key, raw = services.apikey_create(owner=obj.owner, name=obj.name)
-        obj.pk, obj.prefix, obj.secret_hash = key.pk, key.prefix, key.secret_hash
-        # Messages are consumed when shown: the key is displayed on the next page and never again.
-        messages.warning(request, NEW_KEY_SHOWN_ONCE.format(raw=raw))
-
-    @admin.action(description="Revoke selected keys", permissions=["change"])
-    def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
-        for key in queryset.filter(revoked_at__isnull=True):
-            services.apikey_revoke(key=key, actor=request.user)
 
 
 # Stored responses ------------------------------------------------------------------------------------

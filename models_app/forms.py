@@ -44,8 +44,13 @@ NO_FOLDERS_HELP = (
     "A folder relative to MODELS_ROOT, for a local source. None there looks like an mlx-lm model yet "
     "(config.json and *.safetensors, up to two levels down); or use a Hugging Face repo id below."
 )
+API_KEY_CREATE_FIELDS = ("owner", "name", "requests_per_minute", "tokens_per_day")
+API_KEY_CHANGE_FIELDS = ("name", "requests_per_minute", "tokens_per_day")
 SOURCE_HELP = "A folder under MODELS_ROOT, or a Hugging Face repo id with a pinned revision."
-API_KEY_ONCE_HELP = "The full key is shown once, right after you save; only its prefix is kept readable."
+API_KEY_ONCE_HELP = (
+    "A label for people, such as the machine or app that uses the key. The full key is shown "
+    "once, right after you save; only its prefix is kept readable."
+)
 MAX_TOKENS_OVER_CLAMP = "The default ({default}) is above the clamp ({clamp}): raise the clamp or lower this."
 SOURCE_FIELDS = ("source_kind", "local_path", "hf_repo", "hf_revision")
 MAX_SUGGESTIONS = 30  # folders shown under the field; the datalist offers them all
@@ -229,7 +234,17 @@ class ModelAliasForm(_ModelAliasFormBase):
 
 
 class ApiKeyCreateForm(_ApiKeyFormBase):
+    """A new key: whose, a name to recognise it by, and its optional limits (KEY-1, KEY-4)."""
+
     class Meta:
         model = ApiKey
-        fields = ("owner", "name")
+        fields = API_KEY_CREATE_FIELDS
         help_texts = {"name": API_KEY_ONCE_HELP}
+
+
+class ApiKeyChangeForm(_ApiKeyFormBase):
+    """An existing key: its name and limits; the secret and the owner never change."""
+
+    class Meta:
+        model = ApiKey
+        fields = API_KEY_CHANGE_FIELDS

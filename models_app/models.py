@@ -1,5 +1,5 @@
 """Persistent state: models (weights and their lane), aliases (names and sampling), weights
-registrations (instances), API keys and stored responses."""
+registrations (instances), API keys and their usage by day, and stored responses."""
 
 from __future__ import annotations
 
@@ -199,12 +199,73 @@ class ApiKey(BaseModel):
     secret_hash = models.CharField(max_length=64)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    # Optional limits (KEY-4), checked when a turn arrives on any surface (models_app.limits).
+    requests_per_minute = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Turns in any 60 seconds, on every surface (empty: no limit).",
+    )
+    tokens_per_day = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Prompt plus output tokens per UTC day (empty: no limit).",
+    )
 
     class Meta:
         verbose_name = "API key"
 
     def __str__(self) -> str:
         return f"{self.name} ({self.prefix}…)"
+
+    @property
+    def is_revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+class UsageDay(models.Model):
+    """What one API key (or one user's browser session, `key` empty) used on one UTC day (KEY-2).
+
+    One row per key per day, incremented with F() expressions by the write-behind flush
+    (models_app.usage), rather than a row per turn rolled up later: the admin's reports read
+    keys × days rows however busy the keys are, a flush writes one UPDATE per key whatever the
+    number of turns behind it, and the increments from any number of processes add up without
+    a lost update or a roll-up job.
+    """
+
+    day = models.DateField(db_index=True)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="usage_days")
+    key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.CASCADE, related_name="usage_days"
+    )
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0, help_text="Prompt tokens served from a cache.")
+    output_tokens = models.PositiveBigIntegerField(default=0)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-day", "owner", "key"]
+        verbose_name = "usage by day"
+        verbose_name_plural = "usage by day"
+        constraints = [
+            # Two partial constraints, not one with a nullable column: NULLs never collide in a
+            # plain unique constraint, so browser-session rows would duplicate.
+            models.UniqueConstraint(
+                fields=["day", "key"], condition=models.Q(key__isnull=False), name="usage_day_per_key"
+            ),
+            models.UniqueConstraint(
+                fields=["day", "owner"], condition=models.Q(key__isnull=True), name="usage_day_per_session"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.day} {self.key or 'browser session'}"
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
 
 
 class StoredResponse(BaseModel):

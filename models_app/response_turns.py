@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
     from mlxhost.engine import Engine, Permit, Retention, Role
     from models_app.models import ModelAlias
+    from models_app.selectors import KeyIdentity
 
 # The id is not echoed: a foreign id and a missing one answer the very same bytes (PER-6).
 NOT_FOUND = "No response found with that id."
@@ -349,6 +350,7 @@ async def response_start(
     owner_id: int,
     sampling: dict[str, Any],
     *,
+    key: KeyIdentity | None = None,
     response_id: str | None = None,
     on_queued: Callable[[int], Awaitable[None]] | None = None,
 ) -> StartedResponse:
@@ -356,13 +358,14 @@ async def response_start(
     the stored chain, check the weights, retain the instance, submit, and wait for admission.
 
     Raises:
+        RateLimitedError: `key` is over one of its limits (KEY-4).
         ChainError: the parent is missing, failed, or came from other weights (REG-4).
         EngineError: refused by the lane or the engine (429/503 via the error table).
         ModelAlias.DoesNotExist: no enabled alias has that name.
     """
     response_id = response_id or new_response_id()
     hooks = ResponseHooks(data, owner_id, response_id)
-    turn = TurnRequest(model=data["model"], owner_id=owner_id, sampling=sampling)
+    turn = TurnRequest(model=data["model"], owner_id=owner_id, sampling=sampling, key=key)
     started = await turn_start(turn, request_id=response_id, hooks=hooks, on_queued=on_queued)
     hooks.created_at = started.created_at
     return StartedResponse(started, hooks.instructions)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +13,7 @@ from django.utils import timezone
 from mlxhost.engine import InvalidModelFolderError, LaneSettings, ModelSpec, SamplingParams, resolve_under
 from models_app import control
 from models_app.apikeys import key_matches, key_prefix
+from models_app.limits import KeyLimits
 from models_app.models import ApiKey, Model, ModelAlias, ModelInstance, StoredResponse
 
 if TYPE_CHECKING:
@@ -28,6 +29,13 @@ class KeyIdentity:
 
     key_id: int
     owner_id: int
+    # KEY-4: cached with the key, so a limit edited in another process applies within the TTL.
+    limits: KeyLimits = field(default_factory=KeyLimits)
+
+    @classmethod
+    def of(cls, key: ApiKey) -> KeyIdentity:
+        limits = KeyLimits(requests_per_minute=key.requests_per_minute, tokens_per_day=key.tokens_per_day)
+        return cls(key_id=key.pk, owner_id=key.owner_id, limits=limits)
 
 
 def alias_resolve(*, name: str) -> ModelAlias:

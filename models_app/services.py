@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 HF_REPO_HELP = "A Hugging Face repo id looks like 'owner/name'."
-API_KEY_TOUCH_INTERVAL = timedelta(minutes=1)
 
 
 def model_source_check(*, model: Model) -> tuple[str, str, str]:
@@ -253,14 +252,47 @@ def _free_model_name(wanted: str) -> str:
     return name
 
 
-def apikey_create(*, owner: User, name: str, actor: Actor = None) -> tuple[ApiKey, str]:
-    """Create a key; returns the row and the full key, which is never retrievable again.
-    `actor` is who created it, for its history (ADM-6); the admin's add form records its own."""
+def apikey_create(
+    *,
+    owner: User,
+    name: str,
+    requests_per_minute: int | None = None,
+    tokens_per_day: int | None = None,
+    actor: Actor = None,
+) -> tuple[ApiKey, str]:
+    """Create a key, with optional limits (KEY-4); returns the row and the full key, which is
+    never retrievable again (KEY-1). `actor` is who created it, for its history (ADM-6); the
+    admin's add form records its own."""
     raw = key_generate()
-    key = ApiKey.objects.create(owner=owner, name=name, prefix=key_prefix(raw), secret_hash=key_hash(raw))
+    key = ApiKey(
+        owner=owner,
+        name=name,
+        prefix=key_prefix(raw),
+        secret_hash=key_hash(raw),
+        requests_per_minute=requests_per_minute,
+        tokens_per_day=tokens_per_day,
+    )
+    key.full_clean()
+    key.save()
     audit_saved(actor=actor, obj=key, changes=ADDED if actor is not None else [])
     _forget_cached_keys()  # an attempt with this key a moment ago may have cached a refusal
     return key, raw
+
+
+def apikey_update(
+    *, key: ApiKey, name: str, requests_per_minute: int | None, tokens_per_day: int | None
+) -> ApiKey:
+    """Rename a key or change its limits: in force at once in this process, within
+    `hotcache.KEY_TTL_S` in others (their cached identity carries the limits).
+
+    Raises:
+        ValidationError: a value is invalid.
+    """
+    key.name, key.requests_per_minute, key.tokens_per_day = name, requests_per_minute, tokens_per_day
+    key.full_clean()
+    key.save(update_fields=["name", "requests_per_minute", "tokens_per_day", "updated_at"])
+    _forget_cached_keys()
+    return key
 
 
 def apikey_ensure(*, owner: User, raw_key: str, name: str) -> ApiKey:
@@ -294,14 +326,6 @@ def _forget_cached_keys() -> None:
     # Now, and again on commit: a lookup between the two would have read the old row.
     hotcache.api_keys.clear()
     transaction.on_commit(hotcache.api_keys.clear)
-
-
-def apikey_touch(*, key: ApiKey) -> None:
-    """Record use, at most once a minute per key, so hot keys don't write on every request."""
-    now = timezone.now()
-    if key.last_used_at is None or now - key.last_used_at > API_KEY_TOUCH_INTERVAL:
-        ApiKey.objects.filter(pk=key.pk).update(last_used_at=now)
-        key.last_used_at = now
 
 
 def responses_purge_expired() -> int:

@@ -4,6 +4,8 @@ Every generating surface (chat and text completions, Responses over HTTP and the
 Anthropic messages and count_tokens) starts its turn here, so the pre-stream sequence is
 written once: resolve the alias, build the model spec, take a lane permit, run the surface's
 pre-work under it (LANE-3), build the `GenerationRequest`, submit, wait for admission (LANE-7/8).
+Before all that the caller's key is checked against its limits (KEY-4), and every admitted turn
+has its usage tallied when its terminal event is posted (KEY-2).
 A surface that must record its result (Responses, PER-1) passes `TurnHooks`; the service hands
 the result to `ended` before the terminal event reaches the encoder, never the encoder itself.
 """
@@ -12,13 +14,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from mlxhost import request_log
 from mlxhost.engine import Delta, Done, Failed, Message, Tool, ToolChoice
 from mlxhost.engine import GenerationRequest as EngineRequest
 from mlxhost.runtime.control import engine_for
-from models_app import lookups, selectors
+from models_app import limits, lookups, selectors, usage
 
 if TYPE_CHECKING:
     import asyncio
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
 
     from mlxhost.engine import Engine, Event, Generation, Permit
     from models_app.models import ModelAlias
+    from models_app.selectors import KeyIdentity
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,7 @@ class TurnRequest:
     continue_final: bool = False  # continue the last (assistant) message instead of answering it
     thinking: bool | None = None  # the request turns the template's thinking on or off (None: the alias's)
     effort: str | None = None  # the reasoning effort asked for, one of `selectors.EFFORTS` (API-9)
+    key: KeyIdentity | None = None  # the API key it counts against (None: a browser session)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,11 +172,15 @@ async def turn_start(
     the waiter would later run its whole answer for nobody (LANE-6).
 
     Raises:
+        RateLimitedError: the caller's key is over one of its limits (KEY-4).
         ModelAlias.DoesNotExist: no enabled alias has that name.
         EngineError: refused by the lane or the engine (429/503 via the error table).
         Exception: whatever `hooks.prepare` raises (the permit goes back first).
     """
     hooks = hooks or TurnHooks()
+    key, owner_id = turn.key, turn.owner_id  # `prepare` may rebuild the turn
+    if key is not None and key.limits.any:
+        await limits.limiter().admit(key.key_id, key.limits)
     alias = await lookups.alias_resolve(turn.model)
     engine = await engine_for(alias.name)
     permit = engine.reserve(request_id, alias.name)
@@ -184,6 +193,9 @@ async def turn_start(
     generation: Generation | None = None
     try:
         generation = await engine.submit(request, permit)
+        # Tallied as the Done is posted, read or not: a client that hangs up still used tokens.
+        key_id = key.key_id if key is not None else None
+        generation.add_end_listener(partial(usage.recorder().turn_ended, owner_id=owner_id, key_id=key_id))
         await _admitted(generation, on_queued)
     except BaseException:
         if generation is not None:

@@ -36,6 +36,43 @@ def fresh_hot_caches():
     hotcache.clear_all()
 
 
+@pytest.fixture(autouse=True)
+def fresh_usage():
+    """Each test starts with no usage tallies and limit counters of its own (KEY-2, KEY-4): on
+    Redis under a prefix of its own, since earlier tests' keys may have had the same ids. What a
+    test did not flush is dropped, never written into the next test's database."""
+    import uuid
+
+    from models_app import limits, usage
+
+    usage.set_recorder(None)
+    limiter = None
+    if settings.REDIS_URL:
+        prefix = f"{settings.MLXHOST_LIMITS_PREFIX}:{uuid.uuid4().hex[:8]}"
+        limiter = limits.RedisLimiter(settings.REDIS_URL, prefix=prefix)
+    limits.set_limiter(limiter)
+    yield
+    if (recorder := usage.recorder_if_started()) is not None:
+        recorder.close()
+    usage.set_recorder(None)
+    limits.set_limiter(None)
+    if limiter is not None:
+        redis_keys_delete(settings.REDIS_URL, f"{limiter.prefix}:*")
+        limiter.close()
+
+
+def redis_keys_delete(url: str, pattern: str) -> None:
+    """Drop a test's keys from a shared Redis."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        for key in client.scan_iter(match=pattern, count=500):
+            client.delete(key)
+    finally:
+        client.close()
+
+
 SMOLLM2_FOLDER = "smollm2-135m-instruct-float32"
 
 

@@ -12,7 +12,7 @@ BEHAVIOUR = ROOT / "docs" / "behaviour.md"
 PACKAGES = ("api", "models_app", "mlxhost")
 # Packages whose every module the page must name, not only the package itself.
 MODULE_PACKAGES = ("mlxhost/runtime", "models_app")
-PROMISE_ID = re.compile(r"\b(?:LANE|REG|PER|SES|API|ADM|OPS)-\d+\b")
+PROMISE_ID = re.compile(r"\b(?:LANE|REG|PER|SES|API|ADM|OPS|KEY)-\d+\b")
 
 
 def package_dirs(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[str]:

@@ -46,6 +46,7 @@ def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
         json_format=data.get("json_format"),
         thinking=data.get("thinking_switch"),
         effort=data.get("effort"),
+        key=caller.key,
     )
 
 

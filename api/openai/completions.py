@@ -70,7 +70,12 @@ def _completion_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
     # The raw prompt is encoded without a chat template; prefix reuse works on its tokens (SES-8).
     cache = CacheScope(salt=data.get("cache_salt"), prompt_cache_key=data.get("prompt_cache_key"))
     return TurnRequest(
-        data["model"], caller.owner_id, sampling_overrides(data), prompt=data["prompt"], cache=cache
+        data["model"],
+        caller.owner_id,
+        sampling_overrides(data),
+        prompt=data["prompt"],
+        cache=cache,
+        key=caller.key,
     )
 
 

@@ -26,7 +26,8 @@ from models_app.response_turns import response_cancel as cancel_response
 async def responses_create(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/responses (OpenAI-compatible; continues a stored chain by `previous_response_id`)."""
     data = validated(ResponsesInput, json_body(request))
-    started = await response_start(data, caller_of(request).owner_id, sampling_overrides(data))
+    caller = caller_of(request)
+    started = await response_start(data, caller.owner_id, sampling_overrides(data), key=caller.key)
     response = response_shape(data, started)
     tools = data.get("tools") or ToolSet()
     if data["stream"]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import weakref
 from collections import deque
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     from mlxhost.engine.answer import AnswerReader
     from mlxhost.engine.sessions import Outcome
     from mlxhost.engine.types import GenerationRequest, TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 
 class _DeltaRun:
@@ -120,13 +123,35 @@ class Generation:
         self._courier = _courier_for(loop)
         self._admission: asyncio.Future[None] = loop.create_future()
         self._on_cancel: Callable[[], None] | None = None
+        self.terminal: Done | Failed | None = None  # the terminal event, once posted
+        self._end_listeners: list[Callable[[Done | Failed], None]] = []
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
 
+    def add_end_listener(self, listener: Callable[[Done | Failed], None]) -> None:
+        """Call `listener(event)` once, on the loop, with the terminal `Done` or `Failed` as it is
+        posted, whether or not anyone reads the stream (usage accounting); at once if it was."""
+        if self.terminal is not None:
+            self._notify(listener, self.terminal)
+        else:
+            self._end_listeners.append(listener)
+
+    @staticmethod
+    def _notify(listener: Callable[[Done | Failed], None], event: Done | Failed) -> None:
+        try:
+            listener(event)
+        except Exception:  # a listener's bug must never stop the answer
+            logger.exception("end listener %r failed", listener)
+
     def post(self, event: Event) -> None:
         """Loop side: hand one event to the reader; a Delta joins an unread Delta at the tail."""
+        if isinstance(event, Done | Failed) and self.terminal is None:
+            self.terminal = event
+            listeners, self._end_listeners = self._end_listeners, []
+            for listener in listeners:
+                self._notify(listener, event)
         events = self._events
         if isinstance(event, Delta):
             if events and isinstance(events[-1], _DeltaRun):

@@ -1,9 +1,9 @@
 """This process's engine and its lifecycle: built lazily, started and stopped with registered hooks.
 
 The lifecycle knows nothing of what runs beside the engine. Each part registers itself:
-`mlxhost.runtime.persistence` (write-behind store), `mlxhost.runtime.control` (reconcile, the
-control listener), `mlxhost.runtime.status` (the status publisher), and `api.consumers` (socket
-shutdown). Start hooks run in registration order once the server's loop runs; stop hooks run
+`mlxhost.runtime.persistence` (write-behind store), `mlxhost.runtime.usage` (usage tallies),
+`mlxhost.runtime.control` (reconcile, the control listener), `mlxhost.runtime.status` (the
+status publisher), and `api.consumers` (socket shutdown). Start hooks run in registration order once the server's loop runs; stop hooks run
 after the drain, by stage and then in registration order (OPS-5).
 """
 

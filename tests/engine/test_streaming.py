@@ -97,3 +97,25 @@ async def test_a_slow_reader_gets_everything_in_fewer_deltas(engine, backend):
     assert sum(len(d.token_ids) for d in deltas) == 2000
     assert len(deltas) < 2000
     assert events[-1].usage.completion_tokens == 2000
+
+
+async def test_end_listeners_hear_the_terminal_event_once_whether_or_not_it_is_read(caplog):
+    """KEY-2: usage is tallied as the engine posts the end, not when a client reads it; a listener
+    that raises is logged and never stops the answer; a late listener hears it at once."""
+    generation = Generation(request(), asyncio.get_running_loop())
+    heard: list[object] = []
+
+    def broken(_event: object) -> None:
+        raise RuntimeError("listener bug")
+
+    generation.add_end_listener(broken)
+    generation.add_end_listener(heard.append)
+    post_from_a_thread(generation, [Started(prompt_tokens=3), Delta("a", (1,)), DONE])
+    await asyncio.sleep(0)  # the courier's one callback delivers them; nobody reads the stream
+    assert heard == [DONE]
+    assert "end listener" in caplog.text
+    generation.post(DONE)  # a second terminal event is never heard twice
+    late: list[object] = []
+    generation.add_end_listener(late.append)
+    assert heard == [DONE] and late == [DONE]
+    assert [type(e).__name__ for e in await collect(generation)][-1] == "Done"
