@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.contrib import admin
 from django.urls import include, path
 from django.views.generic import RedirectView
@@ -15,6 +16,10 @@ handler404 = "api.errors.page_not_found"
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    # Browsers ask for it on every page; the admin's pages name the SVG in their head.
+    path(
+        "favicon.ico", RedirectView.as_view(url=f"{settings.STATIC_URL}mlxhost/favicon.svg", permanent=True)
+    ),
     path("admin/", admin.site.urls),
     path("dashboard/", include("models_app.urls")),
     path("", include("api.urls")),

@@ -30,8 +30,8 @@ PUBLIC = {
     "admin:logout": "logging out needs no login",
     "unknown-route": "serves nothing: every path under /v1/ that no route serves gets a JSON 404",
 }
-# The root redirect to /admin/ has no name.
-PUBLIC_PATHS = {"/"}
+# The root redirect to /admin/ and the favicon redirect have no name.
+PUBLIC_PATHS = {"/", "/favicon.ico"}  # the favicon redirect: to a static file, nothing behind it
 REFUSED = {401, 403, 405}
 SAMPLE = {"int": "1", "str": "x", "slug": "x", "uuid": "00000000-0000-0000-0000-000000000000", "path": "1"}
 GROUP = re.compile(r"\(\?P<(\w+)>((?:[^()]|\([^()]*\))*)\)")
