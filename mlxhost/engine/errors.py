@@ -54,6 +54,19 @@ class InvalidRequestError(EngineError):
         self.param = param
 
 
+class WrongModelKindError(EngineError):
+    """An embedding model named on a chat surface, or a chat model on /v1/embeddings (API-13)."""
+
+    code = "wrong_model_kind"
+    param = "model"
+
+
+class EmbeddingFailedError(EngineError):
+    """The worker raised while embedding; the message is safe to show a client."""
+
+    code = "embedding_failed"
+
+
 class RequestTooLargeError(EngineError):
     """The request's KV cache (prompt plus requested output) cannot fit the memory budget."""
 
