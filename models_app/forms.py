@@ -23,7 +23,7 @@ else:
 
 MODEL_FORM_FIELDS = (
     "name", "description", "pinned",
-    "source_kind", "local_path", "hf_repo", "hf_revision",
+    "source_kind", "local_path", "hf_repo", "hf_revision", "kind", "matryoshka",
     "concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s", "keep_alive_s",
 )  # fmt: skip
 ALIAS_FORM_FIELDS = (

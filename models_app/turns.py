@@ -14,10 +14,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mlxhost.engine import Delta, Done, Failed, Message, Tool, ToolChoice
+from mlxhost.engine import Delta, Done, Failed, Message, Tool, ToolChoice, WrongModelKindError
 from mlxhost.engine import GenerationRequest as EngineRequest
 from mlxhost.runtime.control import engine_for
 from models_app import lookups, selectors
+from models_app.models import Model
 
 if TYPE_CHECKING:
     import asyncio
@@ -171,7 +172,7 @@ async def turn_start(
         Exception: whatever `hooks.prepare` raises (the permit goes back first).
     """
     hooks = hooks or TurnHooks()
-    alias = await lookups.alias_resolve(turn.model)
+    alias = chat_alias(await lookups.alias_resolve(turn.model))
     engine = await engine_for(alias.name)
     permit = engine.reserve(request_id, alias.name)
     try:
@@ -199,9 +200,21 @@ async def turn_count_tokens(turn: TurnRequest) -> int:
         ModelAlias.DoesNotExist: no enabled alias has that name.
         ModelLoadError: the model could not be loaded.
     """
-    alias = await lookups.alias_resolve(turn.model)
+    alias = chat_alias(await lookups.alias_resolve(turn.model))
     engine = await engine_for(alias.name)
     return await engine.count_tokens(generation_request(alias, turn, "count", engine))
+
+
+def chat_alias(alias: ModelAlias) -> ModelAlias:
+    """`alias`, when it names a chat model: every generating surface refuses an embedding model
+    with a 400 that says where to send it, before it takes a lane permit (API-13).
+
+    Raises:
+        WrongModelKindError: the alias names an embedding model.
+    """
+    if alias.model.kind != Model.Kind.CHAT:
+        raise WrongModelKindError.embedding_on_chat(alias.name)
+    return alias
 
 
 async def _admitted(generation: Generation, on_queued: Callable[[int], Awaitable[None]] | None) -> None:

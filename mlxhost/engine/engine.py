@@ -65,14 +65,6 @@ EARLY_CANCEL_LIMIT = 4096
 KEPT_FINISHES = frozenset({"stop", "length", "cancelled"})
 FINISHED_IDS_LIMIT = 4096
 SHUTDOWN_MESSAGE = "The server is shutting down; retry shortly."
-# Each surface serves one kind of model (API-13); the message says which endpoint to use instead.
-EMBEDDING_ON_CHAT_MESSAGE = (
-    "{name!r} is an embedding model: it turns text into vectors and cannot chat. Send it to "
-    "POST /v1/embeddings."
-)
-CHAT_ON_EMBEDDINGS_MESSAGE = (
-    "{name!r} is a chat model, not an embedding model; POST /v1/embeddings serves embedding models only."
-)
 EMBEDDING_FAILED_MESSAGE = "The model failed while embedding."
 EMBEDDING_ABORTED_MESSAGE = (
     "The model stopped serving (unload, reload or shutdown) before this request ran; retry."
@@ -396,7 +388,7 @@ class Engine:
         if instance.spec.kind != "chat":
             instance.lane.release(ticket)
             self.registry.unlease(instance)
-            raise WrongModelKindError(EMBEDDING_ON_CHAT_MESSAGE.format(name=request.binding))
+            raise WrongModelKindError.embedding_on_chat(request.binding)
         generation = _CountedGeneration(
             request, asyncio.get_running_loop(), lambda event: self._count_end(key, event)
         )
@@ -437,7 +429,7 @@ class Engine:
         self._check_open()
         instance = self.registry.resolve(request.binding)
         if instance.spec.kind != "chat":
-            raise WrongModelKindError(EMBEDDING_ON_CHAT_MESSAGE.format(name=request.binding))
+            raise WrongModelKindError.embedding_on_chat(request.binding)
         self.registry.lease(instance)  # an unbind while the count renders defers teardown (REG-6)
         try:
             await self.residency.ensure_loaded(instance)
@@ -469,7 +461,7 @@ class Engine:
         job: EmbedJob | None = None
         try:
             if instance.spec.kind != "embedding":
-                raise WrongModelKindError(CHAT_ON_EMBEDDINGS_MESSAGE.format(name=request.binding))
+                raise WrongModelKindError.chat_on_embeddings(request.binding)
             await self.residency.ensure_loaded(instance)
             model = instance.embedder
             if model is None:
