@@ -277,6 +277,7 @@
         el("div", { className: "quiet", text: status.host + " \u00b7 pid " + status.pid }),
       ]),
       el("td", { className: "aliases", text: view.aliases.length ? view.aliases.join(", ") : DASH }),
+      el("td", { className: "kind", text: view.kind || "chat" }),
       state,
       el("td", { className: "num lane", text: lane + (view.draining ? " (draining)" : "") }),
       el("td", { className: "num tps", text: formatNumber(view.tokens_per_s) }),
