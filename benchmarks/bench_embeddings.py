@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from mlxhost.engine.backends.mlx import BLAS_STATUS  # noqa: E402, I001  # OpenBLAS before mlx
 
 from mlxhost.engine import EmbeddingRequest, Engine, EngineConfig, LaneSettings, ModelSpec  # noqa: E402
-from mlxhost.engine.backends.mlx.embedding import load_embedder  # noqa: E402
+from mlxhost.engine.backends.mlx.embedding import MlxEmbedder, load_embedder  # noqa: E402
 from mlxhost.engine.backends.mlx.minilm import find_minilm_zip, unpack_minilm  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -87,8 +87,7 @@ async def engine_rate(
     return sent / elapsed, (worker.embedding_passes - passes_before) / requests
 
 
-def baseline_rate(folder: Path, total: int) -> float:
-    model = load_embedder(folder)
+def baseline_rate(model: MlxEmbedder, total: int) -> float:
     ids = model.tokenize(inputs(total))
     started = time.perf_counter()
     for one in ids:
@@ -110,11 +109,12 @@ async def measure(folder: Path, runs: int, total: int) -> list[Row]:
     shapes.append(("8 concurrent requests x 8 inputs", 8, 8))
     rows = [Row("one input at a time (raw model, no server)", 1, 1, [], [])]
     rows += [Row(name, per, conc, [], []) for name, per, conc in shapes]
+    raw = load_embedder(folder)  # the baseline's own copy, run on this thread while the engine idles
     try:
         await engine_rate(engine, 8, 1, 64, "warm")  # loads the model, warms MLX
-        baseline_rate(folder, 16)
+        baseline_rate(raw, 16)
         for run in range(runs):
-            rows[0].rates.append(await asyncio.to_thread(baseline_rate, folder, total))
+            rows[0].rates.append(baseline_rate(raw, total))
             rows[0].passes.append(1.0)
             for row in rows[1:]:
                 rate, passes = await engine_rate(engine, row.per_request, row.concurrent, total, f"r{run}")

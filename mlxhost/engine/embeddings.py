@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 # The most padded tokens (inputs x longest input) one forward pass may hold, bounding its memory.
 MAX_PASS_TOKENS = 16384
+# A pass is cut where padding would exceed this share of its real tokens, once it holds at least
+# SPLIT_AFTER_TOKENS: below that a pass's fixed cost outweighs what padding wastes.
+MAX_PADDING = 1.25
+SPLIT_AFTER_TOKENS = 512
 # The most inputs one request may carry, as OpenAI's endpoint allows.
 MAX_INPUTS = 2048
 
@@ -103,17 +107,23 @@ def truncated(vector: array[float], dimensions: int) -> array[float]:
 
 
 def plan_passes(lengths: Sequence[int], *, max_tokens: int = MAX_PASS_TOKENS) -> list[list[int]]:
-    """Group input positions into forward passes: by length, so little padding is wasted, with
-    each pass's padded size (inputs x longest) within `max_tokens` (one input always fits)."""
+    """Group input positions into forward passes by length: each pass's padded size (inputs x
+    longest) stays within `max_tokens` (one input always fits), and a pass of at least
+    SPLIT_AFTER_TOKENS is cut where padding would pass MAX_PADDING of its real tokens (a CPU
+    computes every padded position)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     passes: list[list[int]] = []
     current: list[int] = []
+    real = 0
     for position in order:
         longest = lengths[position]  # ascending: this one is the longest so far
-        if current and (len(current) + 1) * longest > max_tokens:
+        padded = (len(current) + 1) * longest
+        wasteful = len(current) * longest >= SPLIT_AFTER_TOKENS and padded > MAX_PADDING * (real + longest)
+        if current and (padded > max_tokens or wasteful):
             passes.append(current)
-            current = []
+            current, real = [], 0
         current.append(position)
+        real += longest
     if current:
         passes.append(current)
     return passes

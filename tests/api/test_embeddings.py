@@ -192,3 +192,19 @@ async def post_metrics(api_key: str) -> bytes:
     response = await AsyncClient().get("/metrics", headers=bearer(api_key))
     assert response.status_code == 200
     return response.content
+
+
+async def test_the_websocket_refuses_an_embedding_alias_and_stays_open(
+    minilm_alias, tiny_alias, api_key, mlx_engine
+):
+    """API-13, API-3: a `response.create` naming an embedding alias is a 400 error frame saying why;
+    the socket stays open for the next turn."""
+    from tests.api.support import WS_TERMINAL, connect, frames_until, key_headers, ws_create
+
+    socket = await connect(key_headers(api_key))
+    await ws_create(socket, model="minilm", input="Hi", max_output_tokens=2, store=False)
+    frame = json.loads(await socket.receive_from(timeout=10))
+    assert (frame["type"], frame["status"], frame["error"]["code"]) == ("error", 400, "wrong_model_kind")
+    await ws_create(socket, model="tiny", input="Hi", max_output_tokens=2, store=False)
+    assert (await frames_until(socket, *WS_TERMINAL))[-1]["type"] == "response.incomplete"
+    await socket.disconnect()

@@ -220,3 +220,11 @@ def test_passes_group_inputs_by_length_within_the_token_bound():
     assert plan_passes([3, 10, 2, 9], max_tokens=100) == [[2, 0, 3, 1]]
     assert plan_passes([3, 10, 2, 9], max_tokens=20) == [[2, 0], [3, 1]]
     assert plan_passes([50], max_tokens=10) == [[0]]  # one input always fits a pass
+
+
+def test_a_large_pass_is_cut_where_padding_would_waste_a_quarter():
+    """API-14: small passes take any lengths; a large one splits short inputs from long ones."""
+    assert len(plan_passes([5, 40] * 4)) == 1  # 8 x 40 = 320 padded tokens: not worth a cut
+    lengths = [10] * 64 + [40] * 64
+    passes = plan_passes(lengths)
+    assert [sorted({lengths[p] for p in group}) for group in passes] == [[10], [40]]
