@@ -116,6 +116,11 @@ async def test_dimensions_on_a_matryoshka_model_truncate_and_renormalise(minilm_
         pytest.param(["ok", [1, 2], 3], "input[2]", id="mixed-shapes"),
         pytest.param({"text": "hi"}, "input", id="object"),
         pytest.param([[1, 2], [100256]], "input[1]", id="unknown-token"),
+        pytest.param([-1], "input[0]", id="negative-token"),
+        pytest.param([2**70], "input[0]", id="huge-token"),
+        pytest.param([[]], "input[0]", id="empty-token-array"),
+        pytest.param([1.5, 2], "input[0]", id="floats"),
+        pytest.param([["a"]], "input[0]", id="strings-in-a-list"),
     ],
 )
 async def test_bad_inputs_are_400s_naming_the_input(minilm_alias, api_key, mlx_engine, value, param):
@@ -123,6 +128,21 @@ async def test_bad_inputs_are_400s_naming_the_input(minilm_alias, api_key, mlx_e
     error = error_of(await embed(api_key, input=value))
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        pytest.param({"dimensions": 0}, "dimensions", id="zero-dimensions"),
+        pytest.param({"dimensions": "many"}, "dimensions", id="text-dimensions"),
+        pytest.param({"encoding_format": "binary"}, "encoding_format", id="unknown-format"),
+        pytest.param({"input": None}, "input", id="null-input"),
+    ],
+)
+async def test_bad_fields_are_400s_naming_them(minilm_alias, api_key, mlx_engine, fields, param):
+    """API-4: every other field is checked too, and named."""
+    error = error_of(await embed(api_key, **{"input": "hello", **fields}))
+    assert error["param"] == param
 
 
 async def test_an_input_over_the_model_limit_is_a_400_naming_its_index(minilm_alias, api_key, mlx_engine):
