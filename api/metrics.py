@@ -153,7 +153,7 @@ def _embedding_metrics(engine: Engine) -> Iterator[Metric]:
     )
     latency = HistogramMetricFamily(
         "mlxhost_embedding_latency_seconds",
-        "From entering the lane to the vectors, per completed embedding request.",
+        "From the lane permit to the vectors (tokenizing, queueing, the forward pass), per completed embedding request.",
         labels=REQUEST_LABELS,
     )
     for name, instance_id, stats in sorted(engine.stats.embeddings(), key=lambda item: item[:2]):

@@ -457,40 +457,22 @@ class Engine:
         if permit is None:
             permit = self.reserve(request.request_id, request.binding)
         instance, ticket, key = permit._take()
-        outcome, inputs, tokens, entered = "failed", 0, 0, 0.0
-        job: EmbedJob | None = None
+        started = self._clock()
+        outcome, result, job = "failed", None, None
         try:
-            if instance.spec.kind != "embedding":
-                raise WrongModelKindError.chat_on_embeddings(request.binding)
-            await self.residency.ensure_loaded(instance)
-            model = instance.embedder
-            if model is None:
-                raise ModelLoadError("The model was unloaded while the request waited; retry.")
-            dimensions = check_dimensions(
-                request.dimensions, width=model.dimensions, truncatable=request.truncatable
+            job, done = await self._embed_job(instance, request)
+            instance.lane.enter(
+                ticket, TicketHooks(on_admit=lambda _t: instance.dispatch(job), on_abort=job.cancel)
             )
-            ids = await asyncio.to_thread(model.tokenize, request.texts)
-            check_inputs(ids, model_limit=model.max_tokens, alias_limit=request.max_input_tokens)
-            loop = asyncio.get_running_loop()
-            done: asyncio.Future[Embeddings] = loop.create_future()
-
-            def on_end(result: Embeddings | None, error: BaseException | None) -> None:
-                with contextlib.suppress(RuntimeError):  # the loop closed first (shutdown)
-                    loop.call_soon_threadsafe(_settle_embeddings, done, result, error)
-
-            entered = self._clock()
-            job = EmbedJob(request.request_id, ids, dimensions, entered, on_end)
-            hooks = TicketHooks(on_admit=lambda _t: instance.dispatch(job), on_abort=job.cancel)
-            instance.lane.enter(ticket, hooks)
             await asyncio.shield(ticket.admitted)
             result = await done
-            outcome, inputs, tokens = "completed", len(result.vectors), result.prompt_tokens
+            outcome = "completed"
             return result
         except (asyncio.CancelledError, RequestCancelledError):
             outcome = "cancelled"
             raise
         except (QueueFullError, DrainingError, QueueTimeoutError) as exc:
-            outcome = ""
+            outcome = ""  # refused, as on every surface (LANE-2/7/8)
             self.stats.reject(key, exc.code)
             raise
         except (WrongModelKindError, InvalidRequestError):
@@ -503,8 +485,34 @@ class Engine:
             self.registry.unlease(instance)
             instance.touch()  # the keep-alive counts from the last request's end (OPS-3)
             if outcome:
-                latency = self._clock() - entered if entered else 0.0
+                inputs, tokens = (len(result.vectors), result.prompt_tokens) if result else (0, 0)
+                latency = self._clock() - started
                 self.stats.embedded(key, outcome, inputs=inputs, tokens=tokens, latency_s=latency)
+
+    async def _embed_job(
+        self, instance: Instance, request: EmbeddingRequest
+    ) -> tuple[EmbedJob, asyncio.Future[Embeddings]]:
+        """The pre-work of an embedding under its permit (LANE-3): load, check, tokenize off the
+        loop; the job and the future its worker-side end settles."""
+        if instance.spec.kind != "embedding":
+            raise WrongModelKindError.chat_on_embeddings(request.binding)
+        await self.residency.ensure_loaded(instance)
+        model = instance.embedder
+        if model is None:
+            raise ModelLoadError("The model was unloaded while the request waited; retry.")
+        dimensions = check_dimensions(
+            request.dimensions, width=model.dimensions, truncatable=request.truncatable
+        )
+        ids = await asyncio.to_thread(model.tokenize, request.texts)
+        check_inputs(ids, model_limit=model.max_tokens, alias_limit=request.max_input_tokens)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Embeddings] = loop.create_future()
+
+        def on_end(result: Embeddings | None, error: BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed first (shutdown)
+                loop.call_soon_threadsafe(_settle_embeddings, done, result, error)
+
+        return EmbedJob(request.request_id, ids, dimensions, self._clock(), on_end), done
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request; an unknown id is remembered for its arrival (LANE-6).

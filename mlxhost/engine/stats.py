@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 # Seconds from entering the lane to the first token.
 TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# Seconds an embedding request takes, from entering the lane to its vectors (API-14).
+# Seconds an embedding request takes, from its lane permit to its vectors (API-14).
 EMBED_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # How an admitted embedding request ended.
 EMBED_OUTCOMES = ("completed", "cancelled", "failed")
@@ -83,7 +83,7 @@ class RequestStats:
 @dataclass(slots=True)
 class EmbeddingStats:
     """One binding's embedding requests on one instance (API-14): how they ended, the inputs
-    and tokens of the completed ones, and their latency (lane entry to vectors)."""
+    and tokens of the completed ones, and their latency (lane permit to vectors)."""
 
     outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EMBED_OUTCOMES, 0))
     inputs: int = 0
