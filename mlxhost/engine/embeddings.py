@@ -19,10 +19,10 @@ if TYPE_CHECKING:
 
 # The most padded tokens (inputs x longest input) one forward pass may hold, bounding its memory.
 MAX_PASS_TOKENS = 16384
-# A pass is cut where padding would exceed this share of its real tokens, once it holds at least
-# SPLIT_AFTER_TOKENS: below that a pass's fixed cost outweighs what padding wastes.
-MAX_PADDING = 1.25
-SPLIT_AFTER_TOKENS = 512
+# What one more forward pass costs, in padded tokens: a pass is cut where padding its inputs up to
+# the next one's length would cost more. Measured on all-MiniLM-L6-v2 on a 2-core CPU: about 8 ms
+# a pass, plus 0.2 ms a padded token (benchmarks/RESULTS.md, issue 16).
+PASS_COST_TOKENS = 32
 # The most inputs one request may carry, as OpenAI's endpoint allows.
 MAX_INPUTS = 2048
 
@@ -106,24 +106,24 @@ def truncated(vector: array[float], dimensions: int) -> array[float]:
     return array("f", (x / norm for x in head)) if norm > 0 else head
 
 
-def plan_passes(lengths: Sequence[int], *, max_tokens: int = MAX_PASS_TOKENS) -> list[list[int]]:
-    """Group input positions into forward passes by length: each pass's padded size (inputs x
-    longest) stays within `max_tokens` (one input always fits), and a pass of at least
-    SPLIT_AFTER_TOKENS is cut where padding would pass MAX_PADDING of its real tokens (a CPU
-    computes every padded position)."""
+def plan_passes(
+    lengths: Sequence[int], *, max_tokens: int = MAX_PASS_TOKENS, pass_cost: int = PASS_COST_TOKENS
+) -> list[list[int]]:
+    """Group input positions into forward passes, shortest first. An input joins the current pass
+    unless the pass's padded size (inputs x longest) would exceed `max_tokens` (one input always
+    fits), or padding the pass's inputs up to its length would cost more than a pass of its own
+    (`pass_cost` tokens): every padded position is computed."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     passes: list[list[int]] = []
     current: list[int] = []
-    real = 0
     for position in order:
-        longest = lengths[position]  # ascending: this one is the longest so far
-        padded = (len(current) + 1) * longest
-        wasteful = len(current) * longest >= SPLIT_AFTER_TOKENS and padded > MAX_PADDING * (real + longest)
-        if current and (padded > max_tokens or wasteful):
-            passes.append(current)
-            current, real = [], 0
+        length = lengths[position]  # ascending: the longest so far
+        if current:
+            padding = len(current) * (length - lengths[current[-1]])
+            if (len(current) + 1) * length > max_tokens or padding > pass_cost:
+                passes.append(current)
+                current = []
         current.append(position)
-        real += longest
     if current:
         passes.append(current)
     return passes

@@ -222,9 +222,10 @@ def test_passes_group_inputs_by_length_within_the_token_bound():
     assert plan_passes([50], max_tokens=10) == [[0]]  # one input always fits a pass
 
 
-def test_a_large_pass_is_cut_where_padding_would_waste_a_quarter():
-    """API-14: small passes take any lengths; a large one splits short inputs from long ones."""
-    assert len(plan_passes([5, 40] * 4)) == 1  # 8 x 40 = 320 padded tokens: not worth a cut
+def test_a_pass_is_cut_where_padding_would_cost_more_than_another_pass():
+    """API-14: close lengths share a pass; short inputs are not padded far up to long ones."""
+    assert len(plan_passes([7, 8, 9, 10, 11, 12], pass_cost=32)) == 1
     lengths = [10] * 64 + [40] * 64
-    passes = plan_passes(lengths)
+    passes = plan_passes(lengths, pass_cost=32)
     assert [sorted({lengths[p] for p in group}) for group in passes] == [[10], [40]]
+    assert plan_passes([8, 12, 16, 20, 24, 30, 38, 45], pass_cost=32) == [[0, 1, 2, 3, 4, 5], [6, 7]]
