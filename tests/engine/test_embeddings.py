@@ -229,3 +229,14 @@ def test_a_pass_is_cut_where_padding_would_cost_more_than_another_pass():
     passes = plan_passes(lengths, pass_cost=32)
     assert [sorted({lengths[p] for p in group}) for group in passes] == [[10], [40]]
     assert plan_passes([8, 12, 16, 20, 24, 30, 38, 45], pass_cost=32) == [[0, 1, 2, 3, 4, 5], [6, 7]]
+
+
+async def test_the_memory_budget_evicts_an_idle_embedding_model_like_a_chat_model(make_engine, backend):
+    """OPS-3, API-13: embedding weights count in the memory budget and are evicted when idle."""
+    engine = make_engine(memory_budget_bytes=1500)  # room for one fake model (1024 bytes)
+    engine.bind(NAME, embedding_spec())
+    await engine.embed(embed_request("e1", "hello"))
+    assert engine.resident_bytes() == 1024
+    await collect(await engine.submit(request("c1", instance_id=2, max_tokens=1)))
+    assert engine.get(1).state == "unloaded"
+    assert engine.stats.unloads[1]["memory_budget"] == 1
