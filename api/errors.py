@@ -16,6 +16,7 @@ from mlxhost import request_log
 from mlxhost.engine import (
     DrainingError,
     DuplicateRequestError,
+    EmbeddingFailedError,
     EngineClosedError,
     EngineError,
     InvalidModelFolderError,
@@ -27,6 +28,7 @@ from mlxhost.engine import (
     RequestCancelledError,
     RequestTooLargeError,
     UnknownModelError,
+    WrongModelKindError,
 )
 from models_app.limits import RateLimitedError
 from models_app.models import ModelAlias
@@ -92,6 +94,9 @@ ERROR_TABLE: dict[type[Exception], tuple[int, str, str, int | None]] = {
     # Checked against the loaded model before admission (limits.py): never reaches MLX.
     InvalidRequestError: (400, "invalid_request_error", "invalid_value", None),
     RequestTooLargeError: (400, "invalid_request_error", "request_too_large", None),
+    # A chat surface naming an embedding model, or /v1/embeddings a chat model (API-13).
+    WrongModelKindError: (400, "invalid_request_error", "wrong_model_kind", None),
+    EmbeddingFailedError: (500, "server_error", "embedding_failed", None),
     InvalidModelFolderError: (503, "server_error", "model_load_failed", LOAD_RETRY_AFTER_S),
     ModelLoadError: (503, "server_error", "model_load_failed", LOAD_RETRY_AFTER_S),
     EngineClosedError: (503, "server_error", "engine_closed", LOAD_RETRY_AFTER_S),

@@ -92,6 +92,7 @@ class _Collector:
     def _families(self) -> Iterator[Metric]:
         if self._engine is not None:
             yield from _request_metrics(self._engine)
+            yield from _embedding_metrics(self._engine)
             yield from _instance_metrics(self._engine)
         if self._store is not None:
             yield from _persist_metrics(self._store)
@@ -147,6 +148,35 @@ def _request_metrics(engine: Engine) -> Iterator[Metric]:
         _add_histogram(ttft, labels, stats.ttft_s)
         _add_histogram(decode, labels, stats.decode_tps)
     yield from (requests, rejected, *tokens.values(), ratio, ttft, decode)
+
+
+def _embedding_metrics(engine: Engine) -> Iterator[Metric]:
+    """Embedding requests per alias and instance (API-14): outcomes, inputs, tokens, latency.
+    Their refusals (429, 503) count in `mlxhost_requests_rejected` with every surface's."""
+    requests = CounterMetricFamily(
+        "mlxhost_embedding_requests",
+        "Embedding requests that entered a lane, by how they ended (completed, cancelled, failed).",
+        labels=[*REQUEST_LABELS, "outcome"],
+    )
+    inputs = CounterMetricFamily(
+        "mlxhost_embedding_inputs", "Inputs of completed embedding requests.", labels=REQUEST_LABELS
+    )
+    tokens = CounterMetricFamily(
+        "mlxhost_embedding_tokens", "Input tokens of completed embedding requests.", labels=REQUEST_LABELS
+    )
+    latency = HistogramMetricFamily(
+        "mlxhost_embedding_latency_seconds",
+        "From the lane permit to the vectors (tokenizing, queueing, the forward pass), per completed embedding request.",
+        labels=REQUEST_LABELS,
+    )
+    for name, instance_id, stats in sorted(engine.stats.embeddings(), key=lambda item: item[:2]):
+        labels = [name, str(instance_id)]
+        for outcome, count in stats.outcomes.items():
+            requests.add_metric([*labels, outcome], count)
+        inputs.add_metric(labels, stats.inputs)
+        tokens.add_metric(labels, stats.tokens)
+        _add_histogram(latency, labels, stats.latency_s)
+    yield from (requests, inputs, tokens, latency)
 
 
 def _add_tokens(tokens: dict[str, CounterMetricFamily], labels: list[str], stats: RequestStats) -> None:

@@ -24,6 +24,7 @@ from rest_framework.views import APIView
 from api.anthropic.serializers import CountTokensInput, MessagesInput
 from api.auth import api_endpoint
 from api.openai.completions import CompletionInput
+from api.openai.embeddings import EmbeddingsInput
 from api.openai.responses_input import ResponsesInput
 from api.openai.serializers import ChatCompletionInput
 
@@ -79,6 +80,7 @@ OPERATIONS: dict[str, dict[str, Operation]] = {
     "chat-completions": {"post": Operation("Create a chat completion", ChatCompletionInput)},
     "completions": {"post": Operation("Create a text completion", CompletionInput)},
     "responses-create": {"post": Operation("Create a response", ResponsesInput)},
+    "embeddings": {"post": Operation("Create embeddings", EmbeddingsInput)},
     "responses-detail": {
         "get": Operation("Retrieve a stored response"),
         "delete": Operation("Delete a stored response"),

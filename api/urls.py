@@ -6,7 +6,7 @@ from django.urls import path, re_path, register_converter
 
 from api import errors, health, metrics, openapi
 from api.anthropic import views as anthropic_views
-from api.openai import completions, responses_views
+from api.openai import completions, embeddings, responses_views
 from api.openai import views as openai_views
 
 
@@ -42,6 +42,7 @@ urlpatterns = [
         responses_views.response_input_items,
         name="responses-input-items",
     ),
+    path("v1/embeddings", embeddings.embeddings, name="embeddings"),
     path("v1/messages", anthropic_views.messages, name="messages"),
     path("v1/messages/count_tokens", anthropic_views.count_tokens, name="messages-count-tokens"),
     path("v1/models", openai_views.models_list, name="models-list"),

@@ -171,15 +171,18 @@ class ModelAdmin(_ModelAdminBase):
     """Weights, their admission lane and memory policy, and the load / unload / reload actions."""
 
     form = ModelForm
-    list_display = ("name", "served_as", "weights", "pinned", "concurrency")
-    list_filter = ("pinned", "source_kind")
+    list_display = ("name", "served_as", "weights", "kind", "pinned", "concurrency")
+    list_filter = ("kind", "pinned", "source_kind")
     search_fields = ("name", "local_path", "hf_repo", "description", "aliases__name")
     readonly_fields = ("instance", "created_at", "updated_at")
     actions = ("load", "unload", "reload")
     inlines = (AliasInline,)
     fieldsets = (
         (None, {"fields": ("name", "description", "pinned", "instance")}),
-        ("Weights", {"fields": ("source_kind", "local_path", "hf_repo", "hf_revision")}),
+        (
+            "Weights",
+            {"fields": ("source_kind", "local_path", "hf_repo", "hf_revision", "kind", "matryoshka")},
+        ),
         (
             "Admission lane (shared by every alias of this model)",
             {"fields": ("concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s")},
@@ -324,11 +327,16 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
     """Public names: sampling defaults and limits. Weights, lane and actions are on the model."""
 
     form = ModelAliasForm
-    list_display = ("name", "model_link", "enabled", "temperature", "max_tokens", "updated_at")
+    list_display = ("name", "model_link", "kind", "enabled", "temperature", "max_tokens", "updated_at")
     list_filter = ("enabled", "model")
     list_select_related = ("model", "model__instance")
     search_fields = ("name", "description", "model__name")
     readonly_fields = ("created_at", "updated_at")
+
+    @admin.display(description="kind", ordering="model__kind")
+    def kind(self, obj: ModelAlias) -> str:
+        return obj.model.get_kind_display()
+
     fieldsets = (
         (None, {"fields": ("name", "description", "model", "enabled")}),
         (

@@ -28,7 +28,7 @@ else:
 
 MODEL_FORM_FIELDS = (
     "name", "description", "pinned",
-    "source_kind", "local_path", "hf_repo", "hf_revision",
+    "source_kind", "local_path", "hf_repo", "hf_revision", "kind", "matryoshka",
     "concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s", "keep_alive_s",
 )  # fmt: skip
 ALIAS_FORM_FIELDS = (
@@ -185,6 +185,14 @@ class ModelForm(_ModelFormBase):
             local_path.help_text = (
                 FOLDERS_FOUND_HELP.format(count=len(folders)) if folders else NO_FOLDERS_HELP
             )
+        if "source_kind" in self.fields:
+            self.fields["source_kind"].help_text = SOURCE_HELP
+        if "kind" in self.fields:  # a local folder's kind is detected on save (API-13)
+            self.fields["kind"].required = False
+
+    def clean_kind(self) -> str:
+        kind: str = self.cleaned_data.get("kind") or Model.Kind.CHAT
+        return kind
 
     def clean(self) -> dict[str, Any]:
         super().clean()  # ModelForm's returns self.cleaned_data; the stubs allow None (a subclass may)

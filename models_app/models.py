@@ -47,11 +47,16 @@ class ModelInstance(models.Model):
 
 
 class Model(BaseModel):
-    """Weights the server hosts, and how (REG-3): their source, the admission lane every alias of
-    them shares (LANE-1/2/8), the memory policy (OPS-3) and the admin's load actions (ADM-1).
+    """Weights the server hosts, and how (REG-3): their source, their kind (a chat or an
+    embedding model, API-13), the admission lane every alias of them shares (LANE-1/2/8), the
+    memory policy (OPS-3) and the admin's load actions (ADM-1).
 
     Aliases point at a Model; the public names and their sampling live there, never here.
     """
+
+    class Kind(TextChoices):
+        CHAT = "chat", "Chat model"
+        EMBEDDING = "embedding", "Embedding model"
 
     name = models.SlugField(max_length=64, unique=True, help_text="A label for staff; clients use aliases.")
     description = models.CharField(max_length=200, blank=True)
@@ -65,6 +70,24 @@ class Model(BaseModel):
     )
     instance = models.ForeignKey(
         ModelInstance, null=True, blank=True, on_delete=models.PROTECT, related_name="models", editable=False
+    )
+    kind = models.CharField(
+        max_length=16,
+        choices=Kind.choices,
+        default=Kind.CHAT,
+        db_index=True,
+        help_text=(
+            "Detected from a local folder's files when it is saved (sentence-transformers files or a "
+            "bare encoder mean an embedding model); set it yourself for a Hugging Face repo."
+        ),
+    )
+    matryoshka = models.BooleanField(
+        "Matryoshka embeddings",
+        default=False,
+        help_text=(
+            "For embedding models trained for truncation: clients may ask for fewer `dimensions`, "
+            "and get the vector's first ones, renormalised."
+        ),
     )
     pinned = models.BooleanField(default=False, help_text="Load at start and never unload for idleness.")
     keep_alive_s = models.PositiveIntegerField(

@@ -95,6 +95,7 @@ def model_spec_for(
         ),
         keep_alive_s=model.keep_alive_s,  # None: never freed for idleness (OPS-3)
         pinned=model.pinned,
+        kind="embedding" if model.kind == Model.Kind.EMBEDDING else "chat",
     )
 
 

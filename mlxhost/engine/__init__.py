@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from mlxhost.engine.config import EngineConfig
 from mlxhost.engine.disk import remove_saved
+from mlxhost.engine.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
 from mlxhost.engine.engine import Engine, Permit, is_internal_name
 from mlxhost.engine.errors import (
     DrainingError,
     DuplicateRequestError,
+    EmbeddingFailedError,
     EngineClosedError,
     EngineError,
     GenerationFailedError,
@@ -21,6 +23,7 @@ from mlxhost.engine.errors import (
     RequestTooLargeError,
     UnknownModelError,
     WeightsChangedError,
+    WrongModelKindError,
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.retention import Retention
@@ -29,12 +32,15 @@ from mlxhost.engine.stats import Histogram, RequestStats
 from mlxhost.engine.types import (
     Delta,
     Done,
+    EmbeddingRequest,
+    Embeddings,
     Event,
     Failed,
     FinishReason,
     GenerationRequest,
     LaneSettings,
     Message,
+    ModelKind,
     ModelSpec,
     Queued,
     ReasoningDelta,
@@ -50,13 +56,23 @@ from mlxhost.engine.types import (
     TopLogprob,
     Usage,
 )
-from mlxhost.engine.weights import folder_fingerprint, hub_fingerprint, resolve_under, validate_model_folder
+from mlxhost.engine.weights import (
+    detect_kind,
+    folder_fingerprint,
+    hub_fingerprint,
+    resolve_under,
+    validate_model_folder,
+)
 
 __all__ = [
+    "MAX_EMBEDDING_INPUTS",
     "Delta",
     "Done",
     "DrainingError",
     "DuplicateRequestError",
+    "EmbeddingFailedError",
+    "EmbeddingRequest",
+    "Embeddings",
     "Engine",
     "EngineClosedError",
     "EngineConfig",
@@ -72,6 +88,7 @@ __all__ = [
     "InvalidRequestError",
     "LaneSettings",
     "Message",
+    "ModelKind",
     "ModelLoadError",
     "ModelSpec",
     "Permit",
@@ -99,6 +116,8 @@ __all__ = [
     "UnknownModelError",
     "Usage",
     "WeightsChangedError",
+    "WrongModelKindError",
+    "detect_kind",
     "folder_fingerprint",
     "hub_fingerprint",
     "is_internal_name",

@@ -43,6 +43,9 @@ class EngineConfig:
     max_request_kv_bytes: int | None = None
     # Unattributed worker failures in a row after which the model is dropped and loaded afresh.
     reload_after_faults: int = 3
+    # An embedding pass about to start waits at most this long for concurrent requests still
+    # tokenizing, so they share its forward pass (API-14); a lone request never waits.
+    embed_wait_s: float = 0.01
 
 
 def prefix_cache_bytes(config: EngineConfig, ram_bytes: int | None) -> int:

@@ -13,14 +13,20 @@ from typing import TYPE_CHECKING, Any, Literal
 from mlxhost.engine import limits, prompts
 from mlxhost.engine.backends import make_backend
 from mlxhost.engine.config import EngineConfig
+from mlxhost.engine.embeddings import EmbedJob, check_dimensions, check_inputs
 from mlxhost.engine.errors import (
     DrainingError,
     DuplicateRequestError,
+    EmbeddingFailedError,
     EngineClosedError,
+    EngineError,
+    InvalidRequestError,
     ModelLoadError,
     QueueFullError,
+    QueueTimeoutError,
     RequestCancelledError,
     UnknownModelError,
+    WrongModelKindError,
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.instance import Instance
@@ -43,7 +49,14 @@ if TYPE_CHECKING:
     from mlxhost.engine.residency import MemoryPolicy
     from mlxhost.engine.sessions import SessionLease, SessionQuery
     from mlxhost.engine.stats import Key
-    from mlxhost.engine.types import Event, GenerationRequest, ModelSpec, SamplingParams
+    from mlxhost.engine.types import (
+        EmbeddingRequest,
+        Embeddings,
+        Event,
+        GenerationRequest,
+        ModelSpec,
+        SamplingParams,
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +65,10 @@ EARLY_CANCEL_LIMIT = 4096
 KEPT_FINISHES = frozenset({"stop", "length", "cancelled"})
 FINISHED_IDS_LIMIT = 4096
 SHUTDOWN_MESSAGE = "The server is shutting down; retry shortly."
+EMBEDDING_FAILED_MESSAGE = "The model failed while embedding."
+EMBEDDING_ABORTED_MESSAGE = (
+    "The model stopped serving (unload, reload or shutdown) before this request ran; retry."
+)
 
 
 class _CountedGeneration(Generation):
@@ -368,6 +385,10 @@ class Engine:
             permit.release()
             raise ValueError(f"The permit is for {permit.request_id!r}, not {request_id!r}.")
         instance, ticket, key = permit._take()
+        if instance.spec.kind != "chat":
+            instance.lane.release(ticket)
+            self.registry.unlease(instance)
+            raise WrongModelKindError.embedding_on_chat(request.binding)
         generation = _CountedGeneration(
             request, asyncio.get_running_loop(), lambda event: self._count_end(key, event)
         )
@@ -407,6 +428,8 @@ class Engine:
         """
         self._check_open()
         instance = self.registry.resolve(request.binding)
+        if instance.spec.kind != "chat":
+            raise WrongModelKindError.embedding_on_chat(request.binding)
         self.registry.lease(instance)  # an unbind while the count renders defers teardown (REG-6)
         try:
             await self.residency.ensure_loaded(instance)
@@ -416,6 +439,80 @@ class Engine:
             return len((await asyncio.to_thread(prompts.render, model, request)).prompt_ids)
         finally:
             self.registry.unlease(instance)
+
+    async def embed(self, request: EmbeddingRequest, permit: Permit | None = None) -> Embeddings:
+        """Embed `request`'s texts (API-14): reserve (or take `permit`), load if needed, tokenize and
+        check every input, wait for a lane slot, then join the worker's next forward pass with
+        whatever other requests for this model are admitted by then. Cancelling the caller frees
+        the slot; a pass already running finishes for the others.
+
+        Raises:
+            WrongModelKindError: the name is bound to a chat model.
+            QueueFullError, DrainingError, DuplicateRequestError: as `submit` (LANE-2/5/7).
+            QueueTimeoutError: it waited longer than the lane's queue timeout (LANE-8).
+            ModelLoadError: the model could not be loaded.
+            InvalidRequestError: an input is too long (its index named) or `dimensions` is refused.
+            EmbeddingFailedError: the forward pass failed.
+        """
+        if permit is None:
+            permit = self.reserve(request.request_id, request.binding)
+        instance, ticket, key = permit._take()
+        started = self._clock()
+        outcome, result, job = "failed", None, None
+        try:
+            job, done = await self._embed_job(instance, request)
+            instance.lane.enter(
+                ticket, TicketHooks(on_admit=lambda _t: instance.dispatch(job), on_abort=job.cancel)
+            )
+            await asyncio.shield(ticket.admitted)
+            result = await done
+            outcome = "completed"
+            return result
+        except (asyncio.CancelledError, RequestCancelledError):
+            outcome = "cancelled"
+            raise
+        except (QueueFullError, DrainingError, QueueTimeoutError) as exc:
+            outcome = ""  # refused, as on every surface (LANE-2/7/8)
+            self.stats.reject(key, exc.code)
+            raise
+        except (WrongModelKindError, InvalidRequestError):
+            outcome = ""  # refused before it ran: not an embedding request that ended
+            raise
+        finally:
+            if job is not None:
+                job.cancel()  # a no-op once it ran; a queued or waiting job never runs
+            instance.lane.release(ticket)
+            self.registry.unlease(instance)
+            instance.touch()  # the keep-alive counts from the last request's end (OPS-3)
+            if outcome:
+                inputs, tokens = (len(result.vectors), result.prompt_tokens) if result else (0, 0)
+                latency = self._clock() - started
+                self.stats.embedded(key, outcome, inputs=inputs, tokens=tokens, latency_s=latency)
+
+    async def _embed_job(
+        self, instance: Instance, request: EmbeddingRequest
+    ) -> tuple[EmbedJob, asyncio.Future[Embeddings]]:
+        """The pre-work of an embedding under its permit (LANE-3): load, check, tokenize off the
+        loop; the job and the future its worker-side end settles."""
+        if instance.spec.kind != "embedding":
+            raise WrongModelKindError.chat_on_embeddings(request.binding)
+        await self.residency.ensure_loaded(instance)
+        model = instance.embedder
+        if model is None:
+            raise ModelLoadError("The model was unloaded while the request waited; retry.")
+        dimensions = check_dimensions(
+            request.dimensions, width=model.dimensions, truncatable=request.truncatable
+        )
+        ids = await asyncio.to_thread(model.tokenize, request.texts)
+        check_inputs(ids, model_limit=model.max_tokens, alias_limit=request.max_input_tokens)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Embeddings] = loop.create_future()
+
+        def on_end(result: Embeddings | None, error: BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed first (shutdown)
+                loop.call_soon_threadsafe(_settle_embeddings, done, result, error)
+
+        return EmbedJob(request.request_id, ids, dimensions, self._clock(), on_end), done
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request; an unknown id is remembered for its arrival (LANE-6).
@@ -734,6 +831,22 @@ class Engine:
         await asyncio.gather(*(asyncio.to_thread(i.stop, timeout) for i in instances))
         if self._teardowns:
             await asyncio.gather(*self._teardowns, return_exceptions=True)
+
+
+def _settle_embeddings(
+    future: asyncio.Future[Embeddings], result: Embeddings | None, error: BaseException | None
+) -> None:
+    if future.done():
+        return
+    if result is not None:
+        future.set_result(result)
+        return
+    if error is None:  # its job was cancelled before its pass: only a drain's abort does that
+        error = DrainingError(EMBEDDING_ABORTED_MESSAGE)
+    elif not isinstance(error, EngineError):  # the backend's own exception stays in the log (API-4)
+        error = EmbeddingFailedError(EMBEDDING_FAILED_MESSAGE)
+    future.set_exception(error)
+    future.exception()  # retrieved: the caller may have stopped waiting
 
 
 def _expire(remembered: OrderedDict[str, float], now: float) -> None:

@@ -54,6 +54,32 @@ class InvalidRequestError(EngineError):
         self.param = param
 
 
+class WrongModelKindError(EngineError):
+    """An embedding model named on a chat surface, or a chat model on /v1/embeddings (API-13)."""
+
+    code = "wrong_model_kind"
+    param = "model"
+
+    @classmethod
+    def embedding_on_chat(cls, name: str) -> WrongModelKindError:
+        return cls(
+            f"{name!r} is an embedding model: it turns text into vectors and cannot chat. "
+            "Send it to POST /v1/embeddings."
+        )
+
+    @classmethod
+    def chat_on_embeddings(cls, name: str) -> WrongModelKindError:
+        return cls(
+            f"{name!r} is a chat model, not an embedding model; POST /v1/embeddings serves embedding models only."
+        )
+
+
+class EmbeddingFailedError(EngineError):
+    """The worker raised while embedding; the message is safe to show a client."""
+
+    code = "embedding_failed"
+
+
 class RequestTooLargeError(EngineError):
     """The request's KV cache (prompt plus requested output) cannot fit the memory budget."""
 

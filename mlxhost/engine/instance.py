@@ -16,12 +16,12 @@ from mlxhost.engine.lane import Lane
 from mlxhost.engine.limits import physical_memory_bytes
 from mlxhost.engine.sessions import SessionCache, tier_figures
 from mlxhost.engine.weights import folder_fingerprint
-from mlxhost.engine.worker import CallJob, GenerateJob, InstanceWorker, WriteJob
+from mlxhost.engine.worker import CallJob, EmbedJob, GenerateJob, InstanceWorker, WriteJob
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from mlxhost.engine.backends.base import Backend, LoadedModel
+    from mlxhost.engine.backends.base import Backend, EmbeddingModel, LoadedModel
     from mlxhost.engine.config import EngineConfig
     from mlxhost.engine.types import ModelSpec
     from mlxhost.engine.worker import WorkerStats
@@ -73,7 +73,7 @@ class Instance:
         # The disk tier of these weights (None: off); every instance of the same weights shares it.
         self.disk = (
             DiskTier(weights_folder(Path(config.kv_dir), spec.weights_key), config.kv_disk_bytes)
-            if config.kv_dir and config.kv_disk_bytes > 0
+            if config.kv_dir and config.kv_disk_bytes > 0 and spec.kind == "chat"
             else None
         )
         # The lane's capacity is the batch's sequence capacity (LANE-1); the worker reads it per job.
@@ -86,6 +86,7 @@ class Instance:
             arrivals=lambda: self.lane.permits,
             burst_wait_s=config.burst_wait_s,
             reload_after_faults=config.reload_after_faults,
+            embed_wait_s=config.embed_wait_s,
         )
         self._loading: asyncio.Future[None] | None = None
         # Called on the loop when a load found the folder changed since registration (REG-3).
@@ -94,6 +95,16 @@ class Instance:
     @property
     def model(self) -> LoadedModel | None:
         return self._worker.model
+
+    @property
+    def embedder(self) -> EmbeddingModel | None:
+        """An embedding instance's resident model (API-13); None for chat models."""
+        return self._worker.embedder
+
+    def weights_bytes(self) -> int:
+        """Bytes of the resident weights, of either kind (0 when not loaded)."""
+        resident = self._worker.model or self._worker.embedder
+        return resident.memory_bytes() if resident is not None else 0
 
     @property
     def stats(self) -> WorkerStats:
@@ -137,7 +148,7 @@ class Instance:
         self.sessions.clear()
         await self._on_worker(self._close_model)
 
-    def dispatch(self, job: GenerateJob) -> None:
+    def dispatch(self, job: GenerateJob | EmbedJob) -> None:
         self.last_used = self._clock()
         self._worker.submit(job)
 
@@ -168,9 +179,10 @@ class Instance:
         return max(0.0, self._clock() - self.stats.last_progress_at)
 
     def snapshot(self) -> dict[str, Any]:
-        stats, model = self._worker.stats, self._worker.model
+        stats = self._worker.stats
         return {
             "instance_id": self.instance_id,
+            "kind": self.spec.kind,
             "state": self.state,
             "last_error": self.last_error,
             "lane": self.lane.probe().as_dict(),
@@ -191,7 +203,13 @@ class Instance:
                 "recoveries": stats.recoveries,
                 "reloads": stats.reloads,
             },
-            "memory_bytes": model.memory_bytes() if model is not None else 0,
+            "memory_bytes": self.weights_bytes(),
+            # An embedding model's work (API-14); zeros on a chat model.
+            "embeddings": {
+                "passes": stats.embedding_passes,
+                "inputs": stats.inputs_embedded,
+                "tokens": stats.tokens_embedded,
+            },
             "load_progress": {
                 "done": self.progress.done,
                 "total": self.progress.total,
@@ -240,9 +258,14 @@ class Instance:
         )
 
     def _load(self) -> None:
-        if self._worker.model is None:
+        worker = self._worker
+        if self.spec.kind == "embedding":
+            if worker.embedder is None:
+                self._verify_weights()
+                worker.embedder = self._backend.load_embedder(self.spec, self._on_progress)
+        elif worker.model is None:
             self._verify_weights()
-            self._worker.model = self._backend.load(self.spec, self._on_progress)
+            worker.model = self._backend.load(self.spec, self._on_progress)
 
     def _verify_weights(self) -> None:
         """Refuse a folder whose files changed since registration, so the old instance id is never
@@ -272,8 +295,10 @@ class Instance:
 
     def _close_model(self) -> None:
         model, self._worker.model = self._worker.model, None
-        if model is not None:
-            model.close()
+        embedder, self._worker.embedder = self._worker.embedder, None
+        for resident in (model, embedder):
+            if resident is not None:
+                resident.close()
 
     def _dispose_kv(self, kv: object) -> None:
         model = self._worker.model

@@ -122,6 +122,10 @@ class WorkerStats:
     last_fault: str | None = None
     recoveries: int = 0
     reloads: int = 0  # the model was dropped to be loaded afresh after repeated faults
+    # An embedding model's work (API-14): forward passes, and the inputs and tokens they held.
+    embedding_passes: int = 0
+    inputs_embedded: int = 0
+    tokens_embedded: int = 0
 
 
 @dataclass(slots=True)

@@ -84,9 +84,8 @@ class Residency:
         key = instance.spec.weights_key
         await self._make_room(instance, self._sizes.get(key) or estimate_load_bytes(instance.spec))
         await instance.ensure_loaded()
-        model = instance.model
-        if model is not None:
-            self._sizes[key] = model.memory_bytes()
+        if loaded := instance.weights_bytes():
+            self._sizes[key] = loaded
         await self._make_room(instance, 0)  # the first load of new weights is measured only now
 
     async def _make_room(self, loading: Instance, needed: int) -> None:
@@ -139,9 +138,7 @@ def merged_policy(specs: Iterable[ModelSpec]) -> MemoryPolicy:
 
 def resident_bytes(instance: Instance) -> int:
     """What an instance holds now: its weights plus its warm sessions' KV caches."""
-    model = instance.model
-    weights = model.memory_bytes() if model is not None else 0
-    return weights + instance.sessions.stats.bytes
+    return instance.weights_bytes() + instance.sessions.stats.bytes
 
 
 def estimate_load_bytes(spec: ModelSpec) -> int:

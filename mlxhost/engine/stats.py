@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 
 # Seconds from entering the lane to the first token.
 TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Seconds an embedding request takes, from its lane permit to its vectors (API-14).
+EMBED_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# How an admitted embedding request ended.
+EMBED_OUTCOMES = ("completed", "cancelled", "failed")
 # Decode tokens per second of one request (after its first token).
 DECODE_BUCKETS_TPS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0)
 
@@ -76,15 +80,45 @@ class RequestStats:
     decode_tps: Histogram = field(default_factory=lambda: Histogram(DECODE_BUCKETS_TPS))
 
 
+@dataclass(slots=True)
+class EmbeddingStats:
+    """One binding's embedding requests on one instance (API-14): how they ended, the inputs
+    and tokens of the completed ones, and their latency (lane permit to vectors)."""
+
+    outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EMBED_OUTCOMES, 0))
+    inputs: int = 0
+    tokens: int = 0
+    latency_s: Histogram = field(default_factory=lambda: Histogram(EMBED_LATENCY_BUCKETS_S))
+
+
 class EngineStats:
-    """Every binding's `RequestStats`, and why instances were unloaded; touched on the loop only."""
+    """Every binding's `RequestStats` and `EmbeddingStats`, and why instances were unloaded;
+    touched on the loop only. Refusals at admission (429, 503) count in `RequestStats` for both
+    kinds, as every surface refuses alike (LANE-2)."""
 
     def __init__(self) -> None:
         self._requests: dict[Key, RequestStats] = {}
+        self._embeddings: dict[Key, EmbeddingStats] = {}
         self.unloads: dict[int, dict[str, int]] = {}  # instance id -> reason -> count
 
     def requests(self) -> list[tuple[str, int, RequestStats]]:
         return [(name, instance_id, stats) for (name, instance_id), stats in self._requests.items()]
+
+    def embeddings(self) -> list[tuple[str, int, EmbeddingStats]]:
+        return [(name, instance_id, stats) for (name, instance_id), stats in self._embeddings.items()]
+
+    def embedded(
+        self, key: Key, outcome: str, *, inputs: int = 0, tokens: int = 0, latency_s: float = 0.0
+    ) -> None:
+        """Count an admitted embedding request's end; a completed one adds its inputs, tokens and latency."""
+        stats = self._embeddings.get(key)
+        if stats is None:
+            stats = self._embeddings[key] = EmbeddingStats()
+        stats.outcomes[outcome] += 1
+        if outcome == "completed":
+            stats.inputs += inputs
+            stats.tokens += tokens
+            stats.latency_s.observe(max(0.0, latency_s))
 
     def reject(self, key: Key, reason: str) -> None:
         self._of(key).rejected[reason if reason in REJECTIONS else "draining"] += 1

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
+    from array import array
+
     from mlxhost.engine.sessions import SessionQuery
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -14,6 +16,8 @@ Role = Literal["system", "user", "assistant", "tool"]
 # "tool_calls": the answer ended with one or more complete tool calls.
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "aborted", "error"]
 ToolMode = Literal["auto", "none", "required"]
+# What a model does (API-13): answers chats, or turns text into vectors.
+ModelKind = Literal["chat", "embedding"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +135,8 @@ class ModelSpec:
     # Re-hash a local folder at every load and refuse it when it no longer matches `fingerprint`
     # (REG-3); the service layer sets it for registered aliases, hand-built specs may skip it.
     verify_weights: bool = False
+    # Chat models generate; embedding models turn inputs into vectors (API-13), on the same lane.
+    kind: ModelKind = "chat"
 
     @property
     def weights_key(self) -> tuple[str, str, str]:
@@ -164,6 +170,36 @@ class GenerationRequest:
     template_options: tuple[tuple[str, object], ...] = ()
     # Render without a generation prompt and continue the last (assistant) message.
     continue_final: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    """Texts to embed (API-14). Like a turn, `binding` names the alias and is only resolved.
+
+    `dimensions` asks for fewer dimensions than the model's (None: all of them); a model that
+    allows it (`truncatable`, Matryoshka) truncates and renormalises. `max_input_tokens` is the
+    alias's per-input limit, below the model's own.
+    """
+
+    request_id: str
+    binding: str
+    texts: tuple[str, ...]
+    dimensions: int | None = None
+    truncatable: bool = False
+    max_input_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """The vectors of an `EmbeddingRequest`, in input order: float32 arrays of `dimensions`
+    numbers each, normalised as the model's pooling says; `prompt_tokens` counts every input's
+    tokens as the model read them (special tokens included)."""
+
+    vectors: tuple[array[float], ...]
+    prompt_tokens: int
+    dimensions: int
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

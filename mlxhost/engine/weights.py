@@ -6,8 +6,12 @@ import hashlib
 import json
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlxhost.engine.errors import InvalidModelFolderError
+
+if TYPE_CHECKING:
+    from mlxhost.engine.types import ModelKind
 
 # Weight formats that can execute code or that mlx-lm cannot read safely.
 UNSAFE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt", ".gguf")
@@ -70,6 +74,33 @@ def _tokenizer_wants_code(folder: Path) -> bool:
 def _python_files(folder: Path) -> list[Path]:
     # Top level and one level down: where hub repos keep modeling_*.py and custom tokenizers.
     return [p for pattern in ("*.py", "*/*.py") for p in folder.glob(pattern) if p.is_file()]
+
+
+# Files only sentence-transformers folders have: their module list and pooling settings.
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "1_Pooling/config.json", "sentence_bert_config.json")
+# Architecture name endings of models that generate text; a bare encoder (`BertModel`) embeds.
+GENERATIVE_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")
+ENCODER_MODEL_TYPES = frozenset(
+    {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "nomic_bert", "modernbert"}
+)
+
+
+def detect_kind(folder: Path) -> ModelKind:
+    """Whether a model folder holds a chat model or an embedding model (API-13), from its files:
+    sentence-transformers' files, or a config.json that names a bare encoder, mean embedding."""
+    if any((folder / name).is_file() for name in SENTENCE_TRANSFORMERS_FILES):
+        return "embedding"
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "chat"
+    architectures = [str(a) for a in config.get("architectures") or []] if isinstance(config, dict) else []
+    if any(a.endswith(GENERATIVE_SUFFIXES) for a in architectures):
+        return "chat"
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type in ENCODER_MODEL_TYPES or any(a.endswith("Model") for a in architectures):
+        return "embedding"
+    return "chat"
 
 
 def looks_like_model_folder(folder: Path) -> bool:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from mlxhost.engine.backends.base import StepEnd
 from mlxhost.engine.batching import BatchScheduler
+from mlxhost.engine.embeddings import EmbedJob, PassStats, run_jobs
+from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.jobs import (
     CallJob,
     GenerateJob,
@@ -27,11 +29,13 @@ from mlxhost.engine.types import Delta, Failed, Started
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from mlxhost.engine.backends.base import LoadedModel
+    from mlxhost.engine.backends.base import EmbeddingModel, LoadedModel
     from mlxhost.engine.types import TokenLogprob
 
 # The job types live in jobs.py, shared with the batched scheduler; callers import them from here.
-__all__ = ["CallJob", "GenerateJob", "InstanceWorker", "JobResult", "WorkerStats", "WriteJob"]
+__all__ = ["CallJob", "EmbedJob", "GenerateJob", "InstanceWorker", "JobResult", "WorkerStats", "WriteJob"]
+
+Job = GenerateJob | CallJob | EmbedJob
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +52,9 @@ class InstanceWorker:
 
     Two schedulers share this thread. The exclusive one runs a GenerateJob alone through
     `model.generate`. When the lane's capacity (`batch_capacity`) is above 1 and the model
-    can batch, GenerateJobs join a `BatchScheduler` between decode steps instead. A job that
+    can batch, GenerateJobs join a `BatchScheduler` between decode steps instead. An embedding
+    model's EmbedJobs at the head of the FIFO run together, one forward pass for as many as fit
+    (after waiting up to `embed_wait_s` for requests still tokenizing, API-14). A job that
     cannot batch (see `BatchRunner.accepts`), a load or unload (`CallJob`, a lane
     writer) and shutdown wait at the head of the FIFO until the batch drains, then run alone;
     everything behind them waits too, so neither side starves.
@@ -65,8 +71,11 @@ class InstanceWorker:
         arrivals: Callable[[], int] = lambda: 0,
         burst_wait_s: float = 0.0,
         reload_after_faults: int = 3,
+        embed_wait_s: float = 0.0,
     ) -> None:
         self.model: LoadedModel | None = None
+        self.embedder: EmbeddingModel | None = None  # an embedding instance's model (API-13)
+        self.embed_wait_s = embed_wait_s
         self.reload = reload  # loads the model afresh after repeated faults (the instance's)
         # The lane's capacity (LANE-1); the instance changes it through `set_batch_capacity`.
         self.batch_capacity = batch_capacity
@@ -76,8 +85,8 @@ class InstanceWorker:
         self.reload_after_faults = reload_after_faults  # unattributed failures in a row before a reload
         self.stats = WorkerStats()
         self._clock = clock
-        self._jobs: queue.Queue[GenerateJob | CallJob | WriteJob | _Shutdown] = queue.Queue()
-        self._pending: deque[GenerateJob | CallJob | _Shutdown] = deque()  # taken, not yet started
+        self._jobs: queue.Queue[Job | WriteJob | _Shutdown] = queue.Queue()
+        self._pending: deque[Job | _Shutdown] = deque()  # taken, not yet started
         self._writes: deque[WriteJob] = deque()  # disk-tier saves, off the FIFO (see WriteJob)
         self._batch: BatchScheduler | None = None
         self._unbatchable: LoadedModel | None = None  # the model whose open_batch said no
@@ -89,7 +98,7 @@ class InstanceWorker:
         """The lane's new capacity; the worker reads it per job (LANE-1)."""
         self.batch_capacity = capacity
 
-    def submit(self, job: GenerateJob | CallJob | WriteJob) -> None:
+    def submit(self, job: Job | WriteJob) -> None:
         self._jobs.put(job)
 
     def shutdown(self, timeout: float) -> None:
@@ -131,7 +140,7 @@ class InstanceWorker:
             if self._batch_busy():
                 self._step_batch()
 
-    def _take(self, job: GenerateJob | CallJob | WriteJob | _Shutdown) -> None:
+    def _take(self, job: Job | WriteJob | _Shutdown) -> None:
         if isinstance(job, WriteJob):
             self._writes.append(job)
         else:
@@ -168,6 +177,9 @@ class InstanceWorker:
                 if self._end_cancelled_waiters():
                     continue
                 return False
+            if isinstance(job, EmbedJob):
+                self._embed()
+                continue
             self._pending.popleft()
             if isinstance(job, _Shutdown):
                 self._flush_writes()
@@ -182,6 +194,51 @@ class InstanceWorker:
             else:
                 self._generate(job)
         return False
+
+    def _embed(self) -> None:
+        """Run the EmbedJobs at the head of the FIFO together (API-14): first wait briefly for
+        requests of the same burst still tokenizing, as a generation batch does (see
+        `_gather_burst`), then take every EmbedJob in a row and run them in one go."""
+        deadline = time.monotonic() + self.embed_wait_s
+        while self.arrivals() > 0 and self._pending_embeds() < self.batch_capacity:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                self._take(self._jobs.get(timeout=min(left, BURST_POLL_S)))
+            except queue.Empty:
+                continue
+        jobs: list[EmbedJob] = []
+        while self._pending and isinstance(self._pending[0], EmbedJob):
+            jobs.append(self._pending.popleft())  # type: ignore[arg-type]  # checked just above
+        model = self.embedder
+        if model is None:
+            for job in jobs:
+                job.on_end(None, ModelLoadError("The model is not loaded; retry."))
+            return
+        stats = self.stats
+        stats.active_request = jobs[0].request_id
+        stats.last_progress_at = self._clock()
+
+        def count(done: PassStats) -> None:  # before the jobs hear their end: counters first
+            stats.embedding_passes += done.passes
+            stats.inputs_embedded += done.inputs
+            stats.tokens_embedded += done.tokens
+
+        try:
+            run_jobs(model, jobs, self._clock, count)
+        except Exception as exc:  # every job already heard how it ended
+            logger.exception("an embedding pass failed")
+            stats.requests_failed += 1
+            self._fault(exc)
+            return
+        finally:
+            stats.active_request = None
+        stats.consecutive_faults = 0
+        stats.requests_finished += len(jobs)
+
+    def _pending_embeds(self) -> int:
+        return sum(1 for job in self._pending if isinstance(job, EmbedJob))
 
     def _opens_batch(self) -> bool:
         """Whether the pending head is a generation that would start an idle batch."""

@@ -289,6 +289,7 @@
         el("div", { className: "quiet", text: engineName(status) + " \u00b7 pid " + status.pid }),
       ]),
       el("td", { className: "aliases", "data-label": "Aliases", text: view.aliases.length ? view.aliases.join(", ") : DASH }),
+      el("td", { className: "kind", "data-label": "Kind", text: view.kind || "chat" }),
       state,
       el("td", { className: "num lane", "data-label": "Active / queued / capacity", text: lane + (view.draining ? " (draining)" : "") }),
       el("td", { className: "num tps", "data-label": "Tokens/s", text: formatNumber(view.tokens_per_s) }),

@@ -28,8 +28,9 @@ OUTPUT_CAP = 8
 
 
 @pytest.fixture
-def fuzz_alias(tiny_model_dir):
-
+def fuzz_alias(tiny_model_dir, minilm_folder):
+    # The embeddings operation is fuzzed against the demo embedding model (API-14).
+    register_alias(name="minilm", folder="all-minilm-l6-v2", concurrency=4)
     return register_alias(
         name="tiny",
         folder="tiny-llama",
@@ -65,7 +66,7 @@ def fuzz(
         # Half the bodies name the real model (by a hash of the generated name), so generation
         # and the engine's sampling checks are reached, not only the 404 for an unknown model.
         if isinstance(body, dict) and isinstance(body.get("model"), str) and _even(body["model"]):
-            body["model"] = "tiny"
+            body["model"] = "minilm" if case.path == "/v1/embeddings" else "tiny"
         try:
             response = case.call(headers=headers, timeout=120)
             statuses[response.status_code] += 1

@@ -77,3 +77,27 @@ async def test_an_admin_action_is_reported_at_once(monkeypatch):
         await eventually(lambda: len(published) == 2, timeout=5)  # well before the 60 s tick
     finally:
         publisher.cancel()
+
+
+async def test_the_status_names_each_instance_kind_and_counts_embedded_tokens_per_second():
+    """ADM-2, API-13: the dashboard's rows carry the kind; an embedding model's tokens/s are the
+    input tokens it read."""
+    from mlxhost.engine import EmbeddingRequest, Engine, EngineConfig, LaneSettings, ModelSpec
+    from mlxhost.engine.backends.fake import FakeBackend
+    from mlxhost.runtime.control import Actions
+    from mlxhost.runtime.status import StatusBuilder
+
+    engine = Engine(EngineConfig(backend="fake"), backend=FakeBackend())
+    try:
+        engine.bind(
+            "embedder", ModelSpec(1, "/m/e", "e" * 64, kind="embedding", lane=LaneSettings(capacity=4))
+        )
+        engine.bind("chat", ModelSpec(2, "/m/c", "c" * 64))
+        builder = StatusBuilder(engine, Actions(engine))
+        builder.build()
+        await engine.embed(EmbeddingRequest(request_id="e1", binding="embedder", texts=("hello",)))
+        views = {view["instance_id"]: view for view in builder.build()["instances"]}
+        assert (views[1]["kind"], views[2]["kind"]) == ("embedding", "chat")
+        assert views[1]["tokens_per_s"] > 0
+    finally:
+        await engine.shutdown()

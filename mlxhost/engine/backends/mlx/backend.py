@@ -28,6 +28,7 @@ from mlxhost.engine.backends.mlx.batch import (
     reseed_global_random,
     with_context,
 )
+from mlxhost.engine.backends.mlx.embedding import MlxEmbedder, load_embedder
 from mlxhost.engine.backends.mlx.grammar import MlxSplitter, Vocabulary, splitter_for, state_machine
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.structure import template_messages, template_tools
@@ -252,6 +253,22 @@ class MlxBackend:
             raise ModelLoadError(f"mlx-lm could not load the model: {exc}") from exc
         return MlxModel(model, tokenizer, path)
 
+    def load_embedder(self, spec: ModelSpec, progress: ProgressCallback) -> MlxEmbedder:
+        """Load an embedding model (API-13) from a local folder or a pinned hub revision.
+
+        Raises:
+            ModelLoadError: the folder is unsafe or incomplete, or not an encoder this loader runs.
+        """
+        path = Path(spec.source)
+        if not path.is_absolute():
+            path = _download(spec.source, spec.revision, progress)
+        validate_model_folder(path)
+        _read_with_progress(path, progress)
+        try:
+            return load_embedder(path)
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise ModelLoadError(f"The embedding model could not be loaded: {exc}") from exc
+
 
 def _read_with_progress(folder: Path, progress: ProgressCallback) -> None:
     """Read the folder's files once, reporting bytes as they come in (OPS-4).
@@ -280,7 +297,8 @@ def _download(repo_id: str, revision: str | None, progress: ProgressCallback) ->
     # Real users register hub repos; offline this fails in about a second (LocalEntryNotFoundError).
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "model*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+    # "*/config.json": an embedding model's pooling settings (1_Pooling/config.json).
+    patterns = ["*.json", "*/config.json", "model*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
     try:
         folder = snapshot_download(
             repo_id, revision=revision, allow_patterns=patterns, tqdm_class=_reporting_bar(progress)

