@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mlxhost.runtime import get_engine
 from tests.api.support import HELLO, bearer, post_any, post_json, save_alias, set_lane
@@ -200,10 +201,18 @@ async def test_concurrent_requests_are_batched_and_counted(minilm_alias, api_key
     [snap] = [s for s in get_engine().snapshot() if s["kind"] == "embedding"]
     assert snap["embeddings"]["inputs"] == 24
     assert snap["embeddings"]["passes"] < 6  # fewer passes than requests
-    metrics = (await post_metrics(api_key)).decode()
-    assert 'mlxhost_embedding_requests_total{instance="' in metrics
-    assert 'model="minilm",outcome="completed"} 6.0' in metrics
-    assert 'mlxhost_embedding_inputs_total{instance="' in metrics
+    samples = [
+        s
+        for family in text_string_to_metric_families((await post_metrics(api_key)).decode())
+        for s in family.samples
+    ]
+    done = [
+        s for s in samples if s.name == "mlxhost_embedding_requests_total" and s.labels["model"] == "minilm"
+    ]
+    assert [(s.labels["outcome"], s.value) for s in done] == [("completed", 6.0)] and "instance" in done[
+        0
+    ].labels
+    assert sum(s.value for s in samples if s.name == "mlxhost_embedding_inputs_total") == 24
 
 
 async def post_metrics(api_key: str) -> bytes:
