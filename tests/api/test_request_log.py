@@ -202,3 +202,47 @@ async def test_health_probes_log_at_debug(mlx_engine, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     assert (await AsyncClient().get("/healthz"))["x-request-id"]
     assert lines(caplog) == []
+
+
+async def test_a_runs_captured_logs_hold_no_key_and_no_prompt_text(tiny_alias, api_key, mlx_engine, caplog):
+    """OPS-6, API-4: every record of a run at the production level (INFO, all loggers), across
+    surfaces, a stored turn, a stream, a refusal and a bad key, holds neither key material nor
+    the prompt's text."""
+    caplog.set_level(logging.INFO)
+    secret = "zanzibar-marmalade-42"
+    said = [{"role": "user", "content": f"Please remember {secret}."}]
+    anthropic = {"x-api-key": api_key, "anthropic-version": "2023-06-01"}
+    calls = [
+        ("/v1/chat/completions", {"model": "tiny", "messages": said, "max_tokens": 3}, bearer(api_key)),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": said, "max_tokens": 3, "stream": True},
+            bearer(api_key),
+        ),
+        (
+            "/v1/responses",
+            {"model": "tiny", "input": f"Remember {secret}", "max_output_tokens": 3},
+            bearer(api_key),
+        ),
+        ("/v1/messages", {"model": "tiny", "messages": said, "max_tokens": 3}, anthropic),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": said, "temperature": 9},
+            bearer(api_key),
+        ),  # 400
+        ("/v1/chat/completions", {"model": "tiny", "messages": said}, bearer(api_key[:-4] + "abcd")),  # 401
+    ]
+    statuses = []
+    for path, body, headers in calls:
+        response = await post_json(path, body, headers)
+        if response.streaming:  # read to its end, as a client does: the line comes then
+            _ = [chunk async for chunk in response.streaming_content]
+        statuses.append(response.status_code)
+    assert statuses == [200, 200, 200, 200, 400, 401]
+    records = caplog.records
+    assert len([r for r in records if r.name == "mlxhost.requests"]) >= 6
+    text = "\n".join(
+        f"{r.name} {r.getMessage()} {json.dumps(getattr(r, 'request_fields', {}))}" for r in records
+    )
+    for needle in (api_key, api_key[:-4] + "abcd", api_key[5:21], secret):
+        assert needle not in text, needle
