@@ -1,7 +1,7 @@
 """Staff run a model from a real browser: headless Chromium against a real daphne process.
 
-Register the tiny model in the admin, load it, watch the dashboard, stream and cancel in the
-playground (the chat page's, /dashboard/chat/), unload it (ADM-1, ADM-2, API-3, API-5, OPS-4).
+Register the tiny model in the admin, load it, watch the dashboard, stream and cancel on the
+chat page (/dashboard/chat/), unload it (ADM-1, ADM-2, API-3, API-5, OPS-4).
 Screenshots land in .cache/artifacts/ (git-ignored).
 """
 
@@ -31,17 +31,7 @@ STAFF, PASSWORD = "staff-e2e", "pw-staff-e2e-123"
 ALIAS = "tiny-browser"
 WAIT_MS = 60_000
 NO_BROWSER = f"headless Chromium is not installed at {CHROMIUM} (apt-get install chromium)"
-CHAT = "/dashboard/chat/"  # the playground's page; the dashboard links to it
-
-
-def chat_page_exists() -> bool:
-    """Whether this tree serves the chat page: the playground left the dashboard for it (issue 14)."""
-    from django.urls import NoReverseMatch, reverse
-
-    try:
-        return reverse("dashboard:chat") == CHAT
-    except NoReverseMatch:
-        return False
+CHAT = "/dashboard/chat/"  # the chat page; the dashboard links to it
 
 
 def _require_browser() -> None:
@@ -150,77 +140,94 @@ def watch_the_dashboard(dash):
     return row
 
 
-def stat(dash, name: str) -> str:
-    return dash.inner_text(f'#pg-stats [data-stat="{name}"]')
+TURN = "#chat-transcript li.chat-turn"
+FINISHED = f"{TURN}[data-status]:not([data-status=pending]):not([data-status=streaming])"
 
 
-def playground_turn(dash, text: str, max_output_tokens: int) -> None:
-    dash.fill("#pg-max-output-tokens", str(max_output_tokens))
-    dash.fill("#pg-input", text)
-    dash.click("#pg-send")
+def open_chat(page) -> None:
+    page.goto(CHAT)
+    page.wait_for_selector('#chat-socket[data-state="open"]')
+    page.select_option("#chat-model", ALIAS)
 
 
-def converse(dash, row) -> None:
-    """Step 4: a turn streams text and fills in the stats; the next turn continues it."""
-    dash.wait_for_selector('#pg-socket[data-state="open"]')
-    dash.select_option("#pg-model", ALIAS)
-    dash.fill("#pg-temperature", "0.7")  # greedy decoding of the tiny model only says "\n"
-    playground_turn(dash, "Hello there", 24)
-    answers = dash.locator("#pg-transcript li.pg-assistant[data-status]")
-    answers.first.wait_for()
-    assert answers.first.get_attribute("data-status") in ("completed", "incomplete")
-    assert answers.first.locator(".pg-text").text_content()
-    assert stat(dash, "ttft").endswith(" ms")
-    assert stat(dash, "cache") == "fresh"
-    assert re.fullmatch(r"\d+ of \d+", stat(dash, "cached"))
-    assert re.fullmatch(r"\d+ / [1-9]\d*", stat(dash, "tokens"))
-    first_id = stat(dash, "id")
-    assert dash.inner_text("#pg-conversation") == f"continues {first_id}"
+def chat_settings(page, *, temperature: str, max_output_tokens: str) -> None:
+    """Fill the folded Settings (opened for it, folded again)."""
+    if page.locator("#chat-settings").get_attribute("open") is None:
+        page.click("#chat-settings summary")
+    page.fill("#chat-temperature", temperature)
+    page.fill("#chat-max-output-tokens", max_output_tokens)
+    page.click("#chat-settings summary")
+
+
+def chat_turn(page, text: str) -> None:
+    page.fill("#chat-input", text)
+    page.click("#chat-send")
+
+
+def finished_turn(page, index: int):
+    turn = page.locator(TURN).nth(index)
+    turn.and_(page.locator(FINISHED)).wait_for()
+    return turn
+
+
+def figure(turn, name: str) -> str:
+    return turn.locator(f'.chat-figures [data-figure="{name}"] dd').inner_text()
+
+
+def converse(chat, row) -> None:
+    """Step 4: a turn on the chat page reaches the dashboard's row (pushed, not reloaded), and the
+    next turn continues it by previous_response_id. (The chat page's own figures and words are
+    tests/e2e/test_chat_page.py's.)"""
+    chat_settings(chat, temperature="0.7", max_output_tokens="24")  # greedy decoding only says "\n"
+    chat_turn(chat, "Hello there")
+    first = finished_turn(chat, 0)
+    assert first.get_attribute("data-status") in ("completed", "incomplete")
+    first_id = first.get_attribute("data-response-id")
+    assert first_id and chat.inner_text("#chat-conversation") == f"Continues {first_id}"
     row.locator(".ttft", has_text=re.compile(r"\d")).wait_for()  # pushed, not reloaded
 
     # previous_response_id: a warm session after a clean finish, else a replay (SES-1 keeps
     # nothing of a truncated turn); "fresh" would mean the id was not sent.
-    playground_turn(dash, "And then?", 8)
-    answers.nth(1).wait_for()
-    assert stat(dash, "cache") in ("hit", "cold_replay")
-    if stat(dash, "cache") == "hit":
-        assert not stat(dash, "cached").startswith("0 ")
-    second_id = stat(dash, "id")
-    assert second_id != first_id
-    assert dash.inner_text("#pg-conversation") == f"continues {second_id}"
+    chat_settings(chat, temperature="0.7", max_output_tokens="8")
+    chat_turn(chat, "And then?")
+    second = finished_turn(chat, 1)
+    cache = figure(second, "cache")
+    assert cache.split(" ")[0] in ("hit", "cold_replay"), cache
+    if cache.startswith("hit"):
+        assert not cache.split(" \u00b7 ")[1].startswith("0 "), cache  # tokens came from the cache
+    second_id = second.get_attribute("data-response-id")
+    assert second_id not in (None, first_id)
+    assert chat.inner_text("#chat-conversation") == f"Continues {second_id}"
 
 
-def open_playground(page) -> None:
-    page.goto(CHAT)
-    page.wait_for_selector('#pg-socket[data-state="open"]')
-    page.select_option("#pg-model", ALIAS)
+def queue_then_cancel(chat, other, row) -> None:
+    """Step 5: a long answer streams; a second tab waits in the lane and shows its position;
+    Stop ends the first, and the second then runs."""
+    chat.click("#chat-new")
+    assert chat.locator("#chat-transcript li").count() == 0
+    assert chat.inner_text("#chat-conversation") == "New conversation"
+    open_chat(other)
+    chat_settings(chat, temperature="0", max_output_tokens="4000")  # greedy: never EOS here
+    chat_turn(chat, "Count to a thousand")
+    chat.locator(f'{TURN}[data-status="streaming"]').wait_for()
 
-
-def queue_then_cancel(dash, other, row) -> None:
-    """Step 5: a long answer streams; a second page waits in the lane and shows its position;
-    the cancel button stops the first, and the second then runs."""
-    dash.click("#pg-new")
-    assert dash.locator("#pg-transcript li").count() == 0
-    open_playground(other)
-    dash.fill("#pg-temperature", "0")  # greedy: the tiny model never says EOS here
-    playground_turn(dash, "Count to a thousand", 4000)
-    dash.locator("#pg-transcript li.pg-streaming").wait_for()
-
-    playground_turn(other, "Hi", 4)
-    other.locator("#pg-queue", has_text="position 1").wait_for()
+    chat_settings(other, temperature="0", max_output_tokens="4")
+    chat_turn(other, "Hi")
+    waiting = other.locator(TURN).nth(0)
+    waiting.locator(".chat-status", has_text="Queued: position 1").wait_for()
+    assert waiting.get_attribute("data-status") == "pending"
     row.locator(".lane", has_text=re.compile(r"^1 / 1 / ")).wait_for()  # the dashboard sees the queue
-    other.locator("#playground").screenshot(path=str(ARTIFACTS / "playground-queued.png"))
+    other.locator("#chat").screenshot(path=str(ARTIFACTS / "chat-queued.png"))
 
-    dash.click("#pg-cancel")
-    cancelled = dash.locator('#pg-transcript li.pg-assistant[data-status="cancelled"]')
-    cancelled.wait_for()
-    assert cancelled.locator(".pg-text").text_content()
-    assert 0 < int(stat(dash, "tokens").split(" / ")[1]) < 4000
-    assert stat(dash, "status") == "cancelled"
-    assert dash.locator("#pg-error").is_hidden()
+    chat.click("#chat-stop")
+    stopped = finished_turn(chat, 0)
+    assert stopped.get_attribute("data-status") == "cancelled"
+    assert stopped.locator(".chat-md").text_content()  # it keeps what it wrote
+    assert 0 < int(figure(stopped, "tokens").split(" / ")[1].split(" ")[0]) < 4000
 
-    other.locator("#pg-transcript li.pg-assistant[data-status]").wait_for()
-    assert other.locator("#pg-queue").is_hidden()
+    ran = finished_turn(other, 0)
+    assert ran.get_attribute("data-status") in ("completed", "incomplete")
+    assert "Queued" not in ran.locator(".chat-status").text_content()
     row.locator(".lane", has_text=re.compile(r"^0 / 0 / ")).wait_for()  # the slot is free again
 
 
@@ -248,13 +255,11 @@ def test_staff_registers_loads_watches_tries_and_unloads_a_model(
         dash = browser_context.new_page()
         row = watch_the_dashboard(dash)  # 3
         dash.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
-        if chat_page_exists():  # the playground moved to the chat page (issue 14)
-            chat = browser_context.new_page()
-            open_playground(chat)
-            converse(chat, row)  # 4
-            chat.locator("#playground").screenshot(path=str(ARTIFACTS / "playground.png"))
-            queue_then_cancel(chat, browser_context.new_page(), row)  # 5
-            chat.locator("#playground").screenshot(path=str(ARTIFACTS / "playground-cancelled.png"))
+        chat = browser_context.new_page()
+        open_chat(chat)
+        converse(chat, row)  # 4
+        queue_then_cancel(chat, browser_context.new_page(), row)  # 5
+        chat.locator("#chat").screenshot(path=str(ARTIFACTS / "chat-cancelled.png"))
 
         alias_action(admin, "unload", "unloaded")  # 6, and the open dashboard hears it
         row.locator(".badge-not-loaded").wait_for()
@@ -282,11 +287,9 @@ def test_the_dashboard_reconnects_after_its_socket_drops(daphne_server, staff_us
     assert len(attempts) == 2
 
 
-def test_the_playground_shows_error_frames(daphne_server, tiny_alias, staff_user, browser_context):
-    """API-3: an error frame (here a mocked 429 with retry_after) is shown, and the turn ends
-    so the message can be sent again."""
-    if not chat_page_exists():
-        pytest.skip(f"the playground's page {CHAT} is not in this tree yet (issue 14)")
+def test_the_chat_page_shows_error_frames(daphne_server, tiny_alias, staff_user, browser_context):
+    """API-3: an error frame (here a mocked 429 with retry_after) is shown with its status, type,
+    code, message and retry time; the turn ends failed and the input is given back to send again."""
     page = browser_context.new_page()
     sign_in(page)
 
@@ -303,20 +306,21 @@ def test_the_playground_shows_error_frames(daphne_server, tiny_alias, staff_user
 
     page.route_web_socket(re.compile(r"/ws/v1/responses$"), refuse)
     page.goto(CHAT)
-    page.wait_for_selector('#pg-socket[data-state="open"]')
-    page.select_option("#pg-model", tiny_alias.name)
-    playground_turn(page, "Hello", 4)
-    error = page.locator("#pg-error")
-    error.wait_for()
-    assert "429 rate_limit_error (queue_full)" in error.inner_text()
-    assert "The queue is full." in error.inner_text()
-    assert "Retry after 3 s." in error.inner_text()
-    assert page.locator('#pg-transcript li.pg-assistant[data-status="failed"]').count() == 1
-    assert page.input_value("#pg-input") == "Hello"  # given back, to send again
-    assert page.is_enabled("#pg-send") and page.is_disabled("#pg-cancel")
+    page.wait_for_selector('#chat-socket[data-state="open"]')
+    page.select_option("#chat-model", tiny_alias.name)
+    chat_turn(page, "Hello")
+    failed = page.locator(f'{TURN}[data-status="failed"]')
+    failed.wait_for()
+    error = failed.locator(".chat-status").inner_text()
+    assert "429 rate_limit_error (queue_full)" in error
+    assert "The queue is full." in error
+    assert "Retry after 3 s." in error
+    assert page.locator(TURN).count() == 1
+    assert page.input_value("#chat-input") == "Hello"  # given back, to send again
+    assert page.is_enabled("#chat-send") and page.is_disabled("#chat-stop")
 
 
-# A socket of the page's own, beside the dashboard's two: it records every frame and its close code.
+# A socket of the page's own, beside the chat page's: it records every frame and its close code.
 PROBE_JS = """(model) => new Promise((resolve, reject) => {
   const scheme = location.protocol === "https:" ? "wss://" : "ws://";
   const ws = new WebSocket(scheme + location.host + "/ws/v1/responses");
@@ -334,17 +338,22 @@ PROBE_DONE = "() => window.probe.frames.some(t => t === 'response.completed' || 
 def test_a_logged_out_tab_is_closed_and_cannot_generate(
     daphne_server, tiny_alias, staff_user, browser_context
 ):
-    """API-5: signing out in one tab closes the other tab's sockets with 4401 within seconds (the
-    dashboard's, the playground's and any other), and that tab can no longer generate."""
+    """API-5: signing out in one tab closes the other tabs' sockets with 4401 within seconds (the
+    dashboard's, the chat page's and any other), each says it is signed out, and the chat tab can
+    no longer generate."""
     with artifacts_on_failure(browser_context, daphne_server):
         dash = browser_context.new_page()
         sign_in(dash)
         dash.goto("/dashboard/")
         dash.wait_for_selector('#ws-state[data-state="open"]')
-        dash.wait_for_selector('#pg-socket[data-state="open"]')
-        dash.evaluate(PROBE_JS, tiny_alias.name)
-        dash.evaluate("() => window.probe.create()")
-        dash.wait_for_function(PROBE_DONE)  # the session generates while it lasts
+        chat = browser_context.new_page()
+        chat.goto(CHAT)
+        chat.wait_for_selector('#chat-socket[data-state="open"]')
+        chat.select_option("#chat-model", tiny_alias.name)
+        chat.evaluate(PROBE_JS, tiny_alias.name)
+        chat.evaluate("() => window.probe.create()")
+        chat.wait_for_function(PROBE_DONE)  # the session generates while it lasts
+        assert chat.is_enabled("#chat-send")
 
         other = browser_context.new_page()
         other.goto("/admin/")
@@ -352,15 +361,20 @@ def test_a_logged_out_tab_is_closed_and_cannot_generate(
         other.wait_for_url("**/admin/logout/")
 
         seconds = {"timeout": 5_000}
-        dash.wait_for_function("() => window.probe.closed === 4401", **seconds)
+        chat.wait_for_function("() => window.probe.closed === 4401", **seconds)
         dash.wait_for_selector('#ws-state[data-state="denied"]', **seconds)
-        dash.wait_for_selector('#pg-socket[data-state="denied"]', **seconds)
+        chat.wait_for_selector('#chat-socket[data-state="denied"]', **seconds)
         assert "signed out (4401)" in dash.inner_text("#ws-state")
+        assert "signed out (4401)" in chat.inner_text("#chat-socket")
 
-        assert dash.evaluate("() => window.probe.ws.readyState") == 3  # CLOSED: nothing can be sent
-        assert dash.is_disabled("#pg-send")  # the playground knows it is signed out
-        dash.reload()  # the page itself is gone with the login
-        dash.wait_for_url(re.compile(r"/admin/login/\?next=/dashboard/"))
+        assert chat.evaluate("() => window.probe.ws.readyState") == 3  # CLOSED: nothing can be sent
+        assert chat.is_disabled("#chat-send")  # the chat page knows it is signed out
+        chat.fill("#chat-input", "Still there?")
+        chat.press("#chat-input", "Enter")  # Enter sends, when it can: here it must not
+        assert chat.locator(TURN).count() == 0 and chat.input_value("#chat-input") == "Still there?"
+        for page, path in ((chat, CHAT), (dash, "/dashboard/")):
+            page.reload()  # the page itself is gone with the login
+            page.wait_for_url(re.compile(rf"/admin/login/\?next={re.escape(path)}"))
 
 
 @pytest.fixture
@@ -374,13 +388,17 @@ def an_api_key(staff_user):
 def test_every_admin_page_keeps_its_policy_and_breaks_nothing_under_it(
     daphne_server, tiny_alias, an_api_key, staff_user, browser_context
 ):
-    """OPS-7: walked in a real browser from the admin index (every page linked, the dashboard
-    too), each page arrives with its Content-Security-Policy, and none logs a violation of it
-    (the context fails the test on any console error)."""
+    """OPS-7: walked in a real browser from the admin index (every page linked, the dashboard,
+    Models and chat pages too), each page arrives with its Content-Security-Policy, and none logs a
+    violation of it (the context fails the test on any console error). A download link (the usage
+    CSV) is fetched with the session, not navigated to: it is a file, not a page."""
     page = browser_context.new_page()
     sign_in(page)
     seen: list[str] = []
+    downloads: set[str] = set()
     queue = ["/admin/", "/dashboard/"]
+    ours = "a[href^='/admin/'], a[href^='/dashboard/']"
+    hrefs = "els => els.map(e => e.getAttribute('href'))"
     while queue and len(seen) < 200:
         path = queue.pop(0)
         if path in seen or path.endswith("/logout/"):
@@ -390,13 +408,21 @@ def test_every_admin_page_keeps_its_policy_and_breaks_nothing_under_it(
         assert response is not None and response.status < 400, path
         csp = response.header_value("content-security-policy") or ""
         assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp, path
-        links = page.eval_on_selector_all("a[href^='/admin/']", "els => els.map(e => e.getAttribute('href'))")
+        links = page.eval_on_selector_all(f":is({ours}):not([download])", hrefs)
         queue += [link.split("?")[0].split("#")[0] for link in links]
+        downloads.update(page.eval_on_selector_all(f":is({ours})[download]", hrefs))
+    for link in sorted(downloads):
+        response = page.request.get(link)
+        disposition = response.headers.get("content-disposition") or ""
+        assert response.status < 400 and disposition.startswith("attachment"), link
+    assert "/admin/models_app/usageday/export.csv" in {link.split("?")[0] for link in downloads}
     for must in (
         f"/admin/models_app/model/{tiny_alias.model_id}/history/",
         f"/admin/models_app/modelalias/{tiny_alias.pk}/delete/",
         f"/admin/models_app/apikey/{an_api_key.pk}/change/",
         "/admin/auth/user/add/",
+        "/dashboard/models/",
+        "/dashboard/chat/",
         "/dashboard/",
     ):
         assert must in seen, must
