@@ -374,7 +374,8 @@ class UsageDayAdmin(_UsageDayAdminBase):
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        response = super().changelist_view(request, extra_context)
+        # A page to read, not a list to pick from: Django's "Select usage by day to view" says otherwise.
+        response = super().changelist_view(request, {"title": "Usage by day", **(extra_context or {})})
         context = getattr(response, "context_data", None)
         if context is not None and "cl" in context:
             rows = context["cl"].queryset
