@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+from tests.e2e import test_browser
+from tests.e2e.test_browser import CHROMIUM, CHROMIUM_ARGS, PASSWORD, STAFF, _require_browser
 from tests.support import wait_until
 
 if TYPE_CHECKING:
@@ -32,9 +33,6 @@ ARTIFACTS = ROOT / ".cache" / "artifacts"
 SCREENSHOTS = ROOT / os.environ.get(
     "MLXHOST_SCREENSHOTS_DIR", ".cache/artifacts"
 )  # absolute, or under the repo
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-STAFF, PASSWORD = "staff-chat", "pw-staff-chat-123"
 WAIT_MS = 60_000
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
@@ -42,24 +40,7 @@ TURN = "#chat-transcript li.chat-turn"
 FINISHED = f"{TURN}[data-status]:not([data-status=pending]):not([data-status=streaming])"
 
 
-def _require_browser() -> None:
-    """In CI (MLXHOST_REQUIRE_SERVICES=1) a missing browser fails the test; elsewhere it skips."""
-    required = os.environ.get("MLXHOST_REQUIRE_SERVICES") == "1"
-    if shutil.which(CHROMIUM) is None:
-        if required:
-            pytest.fail(f"MLXHOST_REQUIRE_SERVICES=1 but headless Chromium is not installed at {CHROMIUM}")
-        pytest.skip(f"headless Chromium is not installed at {CHROMIUM}")
-
-
-@pytest.fixture
-def staff_user(django_user_model):
-    from django.contrib.auth.hashers import PBKDF2PasswordHasher
-
-    user = django_user_model.objects.create_user(username=STAFF, is_staff=True, is_superuser=True)
-    hasher = PBKDF2PasswordHasher()  # the test settings' MD5 hasher is not daphne's
-    user.password = hasher.encode(PASSWORD, hasher.salt(), iterations=1000)
-    user.save(update_fields=["password"])
-    return user
+staff_user = test_browser.staff_user  # the same fixture as the other browser tests
 
 
 @pytest.fixture
