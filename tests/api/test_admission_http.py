@@ -74,8 +74,11 @@ async def test_a_disconnect_frees_the_slot_for_the_next_request_within_a_decode_
     assert second.status_code == 200
     assert second.json()["usage"]["completion_tokens"] == 3
     snap = mlx_engine.snapshot()[0]
-    # The cancelled stream ran at most one more decode step before the next request began.
-    assert snap["tokens_generated"] - 3 - produced_at_cancel <= 1
+    # The cancelled stream ran at most one more decode step before the next request began: mlx-lm
+    # computes each next token ahead (mx.async_eval), so the worker may still count the token that
+    # was in flight when it saw the stop, and the one it had scheduled after it (2 in about one run
+    # in ten on 2 busy cores; 1 usually). Anything more would mean the cancel did not stop it.
+    assert snap["tokens_generated"] - 3 - produced_at_cancel <= 2
     assert snap["requests_cancelled"] == 1
     readyz = await AsyncClient().get("/readyz", headers={"Authorization": f"Bearer {api_key}"})
     assert readyz.json()["instances"][0]["lane"]["active"] == 0
