@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 from django.http import HttpResponse
 from django.utils.cache import patch_vary_headers
 
-from mlxhost.middleware import is_api
+from mlxhost.middleware import DualMiddleware, is_api
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable
 
     from django.http import HttpRequest, HttpResponseBase
 
@@ -77,27 +76,14 @@ def _is_preflight(request: HttpRequest) -> bool:
     return request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers
 
 
-class CorsMiddleware:
+class CorsMiddleware(DualMiddleware):
     """Answer preflights on /v1/ from allowed origins (204) and mark their actual responses.
 
     Other origins, and every path outside /v1/, pass through untouched: a preflight from them
     reaches the view and gets its 405, with no Access-Control-* header.
     """
 
-    async_capable = True
-    sync_capable = True
-
-    def __init__(
-        self, get_response: Callable[[HttpRequest], HttpResponseBase | Awaitable[HttpResponseBase]]
-    ) -> None:
-        self.get_response = get_response
-        if iscoroutinefunction(get_response):
-            markcoroutinefunction(self)
-
-    def __call__(self, request: HttpRequest) -> HttpResponseBase | Awaitable[HttpResponseBase]:
-        is_async = iscoroutinefunction(self)  # kept apart from the call: see security.py
-        if is_async:
-            return self._acall(request)
+    def _call(self, request: HttpRequest) -> HttpResponseBase:
         origin = allowed_origin(request)
         if origin is not None and _is_preflight(request):
             return preflight(request, origin)

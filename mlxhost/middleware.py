@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
-from asgiref.sync import sync_to_async
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction, sync_to_async
 from django.conf import settings
 from django.contrib.auth.middleware import AuthenticationMiddleware
 from django.contrib.messages.middleware import MessageMiddleware
@@ -33,6 +33,36 @@ if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponseBase
 
 API_PREFIX = "/v1/"
+
+
+class DualMiddleware:
+    """The base of this project's own middleware: sync and async capable, as Django's docs lay
+    it out, written once. A subclass defines `_call` (a sync chain) and `_acall` (an async one).
+    """
+
+    async_capable = True
+    sync_capable = True
+
+    def __init__(
+        self, get_response: Callable[[HttpRequest], HttpResponseBase | Awaitable[HttpResponseBase]]
+    ) -> None:
+        self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> HttpResponseBase | Awaitable[HttpResponseBase]:
+        # `self` passed to iscoroutinefunction would narrow it to a plain callable (a TypeGuard),
+        # hiding `_acall`: the check and the call are kept apart.
+        is_async = iscoroutinefunction(self)
+        if is_async:
+            return self._acall(request)
+        return self._call(request)
+
+    def _call(self, request: HttpRequest) -> HttpResponseBase:
+        raise NotImplementedError
+
+    async def _acall(self, request: HttpRequest) -> HttpResponseBase:
+        raise NotImplementedError
 
 
 def is_api(request: HttpRequest) -> bool:

@@ -27,10 +27,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-
 from mlxhost.engine import Done, Failed
 from mlxhost.log_filters import PROBE_PATHS
+from mlxhost.middleware import DualMiddleware
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -184,24 +183,10 @@ def recording(*, method: str, path: str) -> Iterator[RequestRecord]:
         record.write()
 
 
-class RequestLogMiddleware:
+class RequestLogMiddleware(DualMiddleware):
     """Give each API request its id and `x-request-id` header, and write its line when it ends."""
 
-    async_capable = True
-    sync_capable = True
-
-    def __init__(
-        self, get_response: Callable[[HttpRequest], HttpResponseBase | Awaitable[HttpResponseBase]]
-    ) -> None:
-        self.get_response = get_response
-        if iscoroutinefunction(get_response):
-            markcoroutinefunction(self)
-
-    def __call__(self, request: HttpRequest) -> HttpResponseBase | Awaitable[HttpResponseBase]:
-        # As in ContentSecurityPolicyMiddleware: the check and the call are kept apart for mypy.
-        is_async = iscoroutinefunction(self)
-        if is_async:
-            return self._acall(request)
+    def _call(self, request: HttpRequest) -> HttpResponseBase:
         if not is_logged(request.path):
             return cast("HttpResponseBase", self.get_response(request))
         record = self._begin(request)

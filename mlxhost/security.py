@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
 
+from mlxhost.middleware import DualMiddleware
+
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable
 
     from django.http import HttpRequest, HttpResponse
 
@@ -28,24 +29,11 @@ DEFAULT_CSP = "; ".join(
 )
 
 
-class ContentSecurityPolicyMiddleware:
+class ContentSecurityPolicyMiddleware(DualMiddleware):
     """Give every HTML response a Content-Security-Policy; a view's own policy wins (the dashboard
     names its WebSocket origins)."""
 
-    async_capable = True
-    sync_capable = True
-
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse | Awaitable[HttpResponse]]) -> None:
-        self.get_response = get_response
-        if iscoroutinefunction(get_response):
-            markcoroutinefunction(self)
-
-    def __call__(self, request: HttpRequest) -> HttpResponse | Awaitable[HttpResponse]:
-        # `self` passed to iscoroutinefunction would narrow it to a plain callable (a TypeGuard),
-        # hiding `_acall`: the check and the call are kept apart.
-        is_async = iscoroutinefunction(self)
-        if is_async:
-            return self._acall(request)
+    def _call(self, request: HttpRequest) -> HttpResponse:
         return with_default_csp(cast("HttpResponse", self.get_response(request)))  # a sync chain
 
     async def _acall(self, request: HttpRequest) -> HttpResponse:
