@@ -28,6 +28,7 @@ from mlxhost.engine.backends.mlx.batch import (
     reseed_global_random,
     with_context,
 )
+from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
 from mlxhost.engine.backends.mlx.embedding import MlxEmbedder, load_embedder
 from mlxhost.engine.backends.mlx.grammar import MlxSplitter, Vocabulary, splitter_for, state_machine
 from mlxhost.engine.errors import ModelLoadError
@@ -155,19 +156,23 @@ class MlxModel:
             logits_processors=processors,
             prompt_cache=kv,
         )
+        # mlx-lm's `response.text` drops the first token's leading space: the text is ours.
+        detokenizer = ExactDetokenizer(self._tokenizer, [*context, *prompt_ids])
         try:
             for response in responses:
                 token = int(response.token)
                 logprob = None if top is None else self.vocabulary.logprob(response.logprobs, token, top)
                 if response.finish_reason is None:
-                    yield TokenStep(response.text, token, logprob)
+                    text = detokenizer.add_token(token)
+                    yield TokenStep(text, token, spelled(logprob, text))
                     continue
                 # The last response carries either the EOS token (not text) or the final token.
-                text = response.text
                 if response.finish_reason == "length" and token not in eos:
-                    yield TokenStep(text, token, logprob)
-                    text = ""
-                yield StepEnd(text=text, finish_reason=response.finish_reason)
+                    text = detokenizer.add_token(token) + detokenizer.finalize()
+                    yield TokenStep(text, token, spelled(logprob, text))
+                    yield StepEnd(text="", finish_reason=response.finish_reason)
+                else:
+                    yield StepEnd(text=detokenizer.finalize(), finish_reason=response.finish_reason)
                 return
         finally:
             responses.close()

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from mlxhost.engine.backends.base import BatchStep, SequenceCache
+from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
 from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ def make_processors(sampling: SamplingParams, vocabulary: Vocabulary | None = No
 
 
 class MlxBatch:
-    """A `BatchGenerator` plus one streaming detokenizer per sequence; worker thread only.
+    """A `BatchGenerator` plus one exact detokenizer per sequence; worker thread only.
 
     The generator stops a sequence on the model's EOS tokens ("stop", not shown or counted,
     as `stream_generate` does); text stop strings are the worker's. Every returned token has
@@ -172,7 +173,7 @@ class MlxBatch:
         )
         self._model = model
         self._eos = set(eos)
-        self._detokenizers: dict[int, Any] = {}
+        self._detokenizers: dict[int, ExactDetokenizer] = {}
         self._decoding: set[int] = set()  # handles past their prompt, producing tokens
         # First tokens computed at insert (see `_insert_started`), handed out by the next step.
         self._first: dict[int, BatchStep] = {}
@@ -205,7 +206,7 @@ class MlxBatch:
             samplers=[sampler],
             logits_processors=[[guard.processor(p) for p in make_processors(sampling, self._vocabulary)]],
         )
-        self._detokenizers[uid] = self._tokenizer.detokenizer
+        self._detokenizers[uid] = ExactDetokenizer(self._tokenizer, prompt_ids)
         self._guards[uid] = (sampler_guard, guard)
         if sampling.logprobs is not None:
             self._top[int(uid)] = sampling.logprobs
@@ -241,7 +242,7 @@ class MlxBatch:
                 logits = processor(context, logits)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = int(sampler(logprobs).item())
-        detokenizer = self._tokenizer.detokenizer
+        detokenizer = ExactDetokenizer(self._tokenizer, prompt_ids)
         logprob = self._logprob(sampling.logprobs, logprobs, token)
         if guard.faulted or sampler_guard.faulted or token in self._eos or sampling.max_tokens <= 1:
             # Ends on its first token: it never joins the generator (its cache holds the prompt).
@@ -254,10 +255,9 @@ class MlxBatch:
             elif token in self._eos:
                 self._first[handle] = BatchStep(handle, "", None, "stop", ended)
             else:
-                detokenizer.add_token(token)
-                detokenizer.finalize()
+                text = detokenizer.add_token(token) + detokenizer.finalize()
                 self._first[handle] = BatchStep(
-                    handle, detokenizer.last_segment, token, "length", ended, logprob=logprob
+                    handle, text, token, "length", ended, logprob=spelled(logprob, text)
                 )
             return handle
         (uid,) = self._generator.insert(
@@ -268,10 +268,10 @@ class MlxBatch:
             samplers=[sampler],
             logits_processors=[processors],
         )
-        detokenizer.add_token(token)
+        text = detokenizer.add_token(token)
         self._detokenizers[uid] = detokenizer
         self._guards[uid] = (sampler_guard, guard)
-        self._first[uid] = BatchStep(uid, detokenizer.last_segment, token, logprob=logprob)
+        self._first[uid] = BatchStep(uid, text, token, logprob=spelled(logprob, text))
         if sampling.logprobs is not None:
             self._top[int(uid)] = sampling.logprobs
         return int(uid)
@@ -304,25 +304,24 @@ class MlxBatch:
             detokenizer = self._detokenizers[response.uid]
             finish = response.finish_reason
             token: int | None = int(response.token)
+            text = ""
             if finish == "stop":  # an EOS token: finish the text, neither show nor count the token
                 token = None
             else:
-                detokenizer.add_token(response.token)
+                text = detokenizer.add_token(response.token)
             cache = None
             decoding.add(response.uid)
             logprob = None
             if token is not None:
                 logprob = self._logprob(self._top.get(response.uid), response.logprobs, token)
             if finish is not None:
-                detokenizer.finalize()
+                text += detokenizer.finalize()
                 del self._detokenizers[response.uid]
                 del self._guards[response.uid]
                 self._top.pop(response.uid, None)
                 decoding.discard(response.uid)
                 cache = SequenceCache(response.prompt_cache, tuple(response.all_tokens))
-            steps.append(
-                BatchStep(response.uid, detokenizer.last_segment, token, finish, cache, logprob=logprob)
-            )
+            steps.append(BatchStep(response.uid, text, token, finish, cache, logprob=spelled(logprob, text)))
         if faulted:
             steps.extend(self._end_faulted(faulted))
         return steps
