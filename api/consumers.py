@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -27,7 +26,7 @@ from api.openai.responses_input import ResponsesInput
 from api.openai.views import validated
 from api.parsing import loads_object
 from api.sampling import sampling_overrides
-from mlxhost import request_log
+from mlxhost import request_log, wire
 from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
 from models_app.response_ids import new_response_id
@@ -374,6 +373,9 @@ class ResponsesConsumer(_TrackedConsumer):
                     if shape.done is not None:  # an extension of the socket's frames (ADM-4)
                         event["timings"] = timings_body(shape.done.timings)
                 await self.send_json(event)
+        except wire.NotJSONError as exc:  # a NaN in the answer: the turn's error, not an unreadable frame
+            self.turns.pop(response_id, None)
+            await self.send_error(as_api_error(exc), response_id=response_id)
         finally:
             # A send that failed (the socket closed) leaves the event generator unfinished; its
             # generation must stop now, not when the generator is collected (LANE-6).
@@ -382,7 +384,7 @@ class ResponsesConsumer(_TrackedConsumer):
 
     async def send_json(self, payload: dict[str, Any]) -> None:
         if not self.closed:
-            await self.send(text_data=json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+            await self.send(text_data=wire.dumps(payload))
 
     async def send_error(self, error: ApiError, response_id: str | None = None) -> None:
         request_log.note_error(error.code or error.type)  # a turn's refusal, in its log line
@@ -426,7 +428,7 @@ class DashboardConsumer(_TrackedConsumer):
         await self.watch_credentials(user_id=user.pk)
         await self.accept()
         for status in await sync_to_async(control.engine_statuses)():
-            await self.send(text_data=json.dumps({"type": "status", "status": status}))
+            await self.send(text_data=wire.dumps({"type": "status", "status": status}))
 
     async def disconnect(self, code: int) -> None:
         await self.channel_layer.group_discard(control.DASHBOARD_GROUP, self.channel_name)
@@ -441,4 +443,4 @@ class DashboardConsumer(_TrackedConsumer):
     async def dashboard_status(self, message: dict[str, Any]) -> None:
         if self.revoked:
             return  # closed by a logout: not one more status frame
-        await self.send(text_data=json.dumps({"type": "status", "status": message["status"]}))
+        await self.send(text_data=wire.dumps({"type": "status", "status": message["status"]}))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -12,7 +11,7 @@ from django.http import HttpRequest, HttpResponse
 from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 
-from mlxhost import request_log
+from mlxhost import request_log, wire
 from mlxhost.engine import (
     DrainingError,
     DuplicateRequestError,
@@ -208,7 +207,7 @@ def error_response(error: ApiError, dialect: Dialect) -> HttpResponse:
     request_log.note_error(error.code or error.type)
     status = error_status(error, dialect)
     response = HttpResponse(
-        json.dumps(error_body(error, dialect)), status=status, content_type="application/json"
+        wire.dumps(error_body(error, dialect)), status=status, content_type="application/json"
     )
     if error.retry_after is not None:
         response["Retry-After"] = str(error.retry_after)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from api.auth import api_endpoint, may_see_internals
 from mlxhost.runtime import engine_if_started
 from mlxhost.runtime.status import instance_status
+from mlxhost.wire import json_response
 from models_app import control, selectors
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest, HttpResponse
 
 # A model in one of these states can take a request now: `unloaded` loads on it (OPS-3).
 SERVING_STATES = frozenset({"ok", "degraded", "unloaded"})
@@ -22,7 +25,7 @@ HEALTHY_STATES = frozenset({"ok", "unloaded"})
 @api_endpoint(dialect="openai", methods=("GET", "HEAD"), public=True)
 async def healthz(request: HttpRequest) -> HttpResponse:
     """The process is up and serving HTTP."""
-    return JsonResponse({"status": "ok"})
+    return json_response({"status": "ok"})
 
 
 def _served_models() -> list[dict[str, Any]]:
@@ -86,4 +89,4 @@ async def readyz(request: HttpRequest) -> HttpResponse:
         body["instances"] = instances
         # Every engine of the fleet as it last reported (this one included), and their total.
         body["fleet"] = await sync_to_async(control.fleet_view)()
-    return JsonResponse(body, status=200 if ready else 503)
+    return json_response(body, status=200 if ready else 503)

@@ -13,7 +13,6 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import URLPattern, URLResolver, get_resolver, path
 from drf_spectacular.generators import SchemaGenerator
 from drf_spectacular.types import OpenApiTypes
@@ -27,9 +26,12 @@ from api.openai.completions import CompletionInput
 from api.openai.embeddings import EmbeddingsInput
 from api.openai.responses_input import ResponsesInput
 from api.openai.serializers import ChatCompletionInput
+from mlxhost.wire import json_response
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
+
+    from django.http import HttpRequest, HttpResponse
 
 TITLE = "mlxhost API"
 VERSION = "1"
@@ -155,4 +157,4 @@ def openapi_schema() -> dict[str, Any]:
 @api_endpoint(dialect="openai", methods=("GET", "HEAD"), public=True)
 async def openapi_json(request: HttpRequest) -> HttpResponse:
     """GET /v1/openapi.json: public, like a vendor's published API reference; it holds no secrets."""
-    return JsonResponse(openapi_schema())
+    return json_response(openapi_schema())

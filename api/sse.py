@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from typing import TYPE_CHECKING, Any
+
+from mlxhost import wire
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -14,8 +15,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse_event(data: Any, event: str | None = None) -> bytes:
-    """One SSE frame; `data` is JSON-encoded unless it is already a string."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    """One SSE frame; `data` is JSON-encoded (strictly: NaN raises `wire.NotJSONError`) unless a string."""
+    payload = data if isinstance(data, str) else wire.dumps(data)
     head = f"event: {event}\n" if event else ""
     lines = "".join(f"data: {line}\n" for line in payload.split("\n"))
     return f"{head}{lines}\n".encode()

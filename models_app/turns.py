@@ -62,6 +62,7 @@ class TurnRequest:
     thinking: bool | None = None  # the request turns the template's thinking on or off (None: the alias's)
     effort: str | None = None  # the reasoning effort asked for, one of `selectors.EFFORTS` (API-9)
     key: KeyIdentity | None = None  # the API key it counts against (None: a browser session)
+    call_id_prefix: str = "call_"  # how the surface's provider starts tool call ids ("toolu_")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +156,7 @@ def generation_request(
         json_format=turn.json_format,
         template_options=selectors.template_options_for(alias, thinking=turn.thinking, effort=turn.effort),
         continue_final=turn.continue_final,
+        call_id_prefix=turn.call_id_prefix,
     )
 
 

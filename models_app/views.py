@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 from django.contrib import admin, messages
 from django.contrib.admin.views.decorators import staff_member_required
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpResponseNotAllowed, JsonResponse
+from django.http import Http404, HttpResponseNotAllowed
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_safe
 
+from mlxhost.wire import json_response
 from models_app import control, selectors, services, transcripts
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ def model_action(request: HttpRequest, pk: int, action: str) -> HttpResponse:
     where = f" on h{host:02d}" if host is not None else ""
     message = ACTION_REQUESTED.format(action=action.capitalize(), model=model.name + where)
     if "application/json" in request.headers.get("Accept", ""):
-        return JsonResponse({"message": message, "model": model.name, "action": action}, status=202)
+        return json_response({"message": message, "model": model.name, "action": action}, status=202)
     messages.success(request, message)
     return redirect(back)
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import replace
-from typing import Any
-
-from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
+from typing import TYPE_CHECKING, Any
 
 from api.anthropic.messages import MessageTurn, message_complete, message_sse
 from api.anthropic.serializers import CountTokensInput, MessagesInput
@@ -16,7 +14,14 @@ from api.sampling import sampling_overrides
 from api.sse import anthropic_ping
 from api.tools import ToolSet
 from mlxhost.engine import Message, ToolChoice
+from mlxhost.wire import json_response
 from models_app.turns import CacheScope, TurnRequest, turn_count_tokens, turn_start
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest, HttpResponse, HttpResponseBase
+
+# Anthropic's tool_use ids start so; clients and their tests check it (OpenAI's are "call_").
+TOOL_USE_ID_PREFIX = "toolu_"
 
 
 def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
@@ -47,6 +52,7 @@ def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
         thinking=data.get("thinking_switch"),
         effort=data.get("effort"),
         key=caller.key,
+        call_id_prefix=TOOL_USE_ID_PREFIX,
     )
 
 
@@ -64,12 +70,14 @@ async def messages(request: HttpRequest) -> HttpResponseBase:
     shape = MessageTurn(id=turn.request_id, model=turn.model, thinking=data["thinking_enabled"])
     headers = {**turn.headers, "request-id": turn.request_id, **(data.get("tools") or ToolSet()).headers()}
     if data["stream"]:
-        return sse_response(message_sse(shape, turn.generation), headers, beat=anthropic_ping())
-    return JsonResponse(await message_complete(shape, turn.generation), headers=headers)
+        return sse_response(
+            message_sse(shape, turn.generation), headers, beat=anthropic_ping(), surface="anthropic"
+        )
+    return json_response(await message_complete(shape, turn.generation), headers=headers)
 
 
 @api_endpoint(dialect="anthropic", methods=("POST",))
 async def count_tokens(request: HttpRequest) -> HttpResponse:
     """POST /v1/messages/count_tokens: the prompt's token count, without generating or queueing."""
     data = validated(CountTokensInput, json_body(request))
-    return JsonResponse({"input_tokens": await turn_count_tokens(_messages_turn(data, caller_of(request)))})
+    return json_response({"input_tokens": await turn_count_tokens(_messages_turn(data, caller_of(request)))})

@@ -10,7 +10,18 @@ from api.collect import collect_answer
 from api.errors import cut_short_error, error_body, failed_error
 from api.sse import SSE_DONE, sse_event
 from api.tools import logprob_body
-from mlxhost.engine import Delta, Done, Failed, Generation, ReasoningDelta, ToolCall, ToolCallDelta, Usage
+from mlxhost.engine import (
+    Delta,
+    Done,
+    Failed,
+    Generation,
+    Queued,
+    ReasoningDelta,
+    Started,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -66,8 +77,18 @@ async def chat_sse(turn: ChatTurn, generation: Generation) -> AsyncIterator[byte
     An async generator on purpose: Django buffers sync iterators under ASGI. When the client
     disconnects, Django cancels this generator and `Generation.stream()` sets the stop flag.
     """
-    yield sse_event(turn.chunk({"role": "assistant", "content": ""}))
+    request = generation.request
+    mode = request.tool_choice.mode if request.tools else "none"
+    # The opening delta: `content` is null when a tool call follows, as OpenAI's is (a "" there
+    # is an empty text part to Vercel's useChat). With `auto` that is known at the first event.
+    opened = mode != "auto"
+    if opened:
+        yield sse_event(turn.chunk({"role": "assistant", "content": None if mode == "required" else ""}))
     async for event in generation.stream():
+        if not opened and _shows(event):
+            opened = True
+            content = "" if isinstance(event, Delta) else None
+            yield sse_event(turn.chunk({"role": "assistant", "content": content}))
         if isinstance(event, Delta) and (event.text or event.logprobs):
             logprobs = {"content": [logprob_body(lp) for lp in event.logprobs]} if event.logprobs else None
             yield sse_event(turn.chunk({"content": event.text}, logprobs=logprobs))
@@ -86,6 +107,13 @@ async def chat_sse(turn: ChatTurn, generation: Generation) -> AsyncIterator[byte
         elif isinstance(event, Failed):
             yield sse_event(error_body(failed_error(event), "openai"))
     yield SSE_DONE
+
+
+def _shows(event: object) -> bool:
+    """Whether `event` is the answer's first output: text, reasoning, a call, or its end."""
+    if isinstance(event, Delta):
+        return bool(event.text or event.logprobs)
+    return not isinstance(event, Queued | Started)
 
 
 async def chat_complete(turn: ChatTurn, generation: Generation) -> dict[str, Any]:

@@ -11,17 +11,18 @@ import sys
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from django.http import HttpRequest, HttpResponse, JsonResponse
 from rest_framework import serializers
 
 from api.auth import api_endpoint, json_body
 from api.errors import ApiError
 from api.openai.views import validated
 from mlxhost.engine import MAX_EMBEDDING_INPUTS as MAX_INPUTS
+from mlxhost.wire import json_response
 from models_app.embedding_requests import embeddings_create
 
 if TYPE_CHECKING:
     import tiktoken
+    from django.http import HttpRequest, HttpResponse
 
     from mlxhost.engine import Embeddings
 
@@ -150,4 +151,4 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
         model=data["model"], texts=texts, request_id=request_id, dimensions=data.get("dimensions")
     )
     body = embeddings_body(result, model=data["model"], encoding_format=data["encoding_format"])
-    return JsonResponse(body, headers={"X-Request-Id": request_id})
+    return json_response(body, headers={"X-Request-Id": request_id})

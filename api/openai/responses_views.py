@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
-from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse
 
 from api.auth import api_endpoint, caller_of, json_body
 from api.openai.input_items import input_items, input_items_page
@@ -15,11 +14,15 @@ from api.openai.views import sse_response, validated
 from api.sampling import sampling_overrides
 from api.tools import ToolSet
 from mlxhost.engine import Usage
+from mlxhost.wire import json_response
 from models_app import services
 from models_app.models import StoredResponse
 from models_app.persistence import persistence
 from models_app.response_turns import not_found, response_start
 from models_app.response_turns import response_cancel as cancel_response
+
+if TYPE_CHECKING:
+    from django.http import HttpRequest, HttpResponse, HttpResponseBase
 
 
 @api_endpoint(dialect="openai", methods=("POST",))
@@ -32,8 +35,8 @@ async def responses_create(request: HttpRequest) -> HttpResponseBase:
     tools = data.get("tools") or ToolSet()
     if data["stream"]:
         stream = response_sse(response, started.turn)
-        return sse_response(stream, {**started.turn.headers, **tools.headers()})
-    return JsonResponse(
+        return sse_response(stream, {**started.turn.headers, **tools.headers()}, surface="responses")
+    return json_response(
         await response_collect(response, started.turn), headers={**started.turn.headers, **tools.headers()}
     )
 
@@ -82,8 +85,8 @@ async def response_detail(request: HttpRequest, public_id: str) -> HttpResponse:
     row = await _owned(request, public_id)
     if request.method == "DELETE":
         await sync_to_async(services.response_delete)(public_id=row.public_id, owner_id=row.owner_id)
-        return JsonResponse({"id": public_id, "object": "response.deleted", "deleted": True})
-    return JsonResponse(_stored_body(row))
+        return json_response({"id": public_id, "object": "response.deleted", "deleted": True})
+    return json_response(_stored_body(row))
 
 
 @api_endpoint(dialect="openai", methods=("POST",))
@@ -91,8 +94,8 @@ async def response_cancel(request: HttpRequest, public_id: str) -> HttpResponse:
     """POST /v1/responses/{id}/cancel: stop a queued or running response of the caller's, on
     whichever host runs it (LANE-6)."""
     if await cancel_response(public_id=public_id, owner_id=caller_of(request).owner_id):
-        return JsonResponse({"id": public_id, "object": "response", "status": "cancelled"})
-    return JsonResponse(_stored_body(await _owned(request, public_id)))
+        return json_response({"id": public_id, "object": "response", "status": "cancelled"})
+    return json_response(_stored_body(await _owned(request, public_id)))
 
 
 @api_endpoint(dialect="openai", methods=("GET",))
@@ -101,4 +104,4 @@ async def response_input_items(request: HttpRequest, public_id: str) -> HttpResp
     (`order`, `limit`, `after`, `before`)."""
     row = await _owned(request, public_id)
     items = input_items(row.public_id, (row.request or {}).get("input", []))
-    return JsonResponse(input_items_page(items, request.GET))
+    return json_response(input_items_page(items, request.GET))

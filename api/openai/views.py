@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonResponse, StreamingHttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHttpResponse
 
 from api.anthropic.models import model_info, model_page, wants_anthropic
 from api.auth import Caller, api_endpoint, caller_of, json_body, request_context
-from api.errors import ApiError
+from api.errors import ApiError, as_api_error, error_body
 from api.openai.chat import ChatTurn, chat_complete, chat_sse
 from api.openai.serializers import ChatCompletionInput, first_error
 from api.sampling import sampling_overrides
-from api.sse import sse_comment, with_keepalive
+from api.sse import SSE_DONE, sse_comment, sse_event, with_keepalive
 from api.tools import ToolSet
+from mlxhost import wire
 from mlxhost.engine import ToolChoice
 from mlxhost.runtime import engine_if_started
+from mlxhost.wire import json_response
 from models_app import selectors
 from models_app.models import ModelAlias
 from models_app.turns import CacheScope, StartedTurn, TurnRequest, turn_start
@@ -32,16 +34,43 @@ if TYPE_CHECKING:
     from mlxhost.engine import Generation, Message
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Whose error event ends a stream: chat and completions (`data: {"error":...}` then [DONE]),
+# Anthropic Messages (`event: error`), Responses (`event: error`, its flat error object).
+SseSurface = Literal["chat", "anthropic", "responses"]
 
 
 def sse_response(
-    frames: AsyncIterator[bytes], headers: dict[str, str], *, beat: bytes | None = None
+    frames: AsyncIterator[bytes],
+    headers: dict[str, str],
+    *,
+    beat: bytes | None = None,
+    surface: SseSurface = "chat",
 ) -> StreamingHttpResponse:
-    """An SSE answer with keep-alives (`beat`, an SSE comment by default) while the stream idles."""
-    keepalive = with_keepalive(frames, beat or sse_comment(), settings.MLXHOST_SSE_KEEPALIVE_S)
+    """An SSE answer with keep-alives (`beat`, an SSE comment by default) while the stream idles;
+    a frame that cannot be written as JSON ends it with `surface`'s error event."""
+    written = _written(frames, surface)
+    keepalive = with_keepalive(written, beat or sse_comment(), settings.MLXHOST_SSE_KEEPALIVE_S)
     return StreamingHttpResponse(
         keepalive, content_type="text/event-stream", headers={**SSE_HEADERS, **headers}
     )
+
+
+async def _written(frames: AsyncIterator[bytes], surface: SseSurface) -> AsyncIterator[bytes]:
+    # A NaN or Infinity in an answer is a server fault: the client hears a clean 500 error event
+    # in the surface's shape (the traceback goes to the log), never a frame JSON.parse rejects.
+    try:
+        async for frame in frames:
+            yield frame
+    except wire.NotJSONError as exc:
+        error = as_api_error(exc)
+        if surface == "anthropic":
+            yield sse_event(error_body(error, "anthropic"), event="error")
+        elif surface == "responses":
+            body = {"type": "error", "code": error.code, "message": error.message, "param": None}
+            yield sse_event(body, event="error")
+        else:
+            yield sse_event(error_body(error, "openai"))
+            yield SSE_DONE
 
 
 def validated(serializer_class: type[serializers.Serializer[Any]], body: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +136,7 @@ async def chat_shaped_response(
     )
     if data["stream"]:
         return sse_response(stream(shape, generation), turn.headers)
-    return JsonResponse(await collect(shape, generation), headers=turn.headers)
+    return json_response(await collect(shape, generation), headers=turn.headers)
 
 
 def _engine_states() -> dict[int, str]:
@@ -141,8 +170,8 @@ async def models_list(request: HttpRequest) -> HttpResponse:
     Anthropic's page shape for a request with `anthropic-version` (API-2)."""
     items = await sync_to_async(_model_list)(_engine_states())
     if wants_anthropic(request):
-        return JsonResponse(model_page(items))
-    return JsonResponse({"object": "list", "data": items})
+        return json_response(model_page(items))
+    return json_response({"object": "list", "data": items})
 
 
 @api_endpoint(dialect="auto", methods=("GET",))
@@ -151,5 +180,5 @@ async def model_retrieve(request: HttpRequest, name: str) -> HttpResponse:
     request_context(request).requested_model = name
     for item in await sync_to_async(_model_list)(_engine_states()):
         if item["id"] == name:
-            return JsonResponse(model_info(item) if wants_anthropic(request) else item)
+            return json_response(model_info(item) if wants_anthropic(request) else item)
     raise ModelAlias.DoesNotExist

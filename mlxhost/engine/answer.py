@@ -52,8 +52,9 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def new_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
+def new_call_id(prefix: str = "call_") -> str:
+    """A fresh tool call id in the surface's provider's form (`call_…`, `toolu_…`)."""
+    return f"{prefix}{secrets.token_hex(12)}"
 
 
 class AnswerReader:

@@ -557,7 +557,8 @@ class Engine:
             budget_bytes=self._kv_budget(model.memory_bytes()),
         )
         disk = await self._probe_disk(instance, request.session, prompt_ids)
-        return _Prepared(prompt_ids, sampling, disk, prompts.reader_for(model, rendered))
+        reader = prompts.reader_for(model, rendered, request.call_id_prefix)
+        return _Prepared(prompt_ids, sampling, disk, reader)
 
     async def _probe_disk(
         self, instance: Instance, query: SessionQuery | None, prompt_ids: list[int]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mlxhost.engine.answer import AnswerReader
+from mlxhost.engine.answer import AnswerReader, new_call_id
 from mlxhost.engine.errors import InvalidRequestError
 from mlxhost.engine.structure import AnswerPlan, plan_answer, prompt_messages
 from mlxhost.engine.types import Message
@@ -65,9 +66,9 @@ def later_system_as_user(messages: tuple[Message, ...]) -> tuple[Message, ...]:
     )
 
 
-def reader_for(model: LoadedModel, rendered: Rendered) -> AnswerReader | None:
+def reader_for(model: LoadedModel, rendered: Rendered, call_id_prefix: str = "call_") -> AnswerReader | None:
     """How the answer's text is read back; None when it is plain text with no markers to find."""
     splitter = model.splitter(rendered.prompt_ids)
     if rendered.plan.mode == "text" and splitter is None:
         return None
-    return AnswerReader(rendered.plan, splitter)
+    return AnswerReader(rendered.plan, splitter, functools.partial(new_call_id, call_id_prefix))

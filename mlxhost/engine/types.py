@@ -166,6 +166,8 @@ class GenerationRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     json_format: str | None = None
+    # How the surface's provider starts a tool call's id: OpenAI "call_", Anthropic "toolu_".
+    call_id_prefix: str = "call_"
     # Chat-template switches (an alias's `enable_thinking`), passed to the template as keywords.
     template_options: tuple[tuple[str, object], ...] = ()
     # Render without a generation prompt and continue the last (assistant) message.

@@ -1,0 +1,47 @@
+"""The one JSON writer of every surface (HTTP bodies, SSE frames, WebSocket frames): strict JSON.
+
+Python's `json` writes NaN and ±Infinity as bare `NaN` / `-Infinity`, which is not JSON:
+`JSON.parse`, serde and Go reject the whole answer. Here they are refused instead
+(`allow_nan=False`): a value like that is a server fault, and the surface answers with a clean
+error in its envelope rather than a body no client can read.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.http import JsonResponse
+
+# Compact and UTF-8, as every stream frame has been written.
+STRICT: dict[str, Any] = {"allow_nan": False, "separators": (",", ":"), "ensure_ascii": False}
+
+
+class NotJSONError(ValueError):
+    """An answer holds a value JSON cannot carry (NaN or Infinity); it was not written."""
+
+
+def dumps(data: Any) -> str:
+    """`data` as strict JSON text (dates, decimals and UUIDs as Django writes them).
+
+    Raises:
+        NotJSONError: `data` holds NaN or ±Infinity.
+    """
+    try:
+        return json.dumps(data, cls=DjangoJSONEncoder, **STRICT)
+    except ValueError as exc:  # "Out of range float values are not JSON compliant"
+        raise NotJSONError(str(exc)) from exc
+
+
+def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> JsonResponse:
+    """A JSON response written by `dumps`.
+
+    Raises:
+        NotJSONError: `data` holds NaN or ±Infinity (an API view's decorator makes it a 500
+        in the surface's envelope).
+    """
+    try:
+        return JsonResponse(data, status=status, headers=headers, safe=False, json_dumps_params=STRICT)
+    except ValueError as exc:
+        raise NotJSONError(str(exc)) from exc
