@@ -54,10 +54,10 @@ haproxy:
 agent-clis:
 	bash scripts/agent_clis.sh
 
-# The Vercel AI SDK from npm into .cache/ai-sdk, for the embeddings end-to-end test (needs Node.js 18+;
-# without it that one test skips).
+# The Vercel AI SDK from npm into .cache/ai-sdk, for the embeddings end-to-end test, and the OpenAI
+# Node SDK into .cache/openai-node, for its logprobs test (need Node.js 18+; without it they skip).
 ai-sdk:
-	@if command -v npm >/dev/null; then bash scripts/ai_sdk.sh; else echo "WARNING: npm missing; the Vercel AI SDK test skips."; fi
+	@if command -v npm >/dev/null; then bash scripts/ai_sdk.sh && bash scripts/openai_node.sh; else echo "WARNING: npm missing; the Node.js SDK tests skip."; fi
 
 # The coding-agent CLIs against a capture server (tests/agents/, tests/fixtures/agents/README.md).
 test-agents: install-dev agent-clis
