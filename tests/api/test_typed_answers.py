@@ -101,8 +101,11 @@ async def test_chat_tools_with_a_format_answer_a_call_or_the_typed_json(
             for call in c["choices"][0]["delta"].get("tool_calls") or []
         )
     else:
-        (choice,) = response.json()["choices"]
+        body = response.json()
+        (choice,) = body["choices"]
         finish, text = choice["finish_reason"], choice["message"]["content"] or ""
+        without = (await chat(api_key, response_format=chat_format(PERSON), max_tokens=1)).json()
+        assert body["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"]  # offered, not dropped
         arguments = "".join(c["function"]["arguments"] for c in choice["message"].get("tool_calls") or [])
     if finish == "tool_calls":
         assert set(json.loads(arguments)) == {"city"} and text == ""
