@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rest_framework import serializers
@@ -61,9 +61,10 @@ class ToolSet:
 IGNORED_TOOLS_HEADER = "X-Tools-Ignored"
 
 
-def tools_list(value: Any, *, parse: Any) -> ToolSet:
+def tools_list(value: Any, *, parse: Any, schema_field: str = "") -> ToolSet:
     """A surface's tool list: `parse` reads one item into the tools it offers (none for a hosted
-    tool, which it reports by raising `Hosted`). Offered names must be unique.
+    tool, which it reports by raising `Hosted`). Offered names must be unique. Each tool's
+    `param` is `tools[i]` + `schema_field` (`.function.parameters`), the field errors name.
     """
     if value is None:
         return ToolSet()
@@ -74,14 +75,14 @@ def tools_list(value: Any, *, parse: Any) -> ToolSet:
     tools: list[Tool] = []
     ignored: list[str] = []
     namespaced: dict[str, tuple[str, str]] = {}
-    for item in value:
+    for index, item in enumerate(value):
         try:
             offered = parse(item)
         except Hosted as hosted:
             ignored.append(hosted.kind)
             continue
         for tool, origin in offered:
-            tools.append(tool)
+            tools.append(replace(tool, param=f"tools[{index}]{schema_field}"))
             if origin is not None:
                 namespaced[tool.name] = origin
     names = [t.name for t in tools]

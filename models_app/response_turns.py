@@ -277,6 +277,7 @@ class ResponseHooks(TurnHooks):
                 single=self.data.get("parallel_tool_calls") is False,
             ),
             json_format=self.data.get("json_format"),
+            format_param="text.format",
             effort=(self.data.get("reasoning") or {}).get("effort"),
         )
 

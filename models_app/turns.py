@@ -58,6 +58,7 @@ class TurnRequest:
     tools: tuple[Tool, ...] = ()
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     json_format: str | None = None  # None: text; "": any JSON object; else a JSON schema's text
+    format_param: str = "response_format"  # the field that holds it, for errors
     continue_final: bool = False  # continue the last (assistant) message instead of answering it
     thinking: bool | None = None  # the request turns the template's thinking on or off (None: the alias's)
     effort: str | None = None  # the reasoning effort asked for, one of `selectors.EFFORTS` (API-9)
@@ -154,6 +155,7 @@ def generation_request(
         tools=turn.tools,
         tool_choice=turn.tool_choice,
         json_format=turn.json_format,
+        format_param=turn.format_param,
         template_options=selectors.template_options_for(alias, thinking=turn.thinking, effort=turn.effort),
         continue_final=turn.continue_final,
         call_id_prefix=turn.call_id_prefix,

@@ -205,7 +205,7 @@ class PromptInput(serializers.Serializer[Any]):
         return json_format_of(value)
 
     def validate_tools(self, value: Any) -> tool_inputs.ToolSet:
-        return tool_inputs.tools_list(value, parse=anthropic_tool)
+        return tool_inputs.tools_list(value, parse=anthropic_tool, schema_field=".input_schema")
 
     def validate_tool_choice(self, value: Any) -> ToolChoice:
         return anthropic_tool_choice(value)

@@ -49,10 +49,20 @@ def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
         tools=(data.get("tools") or ToolSet()).tools,
         tool_choice=data.get("tool_choice") or ToolChoice(),
         json_format=data.get("json_format"),
+        format_param=_format_param(data),
         thinking=data.get("thinking_switch"),
         effort=data.get("effort"),
         key=caller.key,
         call_id_prefix=TOOL_USE_ID_PREFIX,
+    )
+
+
+def _format_param(data: dict[str, Any]) -> str:
+    # `output_config.format` wins over the older beta's `output_format` (serializers.py).
+    return (
+        "output_config.format"
+        if (data.get("output_config") or {}).get("format") is not None
+        else "output_format"
     )
 
 

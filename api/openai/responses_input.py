@@ -213,7 +213,7 @@ class ResponsesInput(SamplingInput):
         return value
 
     def validate_tools(self, value: Any) -> tool_inputs.ToolSet:
-        return tool_inputs.tools_list(value, parse=response_tool)
+        return tool_inputs.tools_list(value, parse=response_tool, schema_field=".parameters")
 
     def validate_tool_choice(self, value: Any) -> Any:
         return tool_inputs.openai_tool_choice(value, nested=False)

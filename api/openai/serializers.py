@@ -135,7 +135,9 @@ class ChatCompletionInput(TextSamplingInput):
     cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)
 
     def validate_tools(self, value: Any) -> tool_inputs.ToolSet:
-        return tool_inputs.tools_list(value, parse=tool_inputs.openai_function)
+        return tool_inputs.tools_list(
+            value, parse=tool_inputs.openai_function, schema_field=".function.parameters"
+        )
 
     def validate_tool_choice(self, value: Any) -> Any:
         return tool_inputs.openai_tool_choice(value)

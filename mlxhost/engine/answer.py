@@ -78,7 +78,7 @@ class AnswerReader:
 
     def feed(self, delta: Delta) -> list[Event]:
         if self._mode == "choice" and delta.text:
-            self._mode = "call" if delta.text.startswith("{") else "text"
+            self._mode = "call" if delta.text[0] == (self._plan.call_prefix or "{")[0] else "text"
         if self._mode == "args":
             return self._args(delta.text)
         if self._mode in ("call", "choice"):
@@ -160,7 +160,7 @@ class AnswerReader:
     def _whole_call(self, done: Done) -> list[Event]:
         text, self._segment = "".join(self._segment), []
         try:
-            value = json.loads(text)
+            value = json.loads(text.removeprefix(self._plan.call_prefix))
             calls = [(str(value["name"]), json.dumps(value["arguments"], ensure_ascii=False))]
         except (ValueError, KeyError, TypeError):
             # Cut short (max_tokens) before the object closed: it is reported as text.

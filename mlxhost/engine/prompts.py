@@ -32,9 +32,8 @@ def render(model: LoadedModel, request: GenerationRequest) -> Rendered:
     """
     if request.prompt is not None:
         return Rendered(model.encode(request.prompt), AnswerPlan())
-    plan = plan_answer(request, native_tools=model.knows_tools)
-    if plan.grammar is not None:
-        model.check_grammar(plan.grammar)  # compiled once per model and grammar, then cached
+    plan = plan_answer(request, native_tools=model.knows_tools, tool_markers=model.tool_markers)
+    check_plan(model, plan)
     options = dict(request.template_options)
     if plan.grammar is not None:
         options.setdefault("enable_thinking", False)  # a constrained answer starts at once
@@ -56,6 +55,21 @@ def render(model: LoadedModel, request: GenerationRequest) -> Rendered:
         message = f"the model's chat template refused them: {str(first_error)[:200]}"
         raise InvalidRequestError("messages", message) from first_error
     return Rendered(prompt_ids, plan)
+
+
+def check_plan(model: LoadedModel, plan: AnswerPlan) -> None:
+    """Compile the plan's grammar and walk its first steps (cached per model and grammar).
+
+    Each part (the format, each tool's schema) is checked alone first: a walk of the whole
+    grammar takes one branch, and the error names the field at fault.
+
+    Raises:
+        InvalidRequestError: a part or the whole grammar cannot be served.
+    """
+    for part, param in plan.parts:
+        model.check_grammar(part, param)
+    if plan.grammar is not None:
+        model.check_grammar(plan.grammar, plan.param)
 
 
 def later_system_as_user(messages: tuple[Message, ...]) -> tuple[Message, ...]:

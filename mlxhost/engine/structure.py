@@ -13,6 +13,11 @@ that comes out is read back (answer.py).
   model: the output is the named function's arguments ("args"), or a `{"name", "arguments"}`
   object when several tools may be called ("call").
 - A JSON answer (`json_format`) is decoded under its schema, or any JSON object ("json").
+- Tools and a JSON answer together (an agent with a typed result): with `auto`, one grammar
+  allows either a call or the JSON answer. A model whose tool format is a JSON call between
+  markers gets its markers ("native"); any other model writes `<tool_call>` before the call
+  object ("choice"), so neither branch can be read as the other. A forced call is constrained
+  as without a format, and the format applies on the turn after the tool results.
 """
 
 from __future__ import annotations
@@ -38,6 +43,15 @@ TOOL_NOTE = (
     '{"name": <function name>, "arguments": <its arguments as an object>} and nothing else. '
     "Otherwise, answer normally.\n\nFunctions:\n"
 )
+# With a JSON answer format the call is marked, so that it cannot be read as the answer.
+CALL_MARK = "<tool_call>"
+MARKED_TOOL_NOTE = (
+    f"You can call functions. To call one, answer with only {CALL_MARK} followed by a JSON object "
+    'of the form {"name": <function name>, "arguments": <its arguments as an object>}. '
+    "Otherwise, answer with only your final answer as JSON.\n\nFunctions:\n"
+)
+# The answer's JSON inside a Lark grammar, compact as `JSON_OPTIONS` makes a JSON format.
+ANSWER_GUIDANCE = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,45 +62,81 @@ class AnswerPlan:
     offer_natively: bool = False  # pass `tools` to the chat template
     forced: str | None = None  # "args": the function every answer calls
     single: bool = False  # at most one call: later ones are dropped
+    call_prefix: str = ""  # what a call starts with past "{" ("choice" with a format: CALL_MARK)
+    param: str = "response_format"  # the request field an error in `grammar` names...
+    # ...unless one of these parts (each a grammar alone, with its field) is to blame.
+    parts: tuple[tuple[Grammar, str], ...] = ()
 
 
-def plan_answer(request: GenerationRequest, *, native_tools: bool) -> AnswerPlan:
+def plan_answer(
+    request: GenerationRequest, *, native_tools: bool, tool_markers: tuple[str, str] | None = None
+) -> AnswerPlan:
     """The plan for `request` on a model that does (or does not) know tools in its template.
 
+    `tool_markers` are the model's call markers as Lark terms, when its calls are JSON objects
+    between them (mlx-lm's json_tools format); only then can a grammar keep its own format.
+
     Raises:
-        InvalidRequestError: a forced function that is not among the tools, or tools with a
-            JSON format (one answer cannot be both).
+        InvalidRequestError: a forced function that is not among the tools, or a forced call
+            without tools.
     """
-    plan = _plan(request, native_tools=native_tools)
+    plan = _plan(request, native_tools=native_tools, markers=tool_markers)
     return replace(plan, single=request.tool_choice.single) if plan.tools else plan
 
 
-def _plan(request: GenerationRequest, *, native_tools: bool) -> AnswerPlan:
+def _plan(request: GenerationRequest, *, native_tools: bool, markers: tuple[str, str] | None) -> AnswerPlan:
     choice, tools = request.tool_choice, request.tools
     if not tools and (choice.mode == "required" or choice.name is not None):
         raise InvalidRequestError("tool_choice", "asks for a tool call, but the request has no tools.")
     if choice.mode == "none":
         tools = ()
-    if request.json_format is not None:
-        if tools and choice.mode == "required":
-            raise InvalidRequestError("response_format", "cannot be combined with a required tool call.")
-        return AnswerPlan("json", Grammar("json", request.json_format or ANY_OBJECT))
+    by_name = {tool.name: tool for tool in tools}
+    if choice.name is not None and choice.name not in by_name:
+        raise InvalidRequestError("tool_choice", f"names {choice.name!r}, which is not among the tools.")
+    if request.json_format is None:
+        return _tools_plan(tools, choice.name, choice.mode, native_tools)
+    answer = Grammar("json", request.json_format or ANY_OBJECT)
+    if not tools:
+        return AnswerPlan("json", answer, param=request.format_param)
+    prefix = "" if native_tools else CALL_MARK  # the prompt's note and past calls say it too
+    parts = ((answer, request.format_param), *_tool_parts(tools))
+    forced = choice.mode == "required" or choice.name is not None
+    if forced and request.messages and request.messages[-1].role == "tool":
+        # The call was made and answered: this turn gives the typed answer.
+        return AnswerPlan("json", answer, tools, native_tools, call_prefix=prefix, param=request.format_param)
+    if forced:
+        return replace(_tools_plan(tools, choice.name, choice.mode, native_tools), call_prefix=prefix)
+    if native_tools and markers is not None:
+        grammar = Grammar("lark", _native_choice_grammar(tools, answer, markers, request.tool_choice.single))
+        return AnswerPlan("native", grammar, tools, True, param="tools", parts=parts)
+    # A native format a grammar cannot write (not JSON between markers): the note's format.
+    grammar = Grammar("lark", _marked_choice_grammar(tools, answer))
+    return AnswerPlan("choice", grammar, tools, call_prefix=CALL_MARK, param="tools", parts=parts)
+
+
+def _tools_plan(tools: tuple[Tool, ...], name: str | None, mode: str, native_tools: bool) -> AnswerPlan:
     if not tools:
         return AnswerPlan("text")
     by_name = {tool.name: tool for tool in tools}
-    if choice.name is not None:
-        if choice.name not in by_name:
-            raise InvalidRequestError("tool_choice", f"names {choice.name!r}, which is not among the tools.")
-        tool = by_name[choice.name]
-        return AnswerPlan("args", Grammar("json", arguments_schema(tool)), tools, native_tools, tool.name)
-    if choice.mode == "required":
-        if len(tools) == 1:
-            grammar = Grammar("json", arguments_schema(tools[0]))
-            return AnswerPlan("args", grammar, tools, native_tools, tools[0].name)
-        return AnswerPlan("call", Grammar("json", _call_schema(tools)), tools, native_tools)
+    if name is not None or (mode == "required" and len(tools) == 1):
+        tool = by_name[name] if name is not None else tools[0]
+        grammar = Grammar("json", arguments_schema(tool))
+        return AnswerPlan("args", grammar, tools, native_tools, tool.name, param=_tool_param(tool, tools))
+    if mode == "required":
+        grammar = Grammar("json", _call_schema(tools))
+        return AnswerPlan("call", grammar, tools, native_tools, param="tools", parts=_tool_parts(tools))
     if native_tools:
         return AnswerPlan("native", None, tools, True)
-    return AnswerPlan("choice", Grammar("lark", _choice_grammar(tools)), tools)
+    grammar = Grammar("lark", _choice_grammar(tools))
+    return AnswerPlan("choice", grammar, tools, param="tools", parts=_tool_parts(tools))
+
+
+def _tool_param(tool: Tool, tools: tuple[Tool, ...]) -> str:
+    return tool.param or f"tools[{tools.index(tool)}]"
+
+
+def _tool_parts(tools: tuple[Tool, ...]) -> tuple[tuple[Grammar, str], ...]:
+    return tuple((Grammar("json", arguments_schema(tool)), _tool_param(tool, tools)) for tool in tools)
 
 
 def prompt_messages(
@@ -95,12 +145,13 @@ def prompt_messages(
     """The messages to render. A model with a tool format gets them as they are (its template
     renders calls and results); one without gets the tools described in a system note, past calls
     as the JSON it would write, and results as user turns."""
-    if native_tools:
+    if native_tools and (plan.offer_natively or not plan.tools):
         return messages
-    plain = tuple(_plain(message) for message in messages)
+    plain = tuple(_plain(message, plan.call_prefix) for message in messages)
     if not plan.tools:
         return plain
-    note = TOOL_NOTE + "\n".join(_describe(tool) for tool in plan.tools)
+    head = MARKED_TOOL_NOTE if plan.call_prefix else TOOL_NOTE
+    note = head + "\n".join(_describe(tool) for tool in plan.tools)
     if plain and plain[0].role == "system":
         return (replace(plain[0], content=f"{plain[0].content}\n\n{note}"), *plain[1:])
     return (Message("system", note), *plain)
@@ -148,9 +199,9 @@ def template_messages(messages: tuple[Message, ...]) -> list[dict[str, Any]]:
     return rendered
 
 
-def _plain(message: Message) -> Message:
+def _plain(message: Message, prefix: str = "") -> Message:
     if message.tool_calls:
-        calls = "\n".join(call_text(call.name, call.arguments) for call in message.tool_calls)
+        calls = "\n".join(prefix + call_text(call.name, call.arguments) for call in message.tool_calls)
         content = f"{message.content}\n{calls}" if message.content else calls
         return Message("assistant", content)
     if message.role == "tool":
@@ -205,6 +256,29 @@ def _call_schema(tools: tuple[Tool, ...]) -> str:
 def _choice_grammar(tools: tuple[Tool, ...]) -> str:
     # Either an answer whose first character is not "{", or exactly one call object.
     return f"start: TEXT | call\nTEXT: /[^{{](.|\\n)*/\ncall: %json {_call_schema(tools)}\n"
+
+
+def _marked_choice_grammar(tools: tuple[Tool, ...], answer: Grammar) -> str:
+    # One marked call object, or the JSON answer (which never starts with "<").
+    call = json.dumps(CALL_MARK)
+    return f"start: call | answer\ncall: {call} %json {_call_schema(tools)}\nanswer: %json {_answer_schema(answer)}\n"
+
+
+def _native_choice_grammar(
+    tools: tuple[Tool, ...], answer: Grammar, markers: tuple[str, str], single: bool
+) -> str:
+    # The model's own call format (as its template renders calls), or the JSON answer.
+    start, end = markers
+    calls = "call" if single else "call+"  # back to back: no text between two calls
+    return (
+        f"start: calls | answer\ncalls: {calls}\n"
+        f'call: {start} "\\n" %json {_call_schema(tools)} "\\n" {end}\n'
+        f"answer: %json {_answer_schema(answer)}\n"
+    )
+
+
+def _answer_schema(answer: Grammar) -> str:
+    return json.dumps({**json.loads(answer.source), "x-guidance": ANSWER_GUIDANCE})
 
 
 def _loads_or_text(arguments: str) -> Any:

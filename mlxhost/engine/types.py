@@ -45,6 +45,8 @@ class Tool:
     name: str
     description: str = ""
     parameters: str = '{"type": "object", "properties": {}}'
+    # The request field that holds the schema (`tools[0].function.parameters`), for errors.
+    param: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +170,8 @@ class GenerationRequest:
     json_format: str | None = None
     # How the surface's provider starts a tool call's id: OpenAI "call_", Anthropic "toolu_".
     call_id_prefix: str = "call_"
+    # The request field that holds `json_format` (`text.format` on Responses), for errors.
+    format_param: str = "response_format"
     # Chat-template switches (an alias's `enable_thinking`), passed to the template as keywords.
     template_options: tuple[tuple[str, object], ...] = ()
     # Render without a generation prompt and continue the last (assistant) message.

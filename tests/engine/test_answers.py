@@ -76,7 +76,8 @@ async def test_a_model_without_tools_gets_a_note_and_a_text_or_call_grammar(engi
     messages, tools, _ = backend.renders[-1]
     assert tools == [] and messages[0].role == "system" and messages[0].content.startswith(TOOL_NOTE)
     assert '"get_weather"' in messages[0].content
-    (grammar,) = backend.grammars
+    *parts, grammar = backend.grammars  # each tool's schema is checked alone first
+    assert [p.kind for p in parts] == ["json", "json"]
     assert grammar.kind == "lark" and "start: TEXT | call" in grammar.source
     assert backend.history[-1][2].grammar == grammar  # the sampler carries it to the worker
     assert events[-1].finish_reason == "tool_calls"
@@ -131,7 +132,7 @@ async def test_required_with_several_tools_is_one_call_object(engine, backend):
         tools=(WEATHER, TIME),
         tool_choice=ToolChoice("required"),
     )
-    (grammar,) = backend.grammars
+    grammar = backend.grammars[-1]  # after each tool's schema alone
     assert json.loads(grammar.source)["anyOf"][1]["properties"]["name"] == {"const": "get_time"}
     assert [c.name for c in events[-1].tool_calls] == ["get_time"]
 

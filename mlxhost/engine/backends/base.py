@@ -139,11 +139,19 @@ class LoadedModel(Protocol):
         None when the model has neither."""
         ...
 
-    def check_grammar(self, grammar: Grammar) -> None:
-        """Compile `grammar` for this model's vocabulary (cached) before a request is admitted.
+    @property
+    def tool_markers(self) -> tuple[str, str] | None:
+        """Its tool-call markers as Lark terms, when its calls are JSON objects between them
+        (so a grammar can write its calls); None otherwise."""
+        ...
+
+    def check_grammar(self, grammar: Grammar, param: str) -> None:
+        """Compile `grammar` for this model's vocabulary and walk its first steps (cached),
+        before a request is admitted.
 
         Raises:
-            InvalidRequestError: it does not compile; the message says why.
+            InvalidRequestError: naming `param`: it does not compile, or fails in its first
+                steps; the message says why.
         """
         ...
 

@@ -139,10 +139,14 @@ class FakeModel:
     def splitter(self, prompt_ids: Sequence[int]) -> FakeSplitter | None:
         return FakeSplitter(self.knows_tools) if self._backend.markers else None
 
-    def check_grammar(self, grammar: Grammar) -> None:
+    @property
+    def tool_markers(self) -> tuple[str, str] | None:
+        return (json.dumps(TOOL_CALL[0]), json.dumps(TOOL_CALL[1])) if self.knows_tools else None
+
+    def check_grammar(self, grammar: Grammar, param: str) -> None:
         self._backend.grammars.append(grammar)
         if UNCOMPILABLE in grammar.source:
-            raise InvalidRequestError("response_format", f"the schema does not compile: {UNCOMPILABLE}.")
+            raise InvalidRequestError(param, f"the schema does not compile: {UNCOMPILABLE}.")
 
     def encode(self, text: str) -> list[int]:
         return [ord(ch) for ch in text]

@@ -30,7 +30,13 @@ from mlxhost.engine.backends.mlx.batch import (
 )
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
 from mlxhost.engine.backends.mlx.embedding import MlxEmbedder, load_embedder
-from mlxhost.engine.backends.mlx.grammar import MlxSplitter, Vocabulary, splitter_for, state_machine
+from mlxhost.engine.backends.mlx.grammar import (
+    MlxSplitter,
+    Vocabulary,
+    splitter_for,
+    state_machine,
+    tool_markers,
+)
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.structure import template_messages, template_tools
 from mlxhost.engine.weights import validate_model_folder
@@ -64,6 +70,7 @@ class MlxModel:
         self.knows_tools = bool(tokenizer.has_tool_calling and tokenizer.tool_parser is not None)
         self._markers = state_machine(tokenizer)
         self.vocabulary = Vocabulary(tokenizer, self.vocab_size)
+        self._tool_markers: tuple[tuple[str, str] | None] | None = None
 
     def render_chat(
         self,
@@ -93,8 +100,14 @@ class MlxModel:
     def splitter(self, prompt_ids: Sequence[int]) -> MlxSplitter | None:
         return splitter_for(self._tokenizer, self._markers, prompt_ids)
 
-    def check_grammar(self, grammar: Grammar) -> None:
-        self.vocabulary.matcher(grammar)  # compiled here, off the worker, and cached
+    @property
+    def tool_markers(self) -> tuple[str, str] | None:
+        if self._tool_markers is None:  # needs llguidance's tokenizer: built on first use
+            self._tool_markers = (tool_markers(self._tokenizer, self.vocabulary),)
+        return self._tool_markers[0]
+
+    def check_grammar(self, grammar: Grammar, param: str) -> None:
+        self.vocabulary.check(grammar, param)  # compiled and walked here, off the worker, and cached
 
     def new_cache(self) -> list[Any]:
         return make_prompt_cache(self._model)

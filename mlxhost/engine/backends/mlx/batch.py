@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
@@ -133,7 +134,9 @@ def make_processors(sampling: SamplingParams, vocabulary: Vocabulary | None = No
     if sampling.grammar is not None:
         if vocabulary is None:
             raise ValueError("a grammar needs the model's vocabulary")
-        processors.append(GrammarProcessor(vocabulary.matcher(sampling.grammar), vocabulary.logits_size))
+        grammar = sampling.grammar
+        forget = partial(vocabulary.forget, grammar)  # a step that fails evicts its grammar
+        processors.append(GrammarProcessor(vocabulary.matcher(grammar), vocabulary.logits_size, forget))
     return processors
 
 

@@ -10,6 +10,7 @@ other. Compiled grammars are kept per model (LRU) and copied per request.
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, cast
@@ -26,11 +27,15 @@ from mlxhost.engine.structure import template_tools
 from mlxhost.engine.types import TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from mlxhost.engine.types import Grammar, Tool
 
 COMPILED_GRAMMARS = 64  # per model
+REFUSED_GRAMMARS = 256  # per model: refusals remembered, so a repeated bad schema costs nothing
+# Steps walked on a fresh grammar before it is admitted: llguidance fails some schemas only
+# once it computes masks (an unbounded recursion, a regex that explodes, `{"$ref": "#"}`).
+WALK_STEPS = 8
 # Bounds on one grammar's size and on the work of one mask, so a hostile schema is refused or
 # cut off, never a hang (llguidance's fuel; its defaults are 500k symbols and 200k fuel a step).
 LIMITS: dict[str, Any] = {
@@ -51,6 +56,7 @@ class Vocabulary:
         self.logits_size = logits_size
         self._ll: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._refused: OrderedDict[tuple[str, str], str] = OrderedDict()  # key -> why
         self._lock = threading.Lock()  # loop-side checks and the worker share the cache
 
     @property
@@ -62,27 +68,52 @@ class Vocabulary:
                 self._ll = llguidance.hf.from_tokenizer(hf, n_vocab=self.logits_size, eos_token=eos)
             return self._ll
 
-    def matcher(self, grammar: Grammar) -> llguidance.LLMatcher:
-        """A fresh matcher for `grammar`, from the cache when compiled before.
+    def check(self, grammar: Grammar, param: str) -> llguidance.LLMatcher:
+        """The compiled matcher of `grammar` (compiled, walked and cached on first use).
 
         Raises:
-            InvalidRequestError: the grammar does not compile.
+            InvalidRequestError: naming `param`: the grammar does not compile, or fails within
+                its first WALK_STEPS steps (then it is remembered as refused, never cached).
         """
         key = (grammar.kind, grammar.source)
         with self._lock:
             compiled = self._compiled.get(key)
-            if compiled is not None:
+            if compiled is not None and not compiled.is_error():
                 self._compiled.move_to_end(key)
-                return compiled.deep_copy()
-        compiled = self._compile(grammar)
+                return compiled
+            self._compiled.pop(key, None)
+            refused = self._refused.get(key)
+        if refused is not None:
+            raise InvalidRequestError(param, refused)
+        try:
+            compiled = self._compile(grammar)
+            _walk(compiled.deep_copy(), self.logits_size, set(self.ll.eos_tokens))
+        except _Refused as refusal:
+            with self._lock:
+                self._refused[key] = refusal.why
+                while len(self._refused) > REFUSED_GRAMMARS:
+                    self._refused.popitem(last=False)
+            raise InvalidRequestError(param, refusal.why) from None
         with self._lock:
             self._compiled[key] = compiled
             while len(self._compiled) > COMPILED_GRAMMARS:
                 self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+        return compiled
+
+    def matcher(self, grammar: Grammar) -> llguidance.LLMatcher:
+        """A fresh matcher for `grammar` (see `check`).
+
+        Raises:
+            InvalidRequestError: the grammar cannot be served.
+        """
+        return self.check(grammar, "response_format").deep_copy()
+
+    def forget(self, grammar: Grammar) -> None:
+        """Drop `grammar` from the cache: a matcher of it failed while generating."""
+        with self._lock:
+            self._compiled.pop((grammar.kind, grammar.source), None)
 
     def _compile(self, grammar: Grammar) -> llguidance.LLMatcher:
-        param = "response_format" if grammar.kind == "json" else "tools"
         try:
             text = (
                 llguidance.LLMatcher.grammar_from_json_schema(grammar.source, defaults=JSON_OPTIONS)
@@ -90,11 +121,11 @@ class Vocabulary:
                 else llguidance.LLMatcher.grammar_from_lark(grammar.source)
             )
         except ValueError as exc:
-            raise InvalidRequestError(param, f"the schema is not valid JSON: {exc}") from None
+            raise _Refused(f"the schema is not valid JSON: {exc}") from None
         limits = llguidance.LLParserLimits(**LIMITS, verbose_errors=False)
         matcher = llguidance.LLMatcher(self.ll, text, log_level=0, limits=limits)
         if matcher.is_error():
-            raise InvalidRequestError(param, f"the schema cannot be enforced: {_short(matcher.get_error())}")
+            raise _Refused(f"the schema cannot be enforced: {_short(matcher.get_error())}")
         return matcher
 
     def token_bytes(self, token: int) -> bytes:
@@ -110,7 +141,10 @@ class Vocabulary:
             order = mx.argsort(-values)
             ids = cast("list[int]", best[order].tolist())
             lps = cast("list[float]", values[order].tolist())
-            alternatives = tuple(self._top(i, lp) for i, lp in zip(ids, lps, strict=True))
+            # Tokens a grammar masked have -inf: no alternative at all, and not JSON.
+            alternatives = tuple(
+                self._top(i, lp) for i, lp in zip(ids, lps, strict=True) if math.isfinite(lp)
+            )
         raw = self.token_bytes(token)
         chosen = cast("float", row[token].item())
         return TokenLogprob(raw.decode("utf-8", "replace"), tuple(raw), chosen, alternatives)
@@ -127,9 +161,12 @@ class GrammarProcessor:
     with the sampled tokens appended; each later call first commits the token sampled last.
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, logits_size: int) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, logits_size: int, forget: Callable[[], None] = lambda: None
+    ) -> None:
         self._matcher = matcher
         self._size = logits_size
+        self._forget = forget  # drops the compiled grammar from the cache when a step fails
         self._started = False
         # One bit per token, filled in place: about half the time of `compute_logit_bias`, which
         # returns a fresh byte per token (benchmarks/RESULTS.md, "Grammar budget at batch 8").
@@ -138,9 +175,14 @@ class GrammarProcessor:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         matcher = self._matcher
         if self._started and not matcher.consume_token(cast("int", tokens[-1].item())):
+            self._forget()
             raise RuntimeError(f"the sampled token broke the grammar: {_short(matcher.get_error())}")
         self._started = True
         llguidance.numpy.fill_next_token_bitmask(matcher, self._bits)
+        if matcher.is_error():
+            # An errored matcher allows only EOS: that would end the answer "stop", unfinished.
+            self._forget()
+            raise RuntimeError(f"the grammar failed: {_short(matcher.get_error())}")
         mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._size].view(np.bool_)
         return mx.where(mx.array(mask), logits, mx.array(-float("inf"), dtype=logits.dtype))
 
@@ -190,6 +232,49 @@ def state_machine(tokenizer: Any) -> TextStateMachine | None:
         return None
     machine: TextStateMachine = make_text_state_machine(tokenizer)
     return machine
+
+
+def tool_markers(tokenizer: Any, vocabulary: Vocabulary) -> tuple[str, str] | None:
+    """The model's call markers as Lark terms (a special token by id, else the literal text),
+    when its calls are JSON between them (mlx-lm's json_tools parser); None otherwise."""
+    parser = tokenizer.tool_parser if tokenizer.has_tool_calling else None
+    if parser is None or not getattr(parser, "__module__", "").endswith(".json_tools"):
+        return None
+    return (
+        _marker(tokenizer.tool_call_start, tokenizer.tool_call_start_tokens, vocabulary),
+        _marker(tokenizer.tool_call_end, tokenizer.tool_call_end_tokens, vocabulary),
+    )
+
+
+def _marker(text: str, tokens: Sequence[int] | None, vocabulary: Vocabulary) -> str:
+    if tokens is not None and len(tokens) == 1 and vocabulary.ll.is_special_token(tokens[0]):
+        return f"<[{tokens[0]}]>"
+    return json.dumps(text)
+
+
+class _Refused(Exception):
+    """A grammar that cannot be served; `why` is the client's message."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
+def _walk(matcher: llguidance.LLMatcher, logits_size: int, eos: set[int]) -> None:
+    # A few steps along the lowest allowed token, as generation will take them.
+    bits = llguidance.numpy.allocate_token_bitmask(1, logits_size)
+    for _ in range(WALK_STEPS):
+        llguidance.numpy.fill_next_token_bitmask(matcher, bits)
+        if matcher.is_error():
+            raise _Refused(f"the schema cannot be enforced: {_short(matcher.get_error())}")
+        allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[:logits_size])
+        tokens = [int(t) for t in allowed if int(t) not in eos]
+        if not tokens:
+            if len(allowed):
+                return  # complete: only the end is left
+            raise _Refused("the schema allows no answer.")
+        if not matcher.consume_token(tokens[0]):
+            raise _Refused(f"the schema cannot be enforced: {_short(matcher.get_error())}")
 
 
 def _arguments_text(arguments: Any) -> str:
