@@ -18,6 +18,10 @@ from api.tools import ToolSet
 from mlxhost.engine import Message, ToolChoice
 from models_app.turns import CacheScope, TurnRequest, turn_count_tokens, turn_start
 
+# The engine's field names, as Messages spells them (`api.auth.in_wire_names`); a format error
+# names `output_config.format`, the beta's `output_format` being its older name.
+ENGINE_NAMES = {"response_format": "output_config.format", "stop": "stop_sequences"}
+
 
 def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
     system = data["system"]
@@ -50,7 +54,7 @@ def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
     )
 
 
-@api_endpoint(dialect="anthropic", methods=("POST",))
+@api_endpoint(dialect="anthropic", methods=("POST",), names=ENGINE_NAMES)
 async def messages(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/messages (Anthropic-compatible; SSE events when `stream` is true).
 
@@ -68,7 +72,7 @@ async def messages(request: HttpRequest) -> HttpResponseBase:
     return JsonResponse(await message_complete(shape, turn.generation), headers=headers)
 
 
-@api_endpoint(dialect="anthropic", methods=("POST",))
+@api_endpoint(dialect="anthropic", methods=("POST",), names=ENGINE_NAMES)
 async def count_tokens(request: HttpRequest) -> HttpResponse:
     """POST /v1/messages/count_tokens: the prompt's token count, without generating or queueing."""
     data = validated(CountTokensInput, json_body(request))

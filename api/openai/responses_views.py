@@ -10,7 +10,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, JsonRespons
 from api.auth import api_endpoint, caller_of, json_body
 from api.openai.input_items import input_items, input_items_page
 from api.openai.responses import ResponseTurn, response_collect, response_shape, response_sse
-from api.openai.responses_input import ResponsesInput
+from api.openai.responses_input import ENGINE_NAMES, ResponsesInput
 from api.openai.views import sse_response, validated
 from api.sampling import sampling_overrides
 from api.tools import ToolSet
@@ -22,7 +22,7 @@ from models_app.response_turns import not_found, response_start
 from models_app.response_turns import response_cancel as cancel_response
 
 
-@api_endpoint(dialect="openai", methods=("POST",))
+@api_endpoint(dialect="openai", methods=("POST",), names=ENGINE_NAMES)
 async def responses_create(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/responses (OpenAI-compatible; continues a stored chain by `previous_response_id`)."""
     data = validated(ResponsesInput, json_body(request))
