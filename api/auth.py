@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from asgiref.sync import sync_to_async
@@ -141,14 +141,40 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
     return body
 
 
+def in_wire_names(error: ApiError, names: Mapping[str, str]) -> ApiError:
+    """`error` in a surface's own field names (API-4, API-12).
+
+    The engine names fields as chat completions does (`messages`, `response_format`,
+    `max_tokens`); `names` maps those to the surface's (`input`, `text.format`,
+    `max_output_tokens`). A prompt over the context names the field that holds the prompt, as
+    OpenAI's `context_length_exceeded` does in `param`.
+    """
+    if error.too_long is not None and error.param is None:
+        return replace(error, param=names.get("messages", "messages"))
+    wire = names.get(error.param or "")
+    if wire is None or error.param is None:
+        return error
+    message = error.message
+    if message.startswith(f"{error.param}:"):
+        message = wire + message[len(error.param) :]
+    return replace(error, param=wire, message=message)
+
+
 def api_endpoint(
-    *, dialect: Dialect | Literal["auto"], methods: tuple[str, ...], public: bool = False
+    *,
+    dialect: Dialect | Literal["auto"],
+    methods: tuple[str, ...],
+    public: bool = False,
+    names: Mapping[str, str] | None = None,
 ) -> Callable[[AsyncView], AsyncView]:
     """Wrap an async API view: method check, API key auth (unless public), errors in the surface's envelope.
 
     `dialect="auto"` (a route both surfaces share, like /v1/models) picks the envelope by the
-    request (`errors.dialect_of`). The view reads the caller with `caller_of(request)`.
+    request (`errors.dialect_of`). The view reads the caller with `caller_of(request)`. A wrong
+    method is a 405 whose `Allow` header lists `methods` (RFC 9110). Errors name fields as the
+    surface does (`names`, see `in_wire_names`).
     """
+    allow = ", ".join(methods)
 
     def decorate(view: AsyncView) -> AsyncView:
         @functools.wraps(view)
@@ -163,7 +189,12 @@ def api_endpoint(
                 return await view(request, *args, **kwargs)
             except Exception as exc:  # every failure leaves in the surface's envelope
                 error = as_api_error(exc, model=request_context(request).requested_model)
-                return error_response(error, dialect_of(request) if dialect == "auto" else dialect)
+                response = error_response(
+                    in_wire_names(error, names or {}), dialect_of(request) if dialect == "auto" else dialect
+                )
+                if error.status == 405:
+                    response["Allow"] = allow
+                return response
 
         wrapper.csrf_exempt = True  # type: ignore[attr-defined]  # API keys, not cookies
         return wrapper

@@ -19,10 +19,10 @@ from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from api.auth import Caller, authenticate_raw
+from api.auth import Caller, authenticate_raw, in_wire_names
 from api.errors import ApiError, as_api_error, error_body
 from api.openai.responses import response_events, response_shape
-from api.openai.responses_input import ResponsesInput
+from api.openai.responses_input import ENGINE_NAMES, ResponsesInput
 from api.openai.views import validated
 from api.parsing import loads_object
 from api.sampling import sampling_overrides
@@ -357,7 +357,8 @@ class ResponsesConsumer(_TrackedConsumer):
             )
         except Exception as exc:
             self.turns.pop(response_id, None)  # before the client hears: its next turn may start
-            await self.send_error(as_api_error(exc, model=data.get("model")), response_id=response_id)
+            error = in_wire_names(as_api_error(exc, model=data.get("model")), ENGINE_NAMES)
+            await self.send_error(error, response_id=response_id)
             return
         generation = started.turn.generation
         shape = response_shape(data, started)

@@ -18,6 +18,7 @@ from drf_spectacular.generators import SchemaGenerator
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import serializers
+from rest_framework.parsers import JSONParser
 from rest_framework.views import APIView
 
 from api.anthropic.serializers import CountTokensInput, MessagesInput
@@ -116,7 +117,12 @@ def _stand_in(name: str, operations: dict[str, Operation]) -> type[APIView]:
             responses=op.responses(),
         )(handler)
 
-    attrs: dict[str, Any] = {"authentication_classes": [], "permission_classes": []}
+    # The views parse JSON bodies only (api/parsing.py), so the schema offers no other media type.
+    attrs: dict[str, Any] = {
+        "authentication_classes": [],
+        "permission_classes": [],
+        "parser_classes": [JSONParser],
+    }
     for method_name, op in operations.items():
         attrs[method_name] = method(op)
     return type(f"{name.title().replace('-', '')}Schema", (APIView,), attrs)

@@ -13,6 +13,8 @@ from typing import Any
 
 from rest_framework import serializers
 
+from api.fields import JsonInput
+
 MAX_STOP_SEQUENCES = 4
 # The engine checks ids against the loaded vocabulary (mlxhost/engine/limits.py); these bounds
 # refuse what no model could use before any work, as OpenAI does.
@@ -61,7 +63,7 @@ def max_tokens_field(**kwargs: Any) -> serializers.IntegerField:
 Knob = serializers.Field[Any, Any, Any, Any] | None
 
 
-class SamplingInput(serializers.Serializer[Any]):
+class SamplingInput(JsonInput):
     """The model name and the sampling knobs, with OpenAI's ranges (the widest any surface takes)."""
 
     model = serializers.CharField(max_length=64)

@@ -226,6 +226,9 @@ REST_FRAMEWORK: dict[str, object] = {
     # api/openapi.py builds /v1/openapi.json with drf-spectacular from the request serializers.
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
+# Chat's `reasoning_effort`, Responses' `reasoning.effort` and Messages' `output_config.effort`
+# take one set of values: one schema component.
+SPECTACULAR_SETTINGS = {"ENUM_NAME_OVERRIDES": {"EffortEnum": "models_app.selectors.EFFORTS"}}
 
 # Local model folders must live under this root; a request's `model` is never a path.
 MODELS_ROOT = Path(env.str("MODELS_ROOT", default=str(VAR_DIR / "models"))).resolve()

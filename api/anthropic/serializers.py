@@ -8,6 +8,7 @@ from typing import Any
 from rest_framework import serializers
 
 from api import tools as tool_inputs
+from api.fields import JsonInput
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, optional_float, stop_list_field
 from mlxhost.engine import Message, Tool, ToolCall, ToolChoice
@@ -72,7 +73,7 @@ def turn_messages(role: str, value: Any) -> list[Message]:
     results: list[Message] = []
     for block in value:
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind in SKIPPED_BLOCKS:
+        if isinstance(kind, str) and kind in SKIPPED_BLOCKS:
             continue
         if kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
@@ -138,7 +139,7 @@ def json_format_of(value: Any) -> str | None:
     return tool_inputs.schema_text(value["schema"])
 
 
-class MessageInput(serializers.Serializer[Any]):
+class MessageInput(JsonInput):
     # "system" mid-conversation: Claude Code's reminders (the mid-conversation-system beta).
     role = serializers.ChoiceField(choices=["user", "assistant", "system"])
     content = serializers.JSONField()
@@ -154,7 +155,7 @@ class MessageInput(serializers.Serializer[Any]):
         return attrs
 
 
-class ThinkingInput(serializers.Serializer[Any]):
+class ThinkingInput(JsonInput):
     """Extended thinking, validated as Anthropic does: `enabled` or `adaptive` turns the chat
     template's thinking on and sends the model's reasoning as `thinking` blocks; `disabled` turns it
     off. On a model without thinking markers it changes nothing. `budget_tokens` is not enforced."""
@@ -168,7 +169,18 @@ class ThinkingInput(serializers.Serializer[Any]):
         return attrs
 
 
-class MetadataInput(serializers.Serializer[Any]):
+class OutputConfigInput(JsonInput):
+    """`output_config`: the reasoning effort (API-9) and the structured-output format."""
+
+    effort = serializers.ChoiceField(choices=list(EFFORTS), required=False, allow_null=True)
+    format = serializers.JSONField(required=False, allow_null=True)
+
+    def validate_format(self, value: Any) -> Any:
+        json_format_of(value)  # checked here; `PromptInput.validate` reads it
+        return value
+
+
+class MetadataInput(JsonInput):
     user_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=256)
 
 
@@ -177,29 +189,18 @@ def _joinable(earlier: list[Message], later: list[Message]) -> bool:
     return earlier[-1].role != "tool" and later[0].role != "tool" and not earlier[-1].tool_calls
 
 
-class PromptInput(serializers.Serializer[Any]):
+class PromptInput(JsonInput):
     """What both /v1/messages and /v1/messages/count_tokens take: the model and the prompt."""
 
     model = serializers.CharField(max_length=64)
     messages = MessageInput(many=True, allow_empty=False)
     system = serializers.JSONField(required=False, allow_null=True)
 
-    output_config = serializers.DictField(required=False, allow_null=True)  # `format` and `effort`
+    output_config = OutputConfigInput(required=False, allow_null=True)
     output_format = serializers.JSONField(required=False, allow_null=True)  # the structured-outputs beta
     thinking = ThinkingInput(required=False, allow_null=True)
     tools = serializers.JSONField(required=False, allow_null=True)
     tool_choice = serializers.JSONField(required=False, allow_null=True)
-
-    def validate_output_config(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        effort = (value or {}).get("effort")
-        if effort is not None and effort not in EFFORTS:
-            raise serializers.ValidationError({"effort": f"Expected one of {', '.join(EFFORTS)}."})
-        if value and value.get("format") is not None:
-            try:
-                json_format_of(value["format"])
-            except serializers.ValidationError as exc:
-                raise serializers.ValidationError({"format": exc.detail}) from None
-        return value
 
     def validate_output_format(self, value: Any) -> str | None:
         return json_format_of(value)

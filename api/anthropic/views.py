@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 # Anthropic's tool_use ids start so; clients and their tests check it (OpenAI's are "call_").
 TOOL_USE_ID_PREFIX = "toolu_"
 
+# The engine's field names, as Messages spells them (`api.auth.in_wire_names`); a format error
+# names `output_config.format`, the beta's `output_format` being its older name.
+ENGINE_NAMES = {"response_format": "output_config.format", "stop": "stop_sequences"}
+
 
 def _messages_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
     system = data["system"]
@@ -66,7 +70,7 @@ def _format_param(data: dict[str, Any]) -> str:
     )
 
 
-@api_endpoint(dialect="anthropic", methods=("POST",))
+@api_endpoint(dialect="anthropic", methods=("POST",), names=ENGINE_NAMES)
 async def messages(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/messages (Anthropic-compatible; SSE events when `stream` is true).
 
@@ -86,7 +90,7 @@ async def messages(request: HttpRequest) -> HttpResponseBase:
     return json_response(await message_complete(shape, turn.generation), headers=headers)
 
 
-@api_endpoint(dialect="anthropic", methods=("POST",))
+@api_endpoint(dialect="anthropic", methods=("POST",), names=ENGINE_NAMES)
 async def count_tokens(request: HttpRequest) -> HttpResponse:
     """POST /v1/messages/count_tokens: the prompt's token count, without generating or queueing."""
     data = validated(CountTokensInput, json_body(request))

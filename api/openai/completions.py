@@ -140,7 +140,7 @@ async def completion_collect(turn: ChatTurn, generation: Generation) -> dict[str
     return body
 
 
-@api_endpoint(dialect="openai", methods=("POST",))
+@api_endpoint(dialect="openai", methods=("POST",), names={"messages": "prompt"})
 async def completions(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/completions (OpenAI legacy text completion; SSE when `stream` is true)."""
     data = validated(CompletionInput, json_body(request))

@@ -15,6 +15,7 @@ from rest_framework import serializers
 
 from api.auth import api_endpoint, json_body
 from api.errors import ApiError
+from api.fields import JsonInput
 from api.openai.views import validated
 from mlxhost.engine import MAX_EMBEDDING_INPUTS as MAX_INPUTS
 from mlxhost.wire import json_response
@@ -34,7 +35,7 @@ EMPTY_MESSAGE = "must not be empty: send at least one character or token."
 SHAPE_MESSAGE = "must be a string, a list of strings, a list of token ids, or a list of lists of token ids."
 
 
-class EmbeddingsInput(serializers.Serializer[Any]):
+class EmbeddingsInput(JsonInput):
     """The body of POST /v1/embeddings; `input` is checked by `embedding_inputs`."""
 
     model = serializers.CharField(max_length=64)
@@ -135,7 +136,7 @@ def embeddings_body(result: Embeddings, *, model: str, encoding_format: str) -> 
     return {"object": "list", "data": data, "model": model, "usage": usage}
 
 
-@api_endpoint(dialect="openai", methods=("POST",))
+@api_endpoint(dialect="openai", methods=("POST",), names={"messages": "input"})
 async def embeddings(request: HttpRequest) -> HttpResponse:
     """POST /v1/embeddings: embed every input in one request, batched with concurrent ones (API-14)."""
     data = validated(EmbeddingsInput, json_body(request))

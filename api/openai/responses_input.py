@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from rest_framework import serializers
 
 from api import tools as tool_inputs
+from api.fields import JsonInput, MetadataField
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, max_tokens_field
 from models_app.conversations import namespaced_name
@@ -18,12 +19,13 @@ if TYPE_CHECKING:
 
 INPUT_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PART_TYPES = {"input_text", "output_text", "text"}
-MAX_METADATA_KEYS = 16
 MAX_ITEM_ID_CHARS = 128
 UNSUPPORTED = {
     "background": "Background responses are not supported by this server.",
     "conversation": "Use previous_response_id to continue a conversation.",
 }
+# The engine's field names, as Responses spells them (`api.auth.in_wire_names`).
+ENGINE_NAMES = {"messages": "input", "response_format": "text.format", "max_tokens": "max_output_tokens"}
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 ECHOED = ("tools", "tool_choice", "text", "parallel_tool_calls")  # as sent, in the response object
 # What OpenAI's `include` may name. All are accepted; only the logprobs add to an answer (no
@@ -40,11 +42,17 @@ KNOWN_INCLUDES = (
 )
 
 
+def _kind(item: Any, default: str) -> str:
+    """An item's `type` (a string, as sets are looked up by it), or the name of what came instead."""
+    kind = item.get("type", default) if isinstance(item, dict) else None
+    return kind if isinstance(kind, str) else type(kind if isinstance(item, dict) else item).__name__
+
+
 def _part_text(part: Any) -> str:
-    if isinstance(part, dict) and part.get("type") in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+    if _kind(part, "") in TEXT_PART_TYPES and isinstance(part.get("text"), str):
         text: str = part["text"]
         return text
-    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    kind = _kind(part, "")
     raise serializers.ValidationError(f"Only text content is supported, not {kind!r}.")
 
 
@@ -98,7 +106,7 @@ def input_turns(value: Any) -> list[dict[str, Any]]:
         raise serializers.ValidationError("input must be a string or a non-empty list of message items.")
     turns: list[dict[str, Any]] = []
     for item in value:
-        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        kind = _kind(item, "message")
         if kind == "item_reference":
             turns.append(_reference(item))
             continue
@@ -114,7 +122,8 @@ def input_turns(value: Any) -> list[dict[str, Any]]:
             raise serializers.ValidationError(
                 f"Only message, function_call, function_call_output and item_reference items are supported, not {kind!r}."
             )
-        role = INPUT_ROLES.get(item.get("role", ""))
+        role = item.get("role")
+        role = INPUT_ROLES.get(role) if isinstance(role, str) else None
         if role is None:
             raise serializers.ValidationError(
                 "A message's role must be user, assistant, system or developer."
@@ -130,7 +139,7 @@ def input_turns(value: Any) -> list[dict[str, Any]]:
     return turns
 
 
-class TextConfigInput(serializers.Serializer[Any]):
+class TextConfigInput(JsonInput):
     format = serializers.DictField(required=False)
     verbosity = serializers.CharField(required=False, allow_null=True)  # accepted, ignored
 
@@ -154,7 +163,7 @@ def response_tool(item: Any) -> list[tuple[Tool, tuple[str, str] | None]]:
     Raises:
         tool_inputs.Hosted: a tool OpenAI runs itself (left out, reported).
     """
-    kind = item.get("type", "function") if isinstance(item, dict) else type(item).__name__
+    kind = _kind(item, "function")
     if kind in HOSTED_TOOLS:
         raise tool_inputs.Hosted(kind)
     if kind == "namespace" and isinstance(item.get("name"), str) and isinstance(item.get("tools"), list):
@@ -172,6 +181,13 @@ def response_tool(item: Any) -> list[tuple[Tool, tuple[str, str] | None]]:
     return [(tool_inputs.tool(item.get("name"), item.get("description"), item.get("parameters")), None)]
 
 
+class ReasoningInput(JsonInput):
+    """`reasoning`: its effort reaches the chat template (API-9); no summary is ever written."""
+
+    effort = serializers.ChoiceField(choices=list(EFFORTS), required=False, allow_null=True)
+    summary = serializers.CharField(required=False, allow_null=True, allow_blank=True)  # ignored
+
+
 class ResponsesInput(SamplingInput):
     input = serializers.JSONField()
     instructions = serializers.CharField(
@@ -181,9 +197,7 @@ class ResponsesInput(SamplingInput):
     store = StrictBooleanField(required=False, default=True)
     stream = StrictBooleanField(required=False, default=False)
     max_output_tokens = max_tokens_field(source="max_tokens")
-    metadata = serializers.DictField(
-        child=serializers.CharField(max_length=512, allow_blank=True), required=False, allow_null=True
-    )
+    metadata = MetadataField(required=False, allow_null=True)
     prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
     cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)
     text = TextConfigInput(required=False, allow_null=True)
@@ -198,7 +212,7 @@ class ResponsesInput(SamplingInput):
     top_logprobs = serializers.IntegerField(
         required=False, allow_null=True, min_value=0, max_value=tool_inputs.MAX_TOP_LOGPROBS
     )
-    reasoning = serializers.DictField(required=False, allow_null=True)  # `effort`; `summary` is ignored
+    reasoning = ReasoningInput(required=False, allow_null=True)
     retention_s = serializers.IntegerField(
         required=False, allow_null=True, min_value=60, max_value=30 * 86400
     )
@@ -217,17 +231,6 @@ class ResponsesInput(SamplingInput):
 
     def validate_tool_choice(self, value: Any) -> Any:
         return tool_inputs.openai_tool_choice(value, nested=False)
-
-    def validate_reasoning(self, value: dict[str, Any] | None) -> dict[str, Any]:
-        effort = (value or {}).get("effort")
-        if effort is not None and effort not in EFFORTS:
-            raise serializers.ValidationError({"effort": f"Expected one of {', '.join(EFFORTS)}."})
-        return value or {}
-
-    def validate_metadata(self, value: dict[str, str] | None) -> dict[str, str]:
-        if value and len(value) > MAX_METADATA_KEYS:
-            raise serializers.ValidationError(f"At most {MAX_METADATA_KEYS} metadata keys.")
-        return value or {}
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         for name, message in UNSUPPORTED.items():

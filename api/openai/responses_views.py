@@ -9,7 +9,7 @@ from asgiref.sync import sync_to_async
 from api.auth import api_endpoint, caller_of, json_body
 from api.openai.input_items import input_items, input_items_page
 from api.openai.responses import ResponseTurn, response_collect, response_shape, response_sse
-from api.openai.responses_input import ResponsesInput
+from api.openai.responses_input import ENGINE_NAMES, ResponsesInput
 from api.openai.views import sse_response, validated
 from api.sampling import sampling_overrides
 from api.tools import ToolSet
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse, HttpResponseBase
 
 
-@api_endpoint(dialect="openai", methods=("POST",))
+@api_endpoint(dialect="openai", methods=("POST",), names=ENGINE_NAMES)
 async def responses_create(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/responses (OpenAI-compatible; continues a stored chain by `previous_response_id`)."""
     data = validated(ResponsesInput, json_body(request))

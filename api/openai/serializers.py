@@ -8,6 +8,7 @@ from typing import Any
 from rest_framework import serializers
 
 from api import tools as tool_inputs
+from api.fields import JsonInput, MetadataField
 from api.sampling import MAX_STOP_SEQUENCES, SamplingInput
 from mlxhost.engine import Message, ToolCall
 from models_app.selectors import EFFORTS
@@ -38,7 +39,7 @@ def content_text(value: Any) -> str:
     raise serializers.ValidationError("Content must be a string or a list of text parts.")
 
 
-class MessageInput(serializers.Serializer[Any]):
+class MessageInput(JsonInput):
     role = serializers.ChoiceField(choices=["system", "developer", "user", "assistant", "tool"])
     content = serializers.JSONField(required=False, allow_null=True)
     name = serializers.CharField(required=False, max_length=64)
@@ -85,7 +86,7 @@ class MessageInput(serializers.Serializer[Any]):
         return attrs
 
 
-class StreamOptionsInput(serializers.Serializer[Any]):
+class StreamOptionsInput(JsonInput):
     include_usage = serializers.BooleanField(required=False, default=False)
 
 
@@ -130,6 +131,8 @@ class ChatCompletionInput(TextSamplingInput):
     response_format = serializers.JSONField(required=False, allow_null=True)
     reasoning_effort = serializers.ChoiceField(choices=list(EFFORTS), required=False, allow_null=True)
     user = serializers.CharField(required=False, allow_blank=True, max_length=256)
+    # OpenAI's bounds hold, though a chat completion is not stored here and its metadata is unused.
+    metadata = MetadataField(required=False, allow_null=True)
     # Warm-session scoping (SES-2/3): only HMAC fingerprints of these are kept.
     prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
     cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)

@@ -48,6 +48,26 @@ async def post_chat(api_key: str, **fields: Any):
     )
 
 
+def body_problem(status: int, content_type: str | None, content: bytes) -> str | None:
+    """Why an API answer's body is not what API-4 promises (JSON, or for a 200 stream SSE of
+    JSON events), or None."""
+    if content_type == "text/event-stream" and status == 200:
+        for line in content.decode().split("\n"):
+            if line.startswith("data: ") and line != "data: [DONE]":
+                try:
+                    json.loads(line.removeprefix("data: "))
+                except ValueError:
+                    return f"an event that is not JSON: {line[:100]!r}"
+        return None
+    if content_type != "application/json":
+        return f"Content-Type {content_type!r}"
+    try:
+        json.loads(content)
+    except ValueError:
+        return f"not JSON: {content[:100]!r}"
+    return None
+
+
 async def sse_payloads(response) -> list:
     """The `data:` payloads of an OpenAI-style SSE response, JSON-decoded; `[DONE]` kept as text."""
     raw = b"".join([chunk async for chunk in response.streaming_content]).decode()

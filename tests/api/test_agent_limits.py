@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.api.support import bearer, post_json
+from tests.api.support import bearer, connect, frames_until, key_headers, post_json, ws_create
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -22,20 +22,33 @@ async def small_input(tiny_alias):
 
 
 async def test_a_prompt_over_the_limit_is_openais_context_length_exceeded(small_input, api_key, mlx_engine):
-    """What Codex compacts on: code `context_length_exceeded`, OpenAI's wording, on chat and Responses."""
+    """What Codex compacts on: code `context_length_exceeded`, OpenAI's wording, on chat, text
+    completions and Responses, with `param` naming the field that holds the prompt (issue 25)."""
     for path, body in (
         ("/v1/chat/completions", {"messages": HELLO}),
         ("/v1/responses", {"input": "Hello there, how are you today?"}),
+        ("/v1/completions", {"prompt": "Hello there, how are you today?"}),
     ):
         response = await post_json(path, {"model": "tiny", **body}, bearer(api_key))
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+        assert error["param"] == next(iter(body))
         assert re.fullmatch(
             r"This model's maximum context length is 5 tokens\. However, your messages resulted in \d+ "
             r"tokens\. Please reduce the length of the messages\.",
             error["message"],
         )
+
+
+async def test_a_prompt_over_the_limit_names_input_on_the_websocket(small_input, api_key, mlx_engine):
+    """API-3, API-12: the socket's error frame is the HTTP answer's, `param` included."""
+    socket = await connect(key_headers(api_key))
+    await ws_create(socket, input="Hello there, how are you today?", store=False)
+    [frame] = await frames_until(socket, "error")
+    assert frame["status"] == 400
+    assert (frame["error"]["code"], frame["error"]["param"]) == ("context_length_exceeded", "input")
+    await socket.disconnect()
 
 
 async def test_a_prompt_over_the_limit_is_anthropics_prompt_is_too_long(small_input, api_key, mlx_engine):

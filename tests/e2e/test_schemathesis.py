@@ -1,4 +1,5 @@
-"""Chaos: schemathesis fuzzes every operation of /v1/openapi.json against a real daphne; no 5xx.
+"""Chaos: schemathesis fuzzes every operation of /v1/openapi.json against a real daphne; no 5xx,
+and no body that is not JSON (tests/api/test_openapi_fuzz.py is its in-process, default-suite twin).
 
 Driven through hypothesis directly: schemathesis' pytest plugin (4.32) reads a private pytest
 attribute that pytest 9 no longer has (`Function._nodeid`).
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
+from tests.api.support import body_problem
 from tests.support import register_alias
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,10 @@ def fuzz(
             response = case.call(headers=headers, timeout=120)
             statuses[response.status_code] += 1
             case.validate_response(response, checks=[not_a_server_error])
+            problem = body_problem(
+                response.status_code, response.headers.get("Content-Type"), response.content
+            )
+            assert problem is None, problem  # API-4: every answer is JSON, or SSE of JSON
         except Exception as exc:  # collected, so one run reports every operation's failures
             errors.append(f"{case.method} {case.formatted_path} body={body!r:.300}: {exc!s:.600}")
 
