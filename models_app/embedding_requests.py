@@ -10,18 +10,24 @@ from models_app import lookups
 from models_app.models import Model
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from mlxhost.engine import Embeddings
 
 
 async def embeddings_create(
-    *, model: str, texts: Sequence[str], request_id: str, dimensions: int | None = None
+    *,
+    model: str,
+    texts: Sequence[str | tuple[int, ...]],
+    request_id: str,
+    dimensions: int | None = None,
+    decode: Callable[[Sequence[int]], str] | None = None,
 ) -> Embeddings:
     """Embed `texts` with the embedding model the alias `model` names, on its lane (API-14).
 
     The alias's `max_input_tokens` limits each input; its model's Matryoshka flag says whether
-    fewer `dimensions` may be asked for.
+    fewer `dimensions` may be asked for. Token arrays among `texts` are turned into text by
+    `decode`, in the engine, once each is known to fit.
 
     Raises:
         ModelAlias.DoesNotExist: no enabled alias has that name.
@@ -39,5 +45,6 @@ async def embeddings_create(
         dimensions=dimensions,
         truncatable=alias.model.matryoshka,
         max_input_tokens=alias.max_input_tokens,
+        decode=decode,
     )
     return await engine.embed(request)
