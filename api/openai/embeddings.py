@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from rest_framework import serializers
 
-from api.auth import api_endpoint, json_body
+from api.auth import api_endpoint, caller_of, json_body
 from api.errors import ApiError
 from api.openai.views import validated
 from mlxhost.engine import MAX_EMBEDDING_INPUTS as MAX_INPUTS
@@ -134,12 +134,15 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
     # Token arrays are decoded by the engine, off the loop, once each is known to fit the model.
     texts = tuple(item if isinstance(item, str) else tuple(item) for item in items)
     request_id = f"emb-{secrets.token_hex(12)}"
+    caller = caller_of(request)
     result = await embeddings_create(
         model=data["model"],
         texts=texts,
         request_id=request_id,
         dimensions=data.get("dimensions"),
         decode=decode_tokens,
+        owner_id=caller.owner_id,
+        key=caller.key,
     )
     body = embeddings_body(result, model=data["model"], encoding_format=data["encoding_format"])
     return JsonResponse(body, headers={"X-Request-Id": request_id})
