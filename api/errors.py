@@ -140,7 +140,8 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
         )
     if isinstance(exc, PromptTooLongError):
         # OpenAI's wording and code: coding agents compact the conversation when they see it.
-        too_long = CONTEXT_MESSAGE.format(limit=exc.limit, tokens=exc.prompt_tokens)
+        tokens = f"at least {exc.prompt_tokens}" if exc.at_least else exc.prompt_tokens
+        too_long = CONTEXT_MESSAGE.format(limit=exc.limit, tokens=tokens)
         return ApiError(
             400, too_long, code="context_length_exceeded", too_long=(exc.prompt_tokens, exc.limit)
         )

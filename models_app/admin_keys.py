@@ -315,7 +315,17 @@ class UsageDayAdmin(_UsageDayAdminBase):
     """
 
     # Short headers and ISO days: eight columns fit beside the navigation and the filter at 1280 px.
-    list_display = ("day_label", "owner", "key_label", "requests", "prompt", "cached", "output", "total")
+    list_display = (
+        "day_label",
+        "owner",
+        "key_label",
+        "requests",
+        "prompt",
+        "cached",
+        "output",
+        "total",
+        "refused",
+    )
     list_filter = (("owner", admin.RelatedOnlyFieldListFilter), ("key", admin.RelatedOnlyFieldListFilter))
     list_select_related = ("owner", "key")
     search_fields = ("owner__username", "key__name", "key__prefix")
@@ -355,6 +365,16 @@ class UsageDayAdmin(_UsageDayAdminBase):
     @admin.display(description="total")
     def total(self, obj: UsageDay) -> int:
         return obj.total_tokens
+
+    @admin.display(description="refused")
+    def refused(self, obj: UsageDay) -> SafeString:
+        """Requests refused that day: by the key's limits (429) and by a busy model."""
+        return format_html(
+            '<span title="{} over the key\'s limits, {} by a busy model">{}</span>',
+            obj.rate_limited,
+            obj.overloaded,
+            obj.rate_limited + obj.overloaded,
+        )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -102,9 +102,14 @@ class RateLimitedError(Exception):
 TokenCounts = Mapping[tuple[int, date], int]
 
 
+# The request log a request is counted in: turns and embeddings share one; `count_tokens` has a
+# window of its own, with the same limit (KEY-4).
+Window = Literal["requests", "counts"]
+
+
 class Limiter(Protocol):
-    async def admit(self, key_id: int, limits: KeyLimits) -> None:
-        """Count one turn of `key_id` against its limits.
+    async def admit(self, key_id: int, limits: KeyLimits, *, window: Window = "requests") -> None:
+        """Count one request of `key_id` against its limits, in `window`'s request log.
 
         Raises:
             RateLimitedError: over a limit (the turn is not counted).
@@ -138,10 +143,10 @@ class LocalLimiter:
     def __init__(self, *, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._lock = threading.Lock()  # the flush adds tokens from its thread
-        self._starts: dict[int, deque[float]] = {}
+        self._starts: dict[tuple[int, Window], deque[float]] = {}
         self._tokens: dict[tuple[int, date], int] = {}
 
-    async def admit(self, key_id: int, limits: KeyLimits) -> None:
+    async def admit(self, key_id: int, limits: KeyLimits, *, window: Window = "requests") -> None:
         now = self._clock()
         with self._lock:
             if limits.tokens_per_day:
@@ -149,7 +154,7 @@ class LocalLimiter:
                 if used >= limits.tokens_per_day:
                     raise _tokens_refused(limits, used, now)
             if limits.requests_per_minute:
-                starts = self._starts.setdefault(key_id, deque())
+                starts = self._starts.setdefault((key_id, window), deque())
                 while starts and starts[0] <= now - WINDOW_S:
                     starts.popleft()
                 if len(starts) >= limits.requests_per_minute:
@@ -192,8 +197,8 @@ class RedisLimiter:
         self._sync: redis.Redis | None = None
         self._sync_lock = threading.Lock()
 
-    def requests_key(self, key_id: int) -> str:
-        return f"{self.prefix}:{key_id}:requests"
+    def requests_key(self, key_id: int, window: Window = "requests") -> str:
+        return f"{self.prefix}:{key_id}:{window}"
 
     def tokens_key(self, key_id: int, day: date) -> str:
         return f"{self.prefix}:{key_id}:tokens:{day.isoformat()}"
@@ -209,11 +214,11 @@ class RedisLimiter:
             )
         return client
 
-    async def admit(self, key_id: int, limits: KeyLimits) -> None:
+    async def admit(self, key_id: int, limits: KeyLimits, *, window: Window = "requests") -> None:
         import redis
 
         now = self._clock()
-        keys = [self.requests_key(key_id), self.tokens_key(key_id, utc_day(now))]
+        keys = [self.requests_key(key_id, window), self.tokens_key(key_id, utc_day(now))]
         args: list[int | str] = [
             int(now * 1000),
             WINDOW_S * 1000,

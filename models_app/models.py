@@ -266,6 +266,15 @@ class UsageDay(models.Model):
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     cached_tokens = models.PositiveBigIntegerField(default=0, help_text="Prompt tokens served from a cache.")
     output_tokens = models.PositiveBigIntegerField(default=0)
+    count_requests = models.PositiveBigIntegerField(
+        default=0, help_text="count_tokens calls: they generate nothing and use no tokens."
+    )
+    # Refused requests (issue 25): over the key's own limits (429 rate_limit_exceeded), and turned
+    # away by a busy model (queue full: 429/529; waited past the queue timeout: 503).
+    rate_limited = models.PositiveBigIntegerField(default=0, help_text="Refused by the key's limits (429).")
+    overloaded = models.PositiveBigIntegerField(
+        default=0, help_text="Refused by a busy model: queue full (429/529) or queue timeout (503)."
+    )
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

@@ -12,21 +12,33 @@ the result to `ended` before the terminal event reaches the encoder, never the e
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from mlxhost import request_log
-from mlxhost.engine import Delta, Done, Failed, Message, Tool, ToolChoice, WrongModelKindError
+from mlxhost.engine import (
+    Delta,
+    Done,
+    Failed,
+    Message,
+    QueueFullError,
+    QueueTimeoutError,
+    Tool,
+    ToolChoice,
+    WrongModelKindError,
+)
 from mlxhost.engine import GenerationRequest as EngineRequest
 from mlxhost.runtime.control import engine_for
 from models_app import limits, lookups, selectors, usage
+from models_app.limits import KeyLimits
 from models_app.models import Model
 
 if TYPE_CHECKING:
     import asyncio
-    from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+    from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 
     from mlxhost.engine import Engine, Event, Generation, Permit
     from models_app.models import ModelAlias
@@ -184,11 +196,11 @@ async def turn_start(
     """
     hooks = hooks or TurnHooks()
     key, owner_id = turn.key, turn.owner_id  # `prepare` may rebuild the turn
-    if key is not None and key.limits.any:
-        await limits.limiter().admit(key.key_id, key.limits)
+    await key_admit(key, owner_id=owner_id)
     alias = chat_alias(await lookups.alias_resolve(turn.model))
     engine = await engine_for(alias.name)
-    permit = engine.reserve(request_id, alias.name)
+    with overload_counted(key, owner_id=owner_id):
+        permit = engine.reserve(request_id, alias.name)
     try:
         turn = await hooks.prepare(engine, alias, permit, turn)
         request = generation_request(alias, turn, request_id, engine)
@@ -197,11 +209,14 @@ async def turn_start(
         raise
     generation: Generation | None = None
     try:
-        generation = await engine.submit(request, permit)
-        # Tallied as the Done is posted, read or not: a client that hangs up still used tokens.
-        key_id = key.key_id if key is not None else None
-        generation.add_end_listener(partial(usage.recorder().turn_ended, owner_id=owner_id, key_id=key_id))
-        await _admitted(generation, on_queued)
+        with overload_counted(key, owner_id=owner_id):
+            generation = await engine.submit(request, permit)
+            # Tallied as the Done is posted, read or not: a client that hangs up still used tokens.
+            key_id = key.key_id if key is not None else None
+            generation.add_end_listener(
+                partial(usage.recorder().turn_ended, owner_id=owner_id, key_id=key_id)
+            )
+            await _admitted(generation, on_queued)
     except BaseException:
         if generation is not None:
             generation.cancel()
@@ -217,13 +232,51 @@ async def turn_start(
 async def turn_count_tokens(turn: TurnRequest) -> int:
     """The prompt tokens `turn` would feed its model, without generating or queueing (API-2).
 
+    A count is held to the key's requests per minute in a window of its own (an agent that
+    counts before each turn keeps its turns), never to the day's tokens (it uses none); it is
+    tallied as a count, not a request (KEY-2, KEY-4).
+
     Raises:
+        RateLimitedError: the key made as many counts as its requests-per-minute limit allows.
         ModelAlias.DoesNotExist: no enabled alias has that name.
         ModelLoadError: the model could not be loaded.
     """
+    await key_admit(turn.key, owner_id=turn.owner_id, window="counts")
     alias = chat_alias(await lookups.alias_resolve(turn.model))
     engine = await engine_for(alias.name)
-    return await engine.count_tokens(generation_request(alias, turn, "count", engine))
+    count = await engine.count_tokens(generation_request(alias, turn, "count", engine))
+    usage.recorder().counted(owner_id=turn.owner_id, key_id=turn.key.key_id if turn.key else None)
+    return count
+
+
+async def key_admit(key: KeyIdentity | None, *, owner_id: int, window: limits.Window = "requests") -> None:
+    """Count one request of `key` against its limits (KEY-4); a refusal is tallied for the key.
+
+    `window` "counts" (count_tokens) checks only the requests per minute, in a log of its own.
+
+    Raises:
+        RateLimitedError: over a limit.
+    """
+    if key is None:
+        return
+    held = key.limits if window == "requests" else KeyLimits(key.limits.requests_per_minute)
+    if not held.any:
+        return
+    try:
+        await limits.limiter().admit(key.key_id, held, window=window)
+    except limits.RateLimitedError:
+        usage.recorder().refused("rate_limited", owner_id=owner_id, key_id=key.key_id)
+        raise
+
+
+@contextlib.contextmanager
+def overload_counted(key: KeyIdentity | None, *, owner_id: int) -> Iterator[None]:
+    """Tally a refusal by a busy model (a full queue, a queue timeout) for `key` (KEY-2)."""
+    try:
+        yield
+    except (QueueFullError, QueueTimeoutError):
+        usage.recorder().refused("overloaded", owner_id=owner_id, key_id=key.key_id if key else None)
+        raise
 
 
 def chat_alias(alias: ModelAlias) -> ModelAlias:

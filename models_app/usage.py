@@ -2,7 +2,9 @@
 
 Every turn that reached the model, on any surface, ends with the engine's `Done`; the turn
 service hands it to `recorder().turn_ended(...)` on the event loop, which only adds to an
-in-memory tally (no I/O next to a streamed token). A flusher task writes the tallies every
+in-memory tally (no I/O next to a streamed token). Embedding requests (`embedded`),
+`count_tokens` calls (`counted`) and refused requests (`refused`: by the key's limits, by a busy
+model) are tallied the same way. A flusher task writes the tallies every
 MLXHOST_USAGE_FLUSH_S in a thread of its own, as F() increments of one `UsageDay` row per key
 per UTC day, then adds the tokens to the limiter's daily counters (KEY-4) and stamps the keys'
 `last_used_at` (at most once a minute per key). Shutdown flushes what is left; a process killed
@@ -22,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
@@ -45,18 +47,26 @@ logger = logging.getLogger(__name__)
 
 # `last_used_at` is written at most this often per key (and process): a busy key costs nothing.
 TOUCH_INTERVAL_S = 60.0
-COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "output_tokens")
-CSV_HEADER = ("day", "user", "key", "key prefix", *COUNTERS, "total_tokens")
+TOKEN_COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "output_tokens")
+# count_tokens calls, and refused requests (by the key's limits; by a busy model).
+OTHER_COUNTERS = ("count_requests", "rate_limited", "overloaded")
+COUNTERS = (*TOKEN_COUNTERS, *OTHER_COUNTERS)
+# New columns go last, so a spreadsheet reading the older ones by position still reads them.
+CSV_HEADER = ("day", "user", "key", "key prefix", *TOKEN_COUNTERS, "total_tokens", *OTHER_COUNTERS)
+Refusal = Literal["rate_limited", "overloaded"]
 
 
 @dataclass(slots=True)
 class Tally:
-    """Turns and tokens not yet written, for one key (or browser session) on one day."""
+    """Requests and tokens not yet written, for one key (or browser session) on one day."""
 
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    count_requests: int = 0
+    rate_limited: int = 0
+    overloaded: int = 0
 
     def add(self, other: Tally) -> None:
         for name in COUNTERS:
@@ -97,9 +107,25 @@ class UsageRecorder:
         if usage.prompt_tokens == 0 and usage.completion_tokens == 0:
             return
         turn = Tally(1, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+        self._add(turn, owner_id=owner_id, key_id=key_id)
+
+    def embedded(self, prompt_tokens: int, *, owner_id: int, key_id: int | None) -> None:
+        """Tally an embedding request that ran: one request and its input tokens (KEY-2)."""
+        self._add(Tally(requests=1, prompt_tokens=prompt_tokens), owner_id=owner_id, key_id=key_id)
+
+    def counted(self, *, owner_id: int, key_id: int | None) -> None:
+        """Tally a `count_tokens` call: a count of its own, no request and no tokens (KEY-2)."""
+        self._add(Tally(count_requests=1), owner_id=owner_id, key_id=key_id)
+
+    def refused(self, reason: Refusal, *, owner_id: int, key_id: int | None) -> None:
+        """Tally a request refused by the key's limits or by a busy model (KEY-2)."""
+        tally = Tally(rate_limited=1) if reason == "rate_limited" else Tally(overloaded=1)
+        self._add(tally, owner_id=owner_id, key_id=key_id)
+
+    def _add(self, tally: Tally, *, owner_id: int, key_id: int | None) -> None:
         key: TallyKey = (limits.utc_day(self._clock()), owner_id, key_id)
         with self._lock:
-            self._tallies.setdefault(key, Tally()).add(turn)
+            self._tallies.setdefault(key, Tally()).add(tally)
         self._ensure_flusher()
 
     def key_used(self, key_id: int) -> None:
@@ -300,9 +326,18 @@ def usage_csv(*, rows: QuerySet[UsageDay]) -> Iterator[str]:
     yield line(CSV_HEADER)
     for row in rows.select_related("owner", "key").order_by("-day", "owner__username", "key__name"):
         key_name, prefix = (row.key.name, row.key.prefix) if row.key else ("(browser session)", "")
-        counts = tuple(getattr(row, name) for name in COUNTERS)
+        counts = tuple(getattr(row, name) for name in TOKEN_COUNTERS)
+        others = tuple(getattr(row, name) for name in OTHER_COUNTERS)
         yield line(
-            (row.day.isoformat(), row.owner.get_username(), key_name, prefix, *counts, row.total_tokens)
+            (
+                row.day.isoformat(),
+                row.owner.get_username(),
+                key_name,
+                prefix,
+                *counts,
+                row.total_tokens,
+                *others,
+            )
         )
 
 

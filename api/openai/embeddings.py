@@ -3,7 +3,6 @@ as float lists or base64 (little-endian float32), `dimensions`, usage."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import functools
 import secrets
@@ -13,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from rest_framework import serializers
 
-from api.auth import api_endpoint, json_body
+from api.auth import api_endpoint, caller_of, json_body
 from api.errors import ApiError
 from api.fields import JsonInput
 from api.openai.views import validated
@@ -22,6 +21,8 @@ from mlxhost.wire import json_response
 from models_app.embedding_requests import embeddings_create
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import tiktoken
     from django.http import HttpRequest, HttpResponse
 
@@ -92,29 +93,20 @@ def _encoding() -> tiktoken.Encoding:
     return tiktoken.get_encoding(TOKEN_ENCODING)
 
 
-def texts_of(items: list[str | list[int]]) -> list[str]:
-    """Token arrays decoded from cl100k_base ids back to text; texts as they are.
+NOT_CL100K = "holds a token id that is not in cl100k_base, the encoding token arrays are read in."
+
+
+def decode_tokens(ids: Sequence[int]) -> str:
+    """cl100k_base ids back to text; the engine calls it once the array fits the model (API-14).
 
     Raises:
-        ApiError: 400 naming `input[i]` for an id that is not a cl100k_base token.
+        ValueError: an id that is not a cl100k_base token (the engine names the input).
     """
-    if all(isinstance(item, str) for item in items):
-        return [item for item in items if isinstance(item, str)]
-    encoding = _encoding()
-    texts = []
-    for index, item in enumerate(items):
-        if isinstance(item, str):
-            texts.append(item)
-            continue
-        try:
-            raw = encoding.decode_bytes(item)
-        except (KeyError, ValueError, OverflowError):
-            raise _input_error(
-                f"input[{index}]",
-                "holds a token id that is not in cl100k_base, the encoding token arrays are read in.",
-            ) from None
-        texts.append(raw.decode("utf-8", errors="replace"))
-    return texts
+    try:
+        raw = _encoding().decode_bytes(list(ids))
+    except (KeyError, ValueError, OverflowError):
+        raise ValueError(NOT_CL100K) from None
+    return raw.decode("utf-8", errors="replace")
 
 
 def _vector(values: array[float], encoding_format: str) -> list[float] | str:
@@ -141,15 +133,18 @@ async def embeddings(request: HttpRequest) -> HttpResponse:
     """POST /v1/embeddings: embed every input in one request, batched with concurrent ones (API-14)."""
     data = validated(EmbeddingsInput, json_body(request))
     items = embedding_inputs(data["input"])
-    # Loading cl100k_base takes a moment the first time: off the loop, like every tokenizing.
-    texts = (
-        texts_of(items)
-        if all(isinstance(i, str) for i in items)
-        else await asyncio.to_thread(texts_of, items)
-    )
+    # Token arrays are decoded by the engine, off the loop, once each is known to fit the model.
+    texts = tuple(item if isinstance(item, str) else tuple(item) for item in items)
     request_id = f"emb-{secrets.token_hex(12)}"
+    caller = caller_of(request)
     result = await embeddings_create(
-        model=data["model"], texts=texts, request_id=request_id, dimensions=data.get("dimensions")
+        model=data["model"],
+        texts=texts,
+        request_id=request_id,
+        dimensions=data.get("dimensions"),
+        decode=decode_tokens,
+        owner_id=caller.owner_id,
+        key=caller.key,
     )
     body = embeddings_body(result, model=data["model"], encoding_format=data["encoding_format"])
     return json_response(body, headers={"X-Request-Id": request_id})

@@ -46,6 +46,9 @@ class EngineConfig:
     # An embedding pass about to start waits at most this long for concurrent requests still
     # tokenizing, so they share its forward pass (API-14); a lone request never waits.
     embed_wait_s: float = 0.01
+    # The most template renders and tokenizations that run at once, all models and surfaces
+    # together (`tokenizing.TokenizePool`): each holds a whole prompt and its ids in memory.
+    tokenize_threads: int = 4
 
 
 def prefix_cache_bytes(config: EngineConfig, ram_bytes: int | None) -> int:

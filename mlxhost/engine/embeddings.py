@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.errors import InvalidRequestError
+from mlxhost.engine.tokenizing import fewest_tokens, fits_in_characters, nonspace_characters
 from mlxhost.engine.types import Embeddings
 
 if TYPE_CHECKING:
@@ -55,18 +56,77 @@ class PassStats:
     tokens: int
 
 
-def check_inputs(
-    inputs: Sequence[Sequence[int]],
-    *,
-    model_limit: int,
-    alias_limit: int | None,
-) -> None:
-    """Refuse an input with more tokens than the model (or the alias) takes, naming its index.
+def input_limit(model_limit: int, alias_limit: int | None) -> int:
+    """The most tokens one input may have: the model's, lowered by the alias's."""
+    return min(model_limit, alias_limit) if alias_limit else model_limit
+
+
+def check_arrays(inputs: Sequence[str | Sequence[int]], *, limit: int) -> None:
+    """Refuse a token array longer than `limit`, before it is decoded: its ids are another
+    tokenizer's, but a client that sends them counts in them (OpenAI caps arrays the same way).
 
     Raises:
-        InvalidRequestError: `input[i]` is empty or too long.
+        InvalidRequestError: `input[i]` has too many ids.
     """
-    limit = min(model_limit, alias_limit) if alias_limit else model_limit
+    for index, item in enumerate(inputs):
+        if not isinstance(item, str) and len(item) > limit:
+            raise InvalidRequestError(
+                f"input[{index}]",
+                f"this token array has {len(item)} tokens; the model takes at most {limit} per input. "
+                "Split it into shorter pieces.",
+            )
+
+
+def decoded(
+    inputs: Sequence[str | Sequence[int]], decode: Callable[[Sequence[int]], str] | None
+) -> list[str]:
+    """Every input as text: token arrays through `decode` (off the loop: it may load its tables).
+
+    Raises:
+        InvalidRequestError: `input[i]` holds ids `decode` cannot read (or there is no `decode`).
+    """
+    texts = []
+    for index, item in enumerate(inputs):
+        if isinstance(item, str):
+            texts.append(item)
+            continue
+        if decode is None:
+            raise InvalidRequestError(f"input[{index}]", "token arrays are not read here; send text.")
+        try:
+            texts.append(decode(item))
+        except ValueError as exc:
+            raise InvalidRequestError(f"input[{index}]", str(exc)) from None
+    return texts
+
+
+def check_characters(texts: Sequence[str], *, chars_per_token: int, limit: int) -> None:
+    """Refuse, before tokenizing, an input whose text is too long to fit in `limit` tokens: more
+    than `chars_per_token` x `limit` characters that are not whitespace (the encoder drops
+    whitespace; `chars_per_token` 0: unknown, nothing refused here).
+
+    Raises:
+        InvalidRequestError: `input[i]` cannot fit.
+    """
+    bound = chars_per_token * limit
+    for index, text in enumerate(texts):
+        if not chars_per_token or len(text) <= bound:
+            continue  # the common case: no count at all
+        characters = nonspace_characters(text)
+        if not fits_in_characters(characters, chars_per_token=chars_per_token, limit=limit):
+            raise InvalidRequestError(
+                f"input[{index}]",
+                f"this input has {characters} characters besides spaces, so at least "
+                f"{fewest_tokens(characters, chars_per_token)} tokens; the model takes at most "
+                f"{limit} per input. Split it into shorter pieces.",
+            )
+
+
+def check_inputs(inputs: Sequence[Sequence[int]], *, limit: int) -> None:
+    """Refuse an input with more tokens than `limit` (see `input_limit`), naming its index.
+
+    Raises:
+        InvalidRequestError: `input[i]` is too long.
+    """
     for index, ids in enumerate(inputs):
         if len(ids) > limit:
             raise InvalidRequestError(

@@ -10,10 +10,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from mlxhost.engine import limits, prompts
+from mlxhost.engine import limits, prompts, tokenizing
 from mlxhost.engine.backends import make_backend
 from mlxhost.engine.config import EngineConfig
-from mlxhost.engine.embeddings import EmbedJob, check_dimensions, check_inputs
+from mlxhost.engine.embeddings import (
+    EmbedJob,
+    check_arrays,
+    check_characters,
+    check_dimensions,
+    check_inputs,
+    decoded,
+    input_limit,
+)
 from mlxhost.engine.errors import (
     DrainingError,
     DuplicateRequestError,
@@ -189,6 +197,8 @@ class Engine:
         self._stopping = False  # shutdown began: arrivals are refused as draining (LANE-7)
         self._closed = False
         self._ram_bytes = limits.physical_memory_bytes()
+        # Every render and tokenization of every surface runs here, a few at a time (issue 25).
+        self.tokenizers = tokenizing.TokenizePool(self.config.tokenize_threads)
 
     # Registry -----------------------------------------------------------------------------
 
@@ -424,6 +434,7 @@ class Engine:
         Raises:
             UnknownModelError: nothing is bound under `request.binding`.
             ModelLoadError: the model could not be loaded.
+            PromptTooLongError: the prompt's text has more characters than the context could hold.
             EngineClosedError: the engine is shutting down.
         """
         self._check_open()
@@ -436,7 +447,13 @@ class Engine:
             model = instance.model
             if model is None:
                 raise ModelLoadError("The model was unloaded while the request waited; retry.")
-            return len((await asyncio.to_thread(prompts.render, model, request)).prompt_ids)
+            # Not held to max_input_tokens, but nothing longer than the context is worth rendering.
+            limits.check_prompt_characters(
+                tokenizing.request_characters(request),
+                chars_per_token=model.chars_per_token,
+                limit=limits.input_limit(None, model.context_length),
+            )
+            return len((await self.tokenizers.run(prompts.render, model, request)).prompt_ids)
         finally:
             self.registry.unlease(instance)
 
@@ -503,8 +520,15 @@ class Engine:
         dimensions = check_dimensions(
             request.dimensions, width=model.dimensions, truncatable=request.truncatable
         )
-        ids = await asyncio.to_thread(model.tokenize, request.texts)
-        check_inputs(ids, model_limit=model.max_tokens, alias_limit=request.max_input_tokens)
+        limit = input_limit(model.max_tokens, request.max_input_tokens)
+        if any(not isinstance(text, str) for text in request.texts):
+            check_arrays(request.texts, limit=limit)  # before decoding: a huge array never is
+            texts = await self.tokenizers.run(decoded, request.texts, request.decode)
+        else:
+            texts = [text for text in request.texts if isinstance(text, str)]
+        check_characters(texts, chars_per_token=model.chars_per_token, limit=limit)
+        ids = await self.tokenizers.run(model.tokenize, texts)
+        check_inputs(ids, limit=limit)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[Embeddings] = loop.create_future()
 
@@ -540,8 +564,15 @@ class Engine:
             raise ModelLoadError("The model was unloaded while the request waited; retry.")
         # Checked before any work: nothing a request sets may reach MLX unchecked (limits.py).
         sampling = limits.checked_sampling(request.sampling, vocab_size=model.vocab_size)
-        # Templating, tokenizing and grammar compiling run off the loop; none touches the KV cache.
-        rendered = await asyncio.to_thread(prompts.render, model, request)
+        # A prompt too long in characters to fit is refused before it is rendered (bounded work).
+        limits.check_prompt_characters(
+            tokenizing.request_characters(request),
+            chars_per_token=model.chars_per_token,
+            limit=limits.input_limit(request.max_input_tokens, model.context_length),
+        )
+        # Templating, tokenizing and grammar compiling run off the loop, a few at a time
+        # (`self.tokenizers`); none touches the KV cache.
+        rendered = await self.tokenizers.run(prompts.render, model, request)
         prompt_ids = rendered.prompt_ids
         if rendered.plan.grammar is not None:
             sampling = replace(sampling, grammar=rendered.plan.grammar)
@@ -832,6 +863,7 @@ class Engine:
         await asyncio.gather(*(asyncio.to_thread(i.stop, timeout) for i in instances))
         if self._teardowns:
             await asyncio.gather(*self._teardowns, return_exceptions=True)
+        self.tokenizers.close()
 
 
 def _settle_embeddings(

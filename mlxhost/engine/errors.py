@@ -38,10 +38,13 @@ class PromptTooLongError(EngineError):
 
     code = "context_length_exceeded"
 
-    def __init__(self, prompt_tokens: int, limit: int) -> None:
-        super().__init__(f"The prompt has {prompt_tokens} tokens; this model accepts at most {limit}.")
+    def __init__(self, prompt_tokens: int, limit: int, *, at_least: bool = False) -> None:
+        # `at_least`: refused by its characters before tokenizing, so `prompt_tokens` is a floor.
+        count = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
+        super().__init__(f"The prompt has {count} tokens; this model accepts at most {limit}.")
         self.prompt_tokens = prompt_tokens
         self.limit = limit
+        self.at_least = at_least
 
 
 class InvalidRequestError(EngineError):

@@ -14,6 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.errors import InvalidRequestError, PromptTooLongError, RequestTooLargeError
+from mlxhost.engine.tokenizing import fewest_tokens, fits_in_characters
 
 if TYPE_CHECKING:
     from mlxhost.engine.types import SamplingParams
@@ -80,6 +81,19 @@ def input_limit(alias_limit: int | None, context_length: int | None) -> int | No
     answer), lowered by the alias's `max_input_tokens`; None when neither is known."""
     limits = [n for n in (alias_limit, context_length - 1 if context_length else None) if n]
     return min(limits) if limits else None
+
+
+def check_prompt_characters(characters: int, *, chars_per_token: int, limit: int | None) -> None:
+    """Refuse a prompt whose text alone is too long to fit, before it is rendered or tokenized
+    (a token covers at most `chars_per_token` characters; 0: unknown, nothing refused here).
+
+    Raises:
+        PromptTooLongError: more than `chars_per_token` x `limit` characters; its token count is
+            the fewest those characters can be (`at_least`).
+    """
+    if not fits_in_characters(characters, chars_per_token=chars_per_token, limit=limit):
+        assert limit is not None
+        raise PromptTooLongError(fewest_tokens(characters, chars_per_token), limit, at_least=True)
 
 
 def fitted(

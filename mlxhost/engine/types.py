@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from array import array
+    from collections.abc import Callable, Sequence
 
     from mlxhost.engine.sessions import SessionQuery
 
@@ -184,15 +185,19 @@ class EmbeddingRequest:
 
     `dimensions` asks for fewer dimensions than the model's (None: all of them); a model that
     allows it (`truncatable`, Matryoshka) truncates and renormalises. `max_input_tokens` is the
-    alias's per-input limit, below the model's own.
+    alias's per-input limit, below the model's own. An input may be token ids of another
+    tokenizer (OpenAI's token arrays): `decode` turns them into text (raising ValueError, with a
+    message for the client, on ids it cannot read), once the array is known to be no longer
+    than the model's limit, so a huge array is never decoded.
     """
 
     request_id: str
     binding: str
-    texts: tuple[str, ...]
+    texts: tuple[str | tuple[int, ...], ...]
     dimensions: int | None = None
     truncatable: bool = False
     max_input_tokens: int | None = None
+    decode: Callable[[Sequence[int]], str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

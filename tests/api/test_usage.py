@@ -311,3 +311,105 @@ async def test_a_browser_session_turn_counts_against_its_user(tiny_alias, mlx_en
     row = await UsageDay.objects.aget()
     assert (row.owner_id, row.key_id, row.requests) == (user.pk, None, 1)
     assert row.output_tokens == frames[-1]["response"]["usage"]["output_tokens"]
+
+
+# Embeddings, count_tokens and refusals (issue 25) ------------------------------------------------
+
+
+async def embed(key: str, value) -> tuple[int, int]:
+    response = await post_json("/v1/embeddings", {"model": "minilm", "input": value}, bearer(key))
+    return response.status_code, (response.json().get("usage") or {}).get("prompt_tokens", 0)
+
+
+async def count(key: str):
+    body = {"model": "tiny", "messages": HELLO}
+    return await post_json("/v1/messages/count_tokens", body, anthropic(key))
+
+
+async def test_embeddings_and_counts_are_in_the_keys_usage(tiny_alias, minilm_alias, api_key, mlx_engine):
+    """KEY-2: an embedding request adds one request and exactly the input tokens its answer
+    reported; a count_tokens call adds a count, no request and no tokens."""
+    status, first = await embed(api_key, ["hello there", "a second input"])
+    assert status == 200 and first > 0
+    status, second = await embed(api_key, [791, 8415, 23874])  # a token array
+    assert status == 200 and second > 0
+    counted = await count(api_key)
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+    await usage.recorder().flush()
+    row = await UsageDay.objects.aget()
+    assert (row.requests, row.prompt_tokens, row.output_tokens) == (2, first + second, 0)
+    assert row.count_requests == 1
+
+
+async def test_a_key_over_its_limits_is_refused_on_embeddings(minilm_alias, api_key, mlx_engine):
+    """KEY-4: embeddings count against the key's requests per minute and the day's tokens, with
+    OpenAI's 429 envelope and Retry-After."""
+    await set_limits(api_key, requests_per_minute=1)
+    assert (await embed(api_key, "hello"))[0] == 200
+    refused = await post_json("/v1/embeddings", {"model": "minilm", "input": "again"}, bearer(api_key))
+    assert refused.status_code == 429 and int(refused["Retry-After"]) >= 1
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert refused.json()["error"]["type"] == "requests"
+
+    await set_limits(api_key, tokens_per_day=3)
+    await usage.recorder().flush()  # the first request's tokens reach the day's counter
+    refused = await post_json("/v1/embeddings", {"model": "minilm", "input": "again"}, bearer(api_key))
+    assert refused.status_code == 429 and refused.json()["error"]["type"] == "tokens"
+
+
+async def test_count_tokens_has_a_requests_window_of_its_own(tiny_alias, api_key, mlx_engine):
+    """KEY-4: count_tokens is held to the key's requests per minute in a window apart from turns
+    (a key at its limit may still count, and counting spends no turn), and never to the day's
+    tokens; over it, Anthropic's 429 `rate_limit_error`."""
+    await set_limits(api_key, requests_per_minute=2, tokens_per_day=1)
+    assert (await count(api_key)).status_code == 200
+    assert (await count(api_key)).status_code == 200
+    refused = await count(api_key)
+    assert refused.status_code == 429 and int(refused["Retry-After"]) >= 1
+    assert refused.json()["type"] == "error" and refused.json()["error"]["type"] == "rate_limit_error"
+    assert (await chat(api_key))[2] > 0  # the turns' window is untouched by the counts
+    await usage.recorder().flush()  # now over the day's tokens: turns are refused, counts are not
+    assert (
+        await post_json("/v1/chat/completions", {"model": "tiny", "messages": HELLO}, bearer(api_key))
+    ).status_code == 429
+    await set_limits(api_key, requests_per_minute=None, tokens_per_day=1)
+    assert (await count(api_key)).status_code == 200
+
+
+async def test_refused_requests_are_counted_per_key(
+    tiny_alias, minilm_alias, api_key, mlx_engine, tiny_eos_id
+):
+    """KEY-2: a 429 by the key's limits counts as `rate_limited`, a full queue (429 queue_full,
+    Anthropic 529) as `overloaded`, each in the key's row for the day, on turns and embeddings."""
+    from tests.api.support import set_lane
+
+    await set_limits(api_key, requests_per_minute=1)
+    assert (await chat(api_key))[2] > 0
+    for _ in range(2):
+        assert (
+            await post_json("/v1/chat/completions", {"model": "tiny", "messages": HELLO}, bearer(api_key))
+        ).status_code == 429
+    assert (await embed(api_key, "hello"))[0] == 429
+    await set_limits(api_key)
+
+    await set_lane(tiny_alias, concurrency=1, queue_depth=0)
+    body = {
+        "model": "tiny",
+        "messages": HELLO,
+        "max_tokens": 5000,
+        "stream": True,
+        "logit_bias": {str(tiny_eos_id): -100},
+    }
+    reader = StreamReader(await post_json("/v1/chat/completions", body, bearer(api_key)))
+    await reader.wait_for(2)
+    full = await post_json("/v1/chat/completions", {"model": "tiny", "messages": HELLO}, bearer(api_key))
+    assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+    overloaded = await post_json(
+        "/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": HELLO}, anthropic(api_key)
+    )
+    assert overloaded.status_code == 529
+    await reader.hang_up()
+
+    await usage.recorder().flush()
+    row = await UsageDay.objects.aget()
+    assert (row.rate_limited, row.overloaded) == (3, 2)

@@ -202,7 +202,8 @@ async def test_rebind_updates_settings_in_place_but_running_requests_keep_theirs
     probe = lane_of(engine, 1)
     assert (probe["capacity"], probe["limit"]) == (1, 2)
     with pytest.raises(PromptTooLongError) as info:
-        await engine.submit(request("r2", binding="a", text="far too long", max_input_tokens=5))
+        # Four characters may fit in five tokens; the template's tags make it too long.
+        await engine.submit(request("r2", binding="a", text="abcd", max_input_tokens=5))
     assert info.value.limit == 5
     assert backend.render_calls == 2  # templated, counted, refused
 

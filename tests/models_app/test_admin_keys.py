@@ -228,3 +228,35 @@ def test_a_user_who_is_not_staff_cannot_reach_the_key_pages(client, user):
     for url in (KEYS, f"{KEYS}{key.pk}/created/", f"{USAGE}export.csv"):
         response = client.get(url)
         assert response.status_code == 302 and "/admin/login/" in response["Location"], url
+
+
+def test_refused_requests_and_counts_show_on_the_key_page_the_usage_page_and_the_csv(
+    admin_client, user, django_user_model
+):
+    """KEY-3: a day's refusals (by the key's limits, by a busy model) and count_tokens calls are
+    on the key's page, in the usage page's daily sums and its rows, and in the CSV."""
+    key, _ = services.apikey_create(owner=user, name="agent")
+    UsageDay.objects.create(
+        day=timezone.now().date(),
+        owner=user,
+        key=key,
+        requests=3,
+        prompt_tokens=30,
+        count_requests=11,
+        rate_limited=7,
+        overloaded=5,
+    )
+    page = admin_client.get(f"{KEYS}{key.pk}/change/").content.decode()
+    for header in ("Counts", "Rate-limited", "Overloaded"):
+        assert f">{header}</th>" in page
+    cells = re.findall(r'<td class="mlxhost-num">(\d+)</td>', page)
+    assert cells[-3:] == ["11", "7", "5"]  # the totals row ends with them
+
+    listing = admin_client.get(USAGE).content.decode()
+    assert 'title="7 over the key\'s limits, 5 by a busy model">12</span>' in listing
+    rows = list(
+        csv.DictReader(
+            io.StringIO(b"".join(admin_client.get(f"{USAGE}export.csv").streaming_content).decode())
+        )
+    )
+    assert [(r["count_requests"], r["rate_limited"], r["overloaded"]) for r in rows] == [("11", "7", "5")]

@@ -79,6 +79,21 @@ async def test_requests_per_minute_is_a_sliding_window(limiter, clock):
     assert await admitted(limiter, 1, KeyLimits())  # no limit: never counted, never refused
 
 
+async def test_the_counts_window_is_kept_apart_from_the_requests_one(limiter, clock):
+    """KEY-4: count_tokens calls go in a request log of their own, with the same limit: a key at
+    its requests per minute may still count, and counting never uses up its turns."""
+    for _ in range(3):
+        assert await admitted(limiter, 1, RPM_3)
+    await refusal(limiter, 1, RPM_3)
+    for _ in range(3):
+        await limiter.admit(1, RPM_3, window="counts")
+    with pytest.raises(RateLimitedError) as refused:
+        await limiter.admit(1, RPM_3, window="counts")
+    assert (refused.value.kind, refused.value.used) == ("requests", 3)
+    await limiter.admit(2, RPM_3, window="counts")  # counted per key
+    assert await admitted(limiter, 2, RPM_3)
+
+
 async def test_tokens_per_day_refuses_until_utc_midnight(limiter, clock):
     """KEY-4: once the day's tokens reach the limit, turns are refused until the next UTC day."""
     limits = KeyLimits(tokens_per_day=100)

@@ -103,6 +103,24 @@ def test_a_failed_write_keeps_the_tallies_for_the_next_flush(recorder, key, user
     assert counts(UsageDay.objects.get()) == (2, 11, 0, 5)
 
 
+def test_embeddings_counts_and_refusals_are_tallied_with_the_turns(recorder, key, user):
+    """KEY-2: an embedding request is a request and its input tokens; a count_tokens call a count
+    of its own; refusals by the key's limits and by a busy model are counted apart; all in the
+    key's one row for the day."""
+    recorder.turn_ended(done(10, 5), owner_id=user.pk, key_id=key.pk)
+    recorder.embedded(7, owner_id=user.pk, key_id=key.pk)
+    recorder.counted(owner_id=user.pk, key_id=key.pk)
+    recorder.counted(owner_id=user.pk, key_id=key.pk)
+    recorder.refused("rate_limited", owner_id=user.pk, key_id=key.pk)
+    recorder.refused("overloaded", owner_id=user.pk, key_id=None)  # a browser session's turn
+    recorder.flush_sync()
+    row = UsageDay.objects.get(key=key)
+    assert counts(row) == (2, 17, 0, 5)
+    assert (row.count_requests, row.rate_limited, row.overloaded) == (2, 1, 0)
+    session = UsageDay.objects.get(key=None)
+    assert (session.requests, session.overloaded) == (0, 1)
+
+
 def test_a_deleted_key_or_user_drops_its_tallies(recorder, key, user, django_user_model):
     other = django_user_model.objects.create_user(username="gone", password="pw-gone-123")
     gone, _ = services.apikey_create(owner=other, name="gone")
@@ -170,7 +188,15 @@ def test_reports_sum_per_day_and_per_user_and_export_csv(key, user, django_user_
         day=date(2026, 3, 4), owner=user, key=key, requests=1, prompt_tokens=7, output_tokens=3
     )
     UsageDay.objects.create(
-        day=date(2026, 3, 4), owner=other, key=bobs, requests=4, prompt_tokens=40, cached_tokens=30
+        day=date(2026, 3, 4),
+        owner=other,
+        key=bobs,
+        requests=4,
+        prompt_tokens=40,
+        cached_tokens=30,
+        count_requests=3,
+        rate_limited=2,
+        overloaded=1,
     )
     rows = UsageDay.objects.all()
     days = usage.usage_by_day(rows=rows)
@@ -183,6 +209,9 @@ def test_reports_sum_per_day_and_per_user_and_export_csv(key, user, django_user_
         "prompt_tokens": 67,
         "cached_tokens": 30,
         "output_tokens": 8,
+        "count_requests": 3,
+        "rate_limited": 2,
+        "overloaded": 1,
         "total_tokens": 75,
     }
     assert [(u["owner__username"], u["total_tokens"]) for u in usage.usage_by_owner(rows=rows)] == [
@@ -194,12 +223,12 @@ def test_reports_sum_per_day_and_per_user_and_export_csv(key, user, django_user_
     assert chart["prompt"] == [20, 47] and chart["cached"] == [0, 30] and chart["output"] == [5, 3]
 
     lines = list(usage.usage_csv(rows=rows))
-    assert (
-        lines[0]
-        == "day,user,key,key prefix,requests,prompt_tokens,cached_tokens,output_tokens,total_tokens\r\n"
+    assert lines[0] == (
+        "day,user,key,key prefix,requests,prompt_tokens,cached_tokens,output_tokens,total_tokens,"
+        "count_requests,rate_limited,overloaded\r\n"  # the newer columns last
     )
     assert lines[1:] == [
-        f"2026-03-04,alice,laptop,{key.prefix},1,7,0,3,10\r\n",
-        f"2026-03-04,bob,'=HYPERLINK(evil),{bobs.prefix},4,40,30,0,40\r\n",  # never a formula
-        f"2026-03-03,alice,laptop,{key.prefix},2,20,0,5,25\r\n",
+        f"2026-03-04,alice,laptop,{key.prefix},1,7,0,3,10,0,0,0\r\n",
+        f"2026-03-04,bob,'=HYPERLINK(evil),{bobs.prefix},4,40,30,0,40,3,2,1\r\n",  # never a formula
+        f"2026-03-03,alice,laptop,{key.prefix},2,20,0,5,25,0,0,0\r\n",
     ]

@@ -108,7 +108,9 @@ class LoadedModel(Protocol):
     `shared_cache` is true for models whose cache is one shared mutable state (SES-5).
     `vocab_size` bounds every token id a request may name (logit_bias); `context_length` (None:
     unknown) bounds prompt plus output; `kv_bytes_per_token` (0: unknown) sizes a request's KV
-    cache before it is admitted. A model may also define `recover()`, which the worker calls
+    cache before it is admitted; `chars_per_token` (0: unknown) is the most characters of text one
+    token may cover, so a longer prompt is refused before it is tokenized (`tokenizing`). A model
+    may also define `recover()`, which the worker calls
     after a failure it cannot pin on one request, to rebuild shared state (MLX's random state).
     """
 
@@ -116,6 +118,7 @@ class LoadedModel(Protocol):
     vocab_size: int
     context_length: int | None
     kv_bytes_per_token: int
+    chars_per_token: int
 
     @property
     def knows_tools(self) -> bool:
@@ -212,11 +215,13 @@ class EmbeddingModel(Protocol):
     `tokenize` runs off the loop in any thread (a tokenizer is safe to share).
 
     `dimensions` is the width of its vectors; `max_tokens` the most tokens one input may have,
-    special tokens included (the sentence-transformers `max_seq_length`, else the positions).
+    special tokens included (the sentence-transformers `max_seq_length`, else the positions);
+    `chars_per_token` (0: unknown) the most characters besides whitespace one token may cover.
     """
 
     dimensions: int
     max_tokens: int
+    chars_per_token: int
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text as the model reads it (special tokens included), untruncated."""

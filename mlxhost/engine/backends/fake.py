@@ -113,6 +113,7 @@ class FakeModel:
         self.vocab_size = backend.vocab_size
         self.context_length = backend.context_length
         self.kv_bytes_per_token = backend.kv_bytes_per_token
+        self.chars_per_token = 1  # tokens are characters
 
     @property
     def knows_tools(self) -> bool:
@@ -149,6 +150,7 @@ class FakeModel:
             raise InvalidRequestError(param, f"the schema does not compile: {UNCOMPILABLE}.")
 
     def encode(self, text: str) -> list[int]:
+        self._backend.encode_calls += 1
         return [ord(ch) for ch in text]
 
     def generate(
@@ -329,8 +331,13 @@ class FakeEmbedder:
         self.closed = False
         self.dimensions = backend.embedding_dimensions
         self.max_tokens = backend.embedding_max_tokens
+        self.chars_per_token = 1  # tokens are characters, between a start and an end
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        backend = self._backend
+        backend.tokenize_calls += 1
+        if backend.before_render is not None:
+            backend.before_render(())  # off the loop, like a real tokenizer
         return [[EMBED_START, *(ord(ch) for ch in text), EMBED_END] for text in texts]
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[array[float]]:
@@ -381,8 +388,9 @@ class FakeBackend:
     `gate` (a threading.Event) paces every token (every batch step) when `gated` is true, and
     `parked` says the worker waits on it now; `load_failures` makes the next loads raise;
     `dispose_failures` makes the next cache disposals raise; `shared_cache` builds models with
-    one shared cache (SES-5); `render_calls` counts templating and `before_render(messages)`
-    runs inside it (a test holds a request in preparation there). Models batch (`FakeBatch`)
+    one shared cache (SES-5); `render_calls` counts templating, `encode_calls` and
+    `tokenize_calls` tokenizing, and `before_render(messages)` runs inside templating and
+    embedding tokenization (a test holds a request in preparation there). Models batch (`FakeBatch`)
     unless `batching` is false; `batch_steps` records the size of every batch step and
     `batches` every batch opened. `generate_failures` makes the next exclusive generations
     raise, `batch_step_failures` the next batch steps (nobody to blame), and a script piece
@@ -413,6 +421,8 @@ class FakeBackend:
         self.saves = 0  # caches written to the disk tier (save_cache)
         self.loads_from_disk = 0  # and read back (load_cache)
         self.render_calls = 0
+        self.encode_calls = 0  # every tokenization: raw prompts and each rendered chat
+        self.tokenize_calls = 0  # embedding models' tokenizations
         self.before_render: Callable[[Sequence[Message]], None] | None = None
         self.shared_cache = False
         self.batching = True

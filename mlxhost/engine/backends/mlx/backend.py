@@ -52,6 +52,23 @@ if TYPE_CHECKING:
     from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, Tool
 
 
+# Canonical composition (NFC, NFKC) folds at most this many characters into one: no canonical
+# decomposition in Unicode is longer (Hangul syllables take three jamo).
+MAX_COMPOSED = 4
+
+
+def chars_per_token(tokenizer: Any) -> int:
+    """The most characters of text one token of this Hugging Face tokenizer may cover: its
+    longest vocabulary entry, added tokens included (a byte-level entry has one character per
+    byte, and a character is at least one byte), times `MAX_COMPOSED` when a normalizer may
+    compose characters first (slow tokenizers: SentencePiece normalizes with NFKC)."""
+    vocab = tokenizer.get_vocab()
+    longest = max((len(entry) for entry in vocab), default=0)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    composes = backend is None or backend.normalizer is not None
+    return longest * (MAX_COMPOSED if composes else 1)
+
+
 class MlxModel:
     """A loaded mlx-lm model and tokenizer; `generate` runs only on the owning worker thread."""
 
@@ -66,6 +83,7 @@ class MlxModel:
         self.vocab_size = int(getattr(args, "vocab_size", 0) or len(tokenizer.vocab))
         self.context_length: int | None = getattr(args, "max_position_embeddings", None)
         self.kv_bytes_per_token = _kv_bytes_per_token(model)
+        self.chars_per_token = chars_per_token(tokenizer._tokenizer)
         # mlx-lm's tokenizer wrapper knows the template's tool format and thinking markers.
         self.knows_tools = bool(tokenizer.has_tool_calling and tokenizer.tool_parser is not None)
         self._markers = state_machine(tokenizer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from array import array
 from dataclasses import dataclass
 from functools import partial
@@ -45,6 +46,13 @@ NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
 KNOWN_MODULES = frozenset(
     {"sentence_transformers.models.Transformer", "sentence_transformers.models.Pooling", NORMALIZE_MODULE}
 )
+
+
+# Canonical composition folds at most this many characters into one (backend.MAX_COMPOSED).
+MAX_COMPOSED = 4
+# Lowercasing lengthens a word at most twofold ("İ" is "i" and a combining dot): a raw run of
+# non-space characters at most half the word limit never becomes a word over it.
+LOWERCASE_GROWTH = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,9 +268,42 @@ class MlxEmbedder:
         self.dimensions = config.hidden_size
         self.max_tokens = max_tokens
         self._bytes = nbytes
+        # WordPiece reads at most this many characters a word, and makes a longer one one [UNK].
+        self._word_limit: int | None = getattr(tokenizer.model, "max_input_chars_per_word", None)
+        limit = self._word_limit
+        self._maybe_long = re.compile(rf"\S{{{limit // LOWERCASE_GROWTH + 1},}}") if limit else None
+        longest = max((len(entry) for entry in tokenizer.get_vocab()), default=0)
+        # A word of at most `limit` characters is at least one token, an [UNK] included.
+        self.chars_per_token = max(longest, limit or 0) * (MAX_COMPOSED if tokenizer.normalizer else 1)
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
-        return [list(encoding.ids) for encoding in self._tokenizer.encode_batch(list(texts))]
+        pieces = [self._long_words_split(text) for text in texts]
+        return [list(encoding.ids) for encoding in self._tokenizer.encode_batch(pieces)]
+
+    def _long_words_split(self, text: str) -> str:
+        """`text` with every word longer than WordPiece reads cut into pieces it reads (of the
+        word limit each, the last shorter), each a word of its own; other text as it was. The
+        cut runs on the text as the normalizer leaves it, on the words its pre-tokenizer makes
+        (words split at punctuation, so a long URL is not cut); normalizing it again is a no-op."""
+        limit, tokenizer = self._word_limit, self._tokenizer
+        if limit is None or self._maybe_long is None or self._maybe_long.search(text) is None:
+            return text
+        normalized = tokenizer.normalizer.normalize_str(text) if tokenizer.normalizer else text
+        words = (
+            tokenizer.pre_tokenizer.pre_tokenize_str(normalized)
+            if tokenizer.pre_tokenizer
+            else [(normalized, (0, len(normalized)))]
+        )
+        spans = [(start, end) for _word, (start, end) in words if end - start > limit]
+        if not spans:
+            return text
+        parts, last = [], 0
+        for start, end in spans:
+            parts.append(normalized[last:start])
+            parts.append(" ".join(normalized[at : min(at + limit, end)] for at in range(start, end, limit)))
+            last = end
+        parts.append(normalized[last:])
+        return "".join(parts)
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[array[float]]:
         longest = max(len(ids) for ids in batch)
