@@ -28,10 +28,12 @@ from api.openai.views import validated
 from api.parsing import loads_object
 from api.sampling import sampling_overrides
 from mlxhost import request_log
+from mlxhost.engine import EngineError
 from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
 from models_app.response_ids import new_response_id
 from models_app.response_turns import response_start
+from models_app.turns import turn_refuse_if_full
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -303,7 +305,7 @@ class ResponsesConsumer(_TrackedConsumer):
             await self.send_json({"type": "auth.ok"})
             return
         if kind == "response.create":
-            self._create({k: v for k, v in frame.items() if k != "type"})
+            await self._create({k: v for k, v in frame.items() if k != "type"})
         elif kind == "response.cancel":
             self._cancel(frame.get("response_id"))
         else:
@@ -314,7 +316,7 @@ class ResponsesConsumer(_TrackedConsumer):
                 param="type",
             )
 
-    def _create(self, body: dict[str, Any]) -> None:
+    async def _create(self, body: dict[str, Any]) -> None:
         if len(self.turns) >= settings.MLXHOST_WS_MAX_TURNS:
             raise ApiError(
                 429,
@@ -322,9 +324,15 @@ class ResponsesConsumer(_TrackedConsumer):
                 type="rate_limit_error",
                 code="too_many_turns",
             )
+        response_id = new_response_id()
+        try:  # a full lane refuses before the frame is validated (LANE-2)
+            await turn_refuse_if_full(body.get("model"))
+        except EngineError as exc:
+            with request_log.recording(method="WS", path=self.scope["path"]):  # its log line (OPS-6)
+                await self.send_error(as_api_error(exc), response_id=response_id)
+            return
         data = validated(ResponsesInput, body)
         data["stream"] = True
-        response_id = new_response_id()
         task = asyncio.get_running_loop().create_task(self._run_turn(response_id, data))
         self.turns[response_id] = task
         task.add_done_callback(lambda _t: self.turns.pop(response_id, None))

@@ -331,6 +331,27 @@ class Engine:
             return False
         return True
 
+    def refuse_if_full(self, binding: str) -> None:
+        """Refuse a new request for `binding` now when `reserve` would, taking nothing: a
+        surface calls this before it validates a body or renders a prompt, so a burst over the
+        lane's budget is refused at the cost of a lookup (LANE-2). Counted as `reserve` counts
+        its refusals. Nothing bound under `binding`: no refusal here (`reserve` will say why).
+
+        Raises:
+            QueueFullError: the lane is over budget (LANE-2).
+            DrainingError: the lane or the engine is draining (LANE-7).
+            EngineClosedError: the engine has shut down.
+        """
+        instance = self.registry.bound(binding)
+        if instance is None:
+            return
+        try:
+            self._check_open()
+            instance.lane.refuse_if_full()
+        except (QueueFullError, DrainingError) as exc:
+            self.stats.reject((binding, instance.instance_id), exc.code)
+            raise
+
     def reserve(self, request_id: str, binding: str) -> Permit:
         """Take a lane permit on the instance bound to `binding` before a request's async
         pre-work (LANE-3). Resolves the name only: it never binds, swaps or updates settings.
