@@ -46,6 +46,11 @@ class EngineConfig:
     # An embedding pass about to start waits at most this long for concurrent requests still
     # tokenizing, so they share its forward pass (API-14); a lone request never waits.
     embed_wait_s: float = 0.01
+    # Memory given back at idle (issue 25): once every instance has been idle this long,
+    # housekeeping empties MLX's buffer cache and trims glibc's heap (None: never).
+    idle_trim_s: float | None = 10.0
+    # The most bytes MLX keeps in its cache of freed buffers (None: MLX's own default).
+    mlx_cache_limit_bytes: int | None = None
 
 
 def prefix_cache_bytes(config: EngineConfig, ram_bytes: int | None) -> int:
