@@ -108,6 +108,16 @@ class _TrackedConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channel
         self._app_task = asyncio.current_task()  # the ASGI instance that runs this consumer
         _open_sockets.add(self)
 
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        """Channels' dispatch, minus its hop to the sync thread before each incoming frame (to
+        close stale database connections): in a burst those hops queued on asgiref's one sync
+        thread ahead of every refusal (issue 25 §4). A frame's database work, the credential
+        check, goes through `database_sync_to_async`, which closes them itself on that thread."""
+        if message["type"] == "websocket.receive":
+            await self.websocket_receive(message)
+        else:
+            await super().dispatch(message)
+
     async def websocket_disconnect(self, message: dict[str, Any]) -> None:
         _open_sockets.discard(self)
         await self._unwatch_credentials()

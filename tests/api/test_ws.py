@@ -345,6 +345,30 @@ async def test_a_full_lane_refuses_a_frame_before_it_is_validated(
     await refused.disconnect()
 
 
+async def test_a_frame_costs_no_extra_hop_to_the_sync_thread(tiny_alias, api_key, mlx_engine, monkeypatch):
+    """Issue 25 §4: channels closed stale database connections before every frame, one hop to
+    asgiref's one sync thread each; a frame now goes straight to its handler (the connect and
+    the disconnect keep the hop)."""
+    import channels.consumer
+
+    hops: list[int] = []
+    original = channels.consumer.aclose_old_connections
+
+    async def counted() -> None:
+        hops.append(1)
+        await original()
+
+    monkeypatch.setattr(channels.consumer, "aclose_old_connections", counted)
+    socket = await connect(key_headers(api_key))
+    connected = len(hops)
+    assert connected >= 1
+    for _ in range(3):
+        await socket.send_to(text_data=json.dumps({"type": "nope"}))
+        assert json.loads(await socket.receive_from(timeout=10))["type"] == "error"
+    assert len(hops) == connected
+    await socket.disconnect()
+
+
 async def test_hostile_frames_get_error_frames(tiny_alias, api_key, mlx_engine):
     """API-4: a 10,000-deep frame and a lone surrogate are error frames, not a crashed consumer."""
     socket = await connect(key_headers(api_key))
