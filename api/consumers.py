@@ -27,10 +27,12 @@ from api.openai.views import validated
 from api.parsing import loads_object
 from api.sampling import sampling_overrides
 from mlxhost import request_log, wire
+from mlxhost.engine import EngineError
 from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
 from models_app.response_ids import new_response_id
 from models_app.response_turns import response_start
+from models_app.turns import turn_refuse_if_full
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -104,6 +106,16 @@ class _TrackedConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channel
         await super().accept(subprotocol, headers)
         self._app_task = asyncio.current_task()  # the ASGI instance that runs this consumer
         _open_sockets.add(self)
+
+    async def dispatch(self, message: dict[str, Any]) -> None:
+        """Channels' dispatch, minus its hop to the sync thread before each incoming frame (to
+        close stale database connections): in a burst those hops queued on asgiref's one sync
+        thread ahead of every refusal (issue 25 §4). A frame's database work, the credential
+        check, goes through `database_sync_to_async`, which closes them itself on that thread."""
+        if message["type"] == "websocket.receive":
+            await self.websocket_receive(message)
+        else:
+            await super().dispatch(message)
 
     async def websocket_disconnect(self, message: dict[str, Any]) -> None:
         _open_sockets.discard(self)
@@ -302,7 +314,7 @@ class ResponsesConsumer(_TrackedConsumer):
             await self.send_json({"type": "auth.ok"})
             return
         if kind == "response.create":
-            self._create({k: v for k, v in frame.items() if k != "type"})
+            await self._create({k: v for k, v in frame.items() if k != "type"})
         elif kind == "response.cancel":
             self._cancel(frame.get("response_id"))
         else:
@@ -313,7 +325,7 @@ class ResponsesConsumer(_TrackedConsumer):
                 param="type",
             )
 
-    def _create(self, body: dict[str, Any]) -> None:
+    async def _create(self, body: dict[str, Any]) -> None:
         if len(self.turns) >= settings.MLXHOST_WS_MAX_TURNS:
             raise ApiError(
                 429,
@@ -321,9 +333,15 @@ class ResponsesConsumer(_TrackedConsumer):
                 type="rate_limit_error",
                 code="too_many_turns",
             )
+        response_id = new_response_id()
+        try:  # a full lane refuses before the frame is validated (LANE-2)
+            await turn_refuse_if_full(body.get("model"))
+        except EngineError as exc:
+            with request_log.recording(method="WS", path=self.scope["path"]):  # its log line (OPS-6)
+                await self.send_error(as_api_error(exc), response_id=response_id)
+            return
         data = validated(ResponsesInput, body)
         data["stream"] = True
-        response_id = new_response_id()
         task = asyncio.get_running_loop().create_task(self._run_turn(response_id, data))
         self.turns[response_id] = task
         task.add_done_callback(lambda _t: self.turns.pop(response_id, None))

@@ -94,8 +94,30 @@ class _Collector:
             yield from _request_metrics(self._engine)
             yield from _embedding_metrics(self._engine)
             yield from _instance_metrics(self._engine)
+            yield from _memory_metrics(self._engine)
         if self._store is not None:
             yield from _persist_metrics(self._store)
+
+
+# Process-wide memory (issue 25): (metric name, help, key in `Engine.memory()`).
+MEMORY_GAUGES = (
+    ("mlxhost_process_resident_bytes", "Resident set size of this process.", "rss_bytes"),
+    (
+        "mlxhost_mlx_active_bytes",
+        "Bytes of live MLX arrays (weights, KV caches, activations).",
+        "backend_active_bytes",
+    ),
+    ("mlxhost_mlx_cache_bytes", "Bytes MLX keeps in its cache of freed buffers.", "backend_cache_bytes"),
+)
+
+
+def _memory_metrics(engine: Engine) -> Iterator[Metric]:
+    held = engine.memory()
+    for name, help_text, field in MEMORY_GAUGES:
+        yield GaugeMetricFamily(name, help_text, value=held[field])
+    yield CounterMetricFamily(
+        "mlxhost_memory_trims", "Times the idle engine gave freed memory back to the OS.", value=held["trims"]
+    )
 
 
 def host_label() -> str:

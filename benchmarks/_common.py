@@ -118,16 +118,24 @@ def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return list(ids)
 
 
-def start_process(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+def start_process(cmd: list[str], env: dict[str, str], log: Path, cwd: Path = ROOT) -> subprocess.Popen:
     with log.open("wb") as sink:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=sink, stderr=subprocess.STDOUT)
 
 
-def start_daphne(env: dict[str, str], log: Path) -> tuple[subprocess.Popen, str]:
-    """daphne serving mlxhost on a free port, with the pinned alias preloaded at start."""
+def start_daphne(env: dict[str, str], log: Path, root: Path = ROOT) -> tuple[subprocess.Popen, str]:
+    """daphne serving mlxhost (the checkout at `root`) on a free port, the pinned alias preloaded."""
     port = free_port()
     cmd = [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "mlxhost.asgi:application"]
-    return start_process(cmd, {**env, "MLXHOST_PRELOAD": "true"}, log), f"http://127.0.0.1:{port}"
+    return start_process(cmd, {**env, "MLXHOST_PRELOAD": "true"}, log, root), f"http://127.0.0.1:{port}"
+
+
+def export_revision(rev: str, dest: Path) -> Path:
+    """The tree of git revision `rev` of this checkout, written under `dest` (a before/after run)."""
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
 
 
 def wait_http(proc: subprocess.Popen, url: str, ready, log: Path, timeout: float = 180.0) -> None:

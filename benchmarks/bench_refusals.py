@@ -23,7 +23,9 @@ import websockets
 from _common import (
     ALIAS,
     DEFAULT_MODELS_ROOT,
+    ROOT,
     ensure_model,
+    export_revision,
     loadavg,
     percentile,
     register_alias,
@@ -177,92 +179,137 @@ def eos_bias(folder: Path) -> dict[str, float]:
     return {str(token): -100.0 for token in ids}
 
 
-async def run(base: str, key: str, folder: Path, burst: int, rounds: int, only: set[str]) -> list[dict]:
-    floor = [1000 * t for _ in range(rounds) for t in await floor_burst(base, burst)]
-    rows = [
-        {
-            "surface": "healthz",
-            "served": [burst] * rounds,
-            "refused": ["-"] * rounds,
-            "p50_ms": percentile(floor, 50),
-            "p99_ms": percentile(floor, 99),
-            "max_ms": max(floor),
-        }
-    ]
+async def surface_burst(base: str, key: str, surfaces: dict[str, tuple[str, dict]], name: str, burst: int):
+    if name == "websocket":
+        return await ws_burst(base, key, surfaces["responses"][1], burst)
+    return await http_burst(base, key, *surfaces[name], burst)
+
+
+def row(surface: str, held: list[int], refused: list[list[float]]) -> dict:
+    latencies = [1000 * t for r in refused for t in r]
+    return {
+        "surface": surface,
+        "served": held,
+        "refused": [len(r) for r in refused],
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
+        "max_ms": max(latencies, default=float("nan")),
+        "round_max_ms": [round(1000 * max(r, default=float("nan"))) for r in refused],
+    }
+
+
+async def run(
+    servers: dict[str, tuple[str, str]], folder: Path, burst: int, rounds: int, only: set[str]
+) -> list[dict]:
+    """Rows per surface and server (`name -> (base, key)`); the servers take turns burst by burst,
+    so a before/after pair shares the machine's load."""
+    rows = []
+    for label, (base, _) in servers.items():
+        floor = [1000 * t for _ in range(rounds) for t in await floor_burst(base, burst)]
+        rows.append(
+            {
+                "surface": "healthz",
+                "server": label,
+                "served": [burst] * rounds,
+                "refused": ["-"] * rounds,
+                "p50_ms": percentile(floor, 50),
+                "p99_ms": percentile(floor, 99),
+                "max_ms": max(floor),
+            }
+        )
     surfaces = bodies(eos_bias(folder))
     for name in [n for n in [*surfaces, "websocket"] if not only or n in only]:
         print(f"bursting {name} ...", file=sys.stderr, flush=True)
-        held_counts, latencies, refused_counts, round_max = [], [], [], []
+        held: dict[str, list[int]] = {label: [] for label in servers}
+        refused: dict[str, list[list[float]]] = {label: [] for label in servers}
         # One unmeasured burst first: the surface's first request imports and compiles what it
         # needs once per process (serializers, templates), as every benchmark here warms up.
-        if name == "websocket":
-            await ws_burst(base, key, surfaces["responses"][1], burst)
-        else:
-            await http_burst(base, key, *surfaces[name], burst)
-        for _ in range(rounds):
-            if name == "websocket":
-                held, refused = await ws_burst(base, key, surfaces["responses"][1], burst)
-            else:
-                held, refused = await http_burst(base, key, *surfaces[name], burst)
-            held_counts.append(held)
-            refused_counts.append(len(refused))
-            round_max.append(round(1000 * max(refused, default=float("nan"))))
-            latencies.extend(1000 * t for t in refused)
-        rows.append(
-            {
-                "surface": name,
-                "served": held_counts,
-                "refused": refused_counts,
-                "p50_ms": percentile(latencies, 50),
-                "p99_ms": percentile(latencies, 99),
-                "max_ms": max(latencies, default=float("nan")),
-                "round_max_ms": round_max,
-            }
-        )
+        for base, key in servers.values():
+            await surface_burst(base, key, surfaces, name, burst)
+        labels = list(servers)
+        for index in range(rounds):
+            for label in labels if index % 2 == 0 else labels[::-1]:  # alternate who goes first
+                base, key = servers[label]
+                count, times = await surface_burst(base, key, surfaces, name, burst)
+                held[label].append(count)
+                refused[label].append(times)
+        rows.extend({**row(name, held[label], refused[label]), "server": label} for label in servers)
     return rows
+
+
+def start_server(root: Path, state: Path, folder: Path, models_root: Path) -> tuple:
+    state.mkdir(parents=True, exist_ok=True)
+    env = state_env(models_root, state)
+    key = register_alias(env, folder, concurrency=CAPACITY, queue_depth=DEPTH, max_output_tokens=LONG)
+    log = state / "daphne.log"
+    proc, base = start_daphne(env, log, root)
+    return proc, base, key, log
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("tiny", "demo"), default="tiny")
     parser.add_argument("--burst", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3, help="bursts per surface")
+    parser.add_argument("--rounds", type=int, default=3, help="bursts per surface (per server)")
     parser.add_argument("--models-root", default=DEFAULT_MODELS_ROOT)
     parser.add_argument("--surfaces", default="", help="comma-separated subset (default: all)")
+    parser.add_argument(
+        "--compare",
+        default="",
+        help="a git revision: serve it too (as 'before'), bursts alternating with this checkout ('after')",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="mlxhost-bench-refusals-") as tmp:
         state = Path(tmp)
-        env = state_env(Path(args.models_root), state)
-        folder = ensure_model(env, args.model)
-        key = register_alias(env, folder, concurrency=CAPACITY, queue_depth=DEPTH, max_output_tokens=LONG)
-        log = state / "daphne.log"
-        proc, base = start_daphne(env, log)
+        models_root = Path(args.models_root)
+        folder = ensure_model(state_env(models_root, state), args.model)
+        roots = {"after" if args.compare else "this": ROOT}
+        if args.compare:
+            roots = {"before": export_revision(args.compare, state / "before"), **roots}
+        procs, servers = [], {}
         try:
-            wait_ready(proc, base, key, log)
+            for label, root in roots.items():
+                proc, base, key, log = start_server(root, state / label, folder, models_root)
+                procs.append((proc, log))
+                wait_ready(proc, base, key, log)
+                servers[label] = (base, key)
             only = set(filter(None, args.surfaces.split(",")))
             try:
-                rows = asyncio.run(run(base, key, folder, args.burst, args.rounds, only))
+                rows = asyncio.run(run(servers, folder, args.burst, args.rounds, only))
             except SystemExit:
-                print(log.read_text(errors="replace")[-6000:], file=sys.stderr)  # why it went wrong
+                for _, log in procs:
+                    print(log.read_text(errors="replace")[-6000:], file=sys.stderr)  # why it went wrong
                 raise
         finally:
-            stop_process(proc)
+            for proc, _ in procs:
+                stop_process(proc)
+    compared = f", compared with {args.compare}" if args.compare else ""
     print(
         f"# refusals: burst {args.burst} at capacity {CAPACITY}, depth {DEPTH}, model {args.model}, "
-        f"{args.rounds} round(s), load {loadavg():.2f}"
+        f"{args.rounds} round(s), load {loadavg():.2f}{compared}"
     )
     print(
-        f"{'surface':<12} {'served':<12} {'refused':<14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}  max per round"
+        f"{'surface':<12} {'server':<7} {'served':<12} {'refused':<14} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}"
+        "  max per round"
     )
-    for row in rows:
+    for r in rows:
         print(
-            f"{row['surface']:<12} {','.join(map(str, row['served'])):<12} "
-            f"{','.join(map(str, row['refused'])):<14} {row['p50_ms']:8.1f} {row['p99_ms']:8.1f} {row['max_ms']:8.1f}  "
-            f"{','.join(map(str, row.get('round_max_ms', [])))}"
+            f"{r['surface']:<12} {r['server']:<7} {','.join(map(str, r['served'])):<12} "
+            f"{','.join(map(str, r['refused'])):<14} {r['p50_ms']:8.1f} {r['p99_ms']:8.1f} {r['max_ms']:8.1f}  "
+            f"{','.join(map(str, r.get('round_max_ms', [])))}"
         )
+    if args.compare:
+        print("\n# after / before")
+        by = {(r["surface"], r["server"]): r for r in rows}
+        for surface in dict.fromkeys(r["surface"] for r in rows):
+            before, after = by[(surface, "before")], by[(surface, "after")]
+            print(
+                f"{surface:<12} p50 {after['p50_ms'] / before['p50_ms']:.2f}x  "
+                f"p99 {after['p99_ms'] / before['p99_ms']:.2f}x"
+            )
     expected_refused = args.burst - CAPACITY - DEPTH
-    exact = all(set(r["refused"]) == {expected_refused} for r in rows[1:])
+    exact = all(set(r["refused"]) == {expected_refused} for r in rows if r["surface"] != "healthz")
     sys.exit(0 if exact else 1)
 
 

@@ -32,16 +32,16 @@ from mlxhost.engine import (
 )
 from mlxhost.engine import GenerationRequest as EngineRequest
 from mlxhost.runtime.control import engine_for
+from mlxhost.runtime.lifecycle import engine_if_started
 from models_app import limits, lookups, selectors, usage
 from models_app.limits import KeyLimits
-from models_app.models import Model
+from models_app.models import Model, ModelAlias
 
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 
     from mlxhost.engine import Engine, Event, Generation, Permit
-    from models_app.models import ModelAlias
     from models_app.selectors import KeyIdentity
 
 
@@ -227,6 +227,30 @@ async def turn_start(
         request_id=request_id, alias=alias.name, model=alias.model.name, generation=generation
     )
     return StartedTurn(request_id, alias.name, generation, hooks)
+
+
+async def turn_refuse_if_full(model: object) -> None:
+    """Refuse a turn for the alias named `model` when its lane has no room now (LANE-2).
+
+    Surfaces call this before they validate the body: a request over a full lane's budget
+    is refused at the cost of cached lookups, never a serializer run or a prompt render, so a
+    burst's refusals stay fast. It takes no place; `turn_start` checks the lane again.
+    Anything else (no such alias, an embedding model, nothing loaded yet) is left to the
+    full path, which answers it in order.
+
+    Raises:
+        QueueFullError: the lane is over its budget.
+        DrainingError: the lane or the engine is draining.
+    """
+    engine = engine_if_started()
+    if not isinstance(model, str) or engine is None:
+        return
+    try:
+        alias = await lookups.alias_resolve(model)
+    except ModelAlias.DoesNotExist:
+        return
+    if alias.model.kind == Model.Kind.CHAT:
+        engine.refuse_if_full(alias.name)
 
 
 async def turn_count_tokens(turn: TurnRequest) -> int:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from api.anthropic.messages import MessageTurn, message_complete, message_sse
 from api.anthropic.serializers import CountTokensInput, MessagesInput
 from api.auth import Caller, api_endpoint, caller_of, json_body
-from api.openai.views import sse_response, validated
+from api.openai.views import body_for_turn, sse_response, validated
 from api.sampling import sampling_overrides
 from api.sse import anthropic_ping
 from api.tools import ToolSet
@@ -76,7 +76,7 @@ async def messages(request: HttpRequest) -> HttpResponseBase:
 
     `anthropic-version` and `anthropic-beta` headers are accepted and ignored.
     """
-    data = validated(MessagesInput, json_body(request))
+    data = validated(MessagesInput, await body_for_turn(request))
     # Admitted before any header goes out, so a queue timeout or drain is a status code.
     turn = await turn_start(
         _messages_turn(data, caller_of(request)), request_id=f"msg_{secrets.token_hex(12)}"

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING, Any
 
 from rest_framework import serializers
 
-from api.auth import Caller, api_endpoint, caller_of, json_body
+from api.auth import Caller, api_endpoint, caller_of
 from api.collect import collect_answer
 from api.errors import cut_short_error, error_body, failed_error
 from api.openai.chat import FINISH_REASONS, ChatTurn, usage_body
 from api.openai.serializers import StreamOptionsInput, StrictBooleanField, TextSamplingInput
-from api.openai.views import chat_shaped_response, validated
+from api.openai.views import body_for_turn, chat_shaped_response, validated
 from api.sampling import sampling_overrides
 from api.sse import SSE_DONE, sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, TokenLogprob
@@ -143,7 +143,7 @@ async def completion_collect(turn: ChatTurn, generation: Generation) -> dict[str
 @api_endpoint(dialect="openai", methods=("POST",), names={"messages": "prompt"})
 async def completions(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/completions (OpenAI legacy text completion; SSE when `stream` is true)."""
-    data = validated(CompletionInput, json_body(request))
+    data = validated(CompletionInput, await body_for_turn(request))
     # Admitted before any header goes out: a queue timeout or drain is a status code.
     turn = await turn_start(
         _completion_turn(data, caller_of(request)), request_id=f"cmpl-{secrets.token_hex(12)}"

@@ -24,7 +24,7 @@ from mlxhost.runtime import engine_if_started
 from mlxhost.wire import json_response
 from models_app import selectors
 from models_app.models import ModelAlias
-from models_app.turns import CacheScope, StartedTurn, TurnRequest, turn_start
+from models_app.turns import CacheScope, StartedTurn, TurnRequest, turn_refuse_if_full, turn_start
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable
@@ -85,6 +85,19 @@ def validated(serializer_class: type[serializers.Serializer[Any]], body: dict[st
     return data
 
 
+async def body_for_turn(request: HttpRequest) -> dict[str, Any]:
+    """The JSON body of a request that starts a turn, refused first when the lane of the model
+    it names is full: a burst's refusals cost no validation (LANE-2).
+
+    Raises:
+        ApiError: as `json_body` does.
+        QueueFullError, DrainingError: as `turn_refuse_if_full` does.
+    """
+    body = json_body(request)
+    await turn_refuse_if_full(body.get("model"))
+    return body
+
+
 def _chat_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
     messages: tuple[Message, ...] = tuple(m["message"] for m in data["messages"])
     # Stateless: no previous id, so the engine reuses the longest cached prefix in this
@@ -113,7 +126,7 @@ def _chat_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
 @api_endpoint(dialect="openai", methods=("POST",))
 async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/chat/completions (OpenAI-compatible; SSE when `stream` is true)."""
-    data = validated(ChatCompletionInput, json_body(request))
+    data = validated(ChatCompletionInput, await body_for_turn(request))
     # Admitted before any header goes out, so a queue timeout or drain is a 503 (LANE-7/8).
     turn = await turn_start(
         _chat_turn(data, caller_of(request)), request_id=f"chatcmpl-{secrets.token_hex(12)}"

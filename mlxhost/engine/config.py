@@ -49,6 +49,11 @@ class EngineConfig:
     # The most template renders and tokenizations that run at once, all models and surfaces
     # together (`tokenizing.TokenizePool`): each holds a whole prompt and its ids in memory.
     tokenize_threads: int = 4
+    # Memory given back at idle (issue 25): once every instance has been idle this long,
+    # housekeeping empties MLX's buffer cache and trims glibc's heap (None: never).
+    idle_trim_s: float | None = 10.0
+    # The most bytes MLX keeps in its cache of freed buffers (None: MLX's own default).
+    mlx_cache_limit_bytes: int | None = None
 
 
 def prefix_cache_bytes(config: EngineConfig, ram_bytes: int | None) -> int:

@@ -39,6 +39,7 @@ from mlxhost.engine.errors import (
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.instance import Instance
 from mlxhost.engine.lane import TicketHooks
+from mlxhost.engine.memory import HeapTrimmer, rss_bytes
 from mlxhost.engine.registry import Registry
 from mlxhost.engine.residency import Residency
 from mlxhost.engine.retention import Retention
@@ -199,6 +200,11 @@ class Engine:
         self._ram_bytes = limits.physical_memory_bytes()
         # Every render and tokenization of every surface runs here, a few at a time (issue 25).
         self.tokenizers = tokenizing.TokenizePool(self.config.tokenize_threads)
+        # Memory given back at idle, and MLX's cache bound (issue 25); backends may lack both.
+        self.trimmer = HeapTrimmer(getattr(self.backend, "release_memory", _nothing))
+        set_cache_limit = getattr(self.backend, "set_cache_limit", None)
+        if self.config.mlx_cache_limit_bytes is not None and set_cache_limit is not None:
+            set_cache_limit(self.config.mlx_cache_limit_bytes)
 
     # Registry -----------------------------------------------------------------------------
 
@@ -340,6 +346,27 @@ class Engine:
         except UnknownModelError:
             return False
         return True
+
+    def refuse_if_full(self, binding: str) -> None:
+        """Refuse a new request for `binding` now when `reserve` would, taking nothing: a
+        surface calls this before it validates a body or renders a prompt, so a burst over the
+        lane's budget is refused at the cost of a lookup (LANE-2). Counted as `reserve` counts
+        its refusals. Nothing bound under `binding`: no refusal here (`reserve` will say why).
+
+        Raises:
+            QueueFullError: the lane is over budget (LANE-2).
+            DrainingError: the lane or the engine is draining (LANE-7).
+            EngineClosedError: the engine has shut down.
+        """
+        instance = self.registry.bound(binding)
+        if instance is None:
+            return
+        try:
+            self._check_open()
+            instance.lane.refuse_if_full()
+        except (QueueFullError, DrainingError) as exc:
+            self.stats.reject((binding, instance.instance_id), exc.code)
+            raise
 
     def reserve(self, request_id: str, binding: str) -> Permit:
         """Take a lane permit on the instance bound to `binding` before a request's async
@@ -818,6 +845,32 @@ class Engine:
                 await self.unload_idle()
             except Exception:  # one failed unload must not stop the keep-alive for the others
                 logger.exception("keep-alive unload failed")
+            await self.trim_if_idle()
+
+    async def trim_if_idle(self) -> bool:
+        """Give memory back once every instance has been idle `config.idle_trim_s` and work ran
+        (or RSS grew) since the last time: MLX's buffer cache and glibc's free heap pages
+        (`memory.HeapTrimmer`). Returns whether it trimmed."""
+        after = self.config.idle_trim_s
+        instances = self.registry.instances()
+        if after is None or any(i.busy() or i.idle_for() < after for i in instances):
+            return False
+        last_use = max((i.last_used for i in instances), default=0.0)
+        if not self.trimmer.due(last_use):
+            return False
+        await asyncio.to_thread(self.trimmer.trim, last_use)
+        return True
+
+    def memory(self) -> dict[str, int]:
+        """What the process holds now: RSS, the backend's live and cached array bytes, trims."""
+        backend = getattr(self.backend, "memory", None)
+        held: dict[str, int] = backend() if backend is not None else {}
+        return {
+            "rss_bytes": rss_bytes(),
+            "backend_active_bytes": held.get("active", 0),
+            "backend_cache_bytes": held.get("cache", 0),
+            "trims": self.trimmer.trims,
+        }
 
     # Keep-alive and the memory budget (OPS-3) ---------------------------------------------
 
@@ -908,3 +961,7 @@ def is_internal_name(name: str) -> bool:
 
 def _cancelled_done(_messages: int) -> Done:
     return Done(finish_reason="cancelled", usage=Usage(0, 0), timings=Timings(0.0, 0.0, 0.0, 0.0))
+
+
+def _nothing() -> None:
+    return None

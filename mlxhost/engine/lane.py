@@ -178,12 +178,23 @@ class Lane:
             raise DrainingError()
         if request_id in self._live:
             raise DuplicateRequestError(f"Request id {request_id!r} is already in use.")
-        if self._over_budget():
-            raise QueueFullError(QUEUE_FULL_MESSAGE, retry_after=self._retry_after())
+        self.refuse_if_full()
         ticket = Ticket(request_id, asyncio.get_running_loop().create_future())
         self._live[request_id] = ticket
         self._permits += 1
         return ticket
+
+    def refuse_if_full(self) -> None:
+        """Raise what `reserve` would raise for a new request now; take nothing (LANE-2).
+
+        Raises:
+            DrainingError: the lane is draining.
+            QueueFullError: active + queued + permits is at the budget (carries `retry_after`).
+        """
+        if self._draining:
+            raise DrainingError()
+        if self._over_budget():
+            raise QueueFullError(QUEUE_FULL_MESSAGE, retry_after=self._retry_after())
 
     def enter(self, ticket: Ticket, hooks: TicketHooks = NO_HOOKS) -> None:
         """Hand a permit into the lane with its `hooks`: active at once, or queued behind earlier

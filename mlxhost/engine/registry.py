@@ -87,6 +87,10 @@ class Registry:
         if instance is not None:
             self._drop(instance, "bindings")
 
+    def bound(self, name: str) -> Instance | None:
+        """The instance bound to `name`, or None."""
+        return self._bindings.get(name)
+
     def resolve(self, name: str) -> Instance:
         """The instance bound to `name`.
 

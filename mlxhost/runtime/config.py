@@ -58,6 +58,18 @@ def _limit(env: Mapping[str, str], name: str) -> int | None:
     return _int(env, name, 0) or None  # unset or 0: no limit
 
 
+def _bytes_or_default(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    return int(raw) if raw else None  # unset: the library's own default; 0 is a value
+
+
+def _idle_trim(env: Mapping[str, str], default: float | None) -> float | None:
+    raw = env.get("MLXHOST_IDLE_TRIM_S", "").strip().lower()
+    if not raw:
+        return default
+    return None if raw == "off" else float(raw)
+
+
 def engine_config_from(
     env: Mapping[str, str], *, kv_dir: Path | None = None, secret_key: str = ""
 ) -> EngineConfig:
@@ -85,6 +97,8 @@ def engine_config_from(
         burst_wait_s=_float(env, "MLXHOST_BURST_WAIT_MS", base.burst_wait_s * 1000) / 1000,
         max_request_kv_bytes=_limit(env, "MLXHOST_MAX_REQUEST_KV_BYTES"),
         tokenize_threads=max(1, _int(env, "MLXHOST_TOKENIZE_THREADS", base.tokenize_threads)),
+        idle_trim_s=_idle_trim(env, base.idle_trim_s),
+        mlx_cache_limit_bytes=_bytes_or_default(env, "MLXHOST_MLX_CACHE_LIMIT_BYTES"),
     )
 
 

@@ -129,6 +129,39 @@ async def test_a_refusal_with_warm_caches_runs_no_database_query(
         mlx_engine.cancel(holder["X-Request-Id"])
 
 
+@pytest.mark.parametrize("surface", ["chat", "completions", "responses", "messages"])
+async def test_a_full_lane_refuses_before_the_body_is_validated(
+    surface, tiny_alias, api_key, mlx_engine, tiny_eos_id, monkeypatch
+):
+    """LANE-2 (issue 25 §4): a request over a full lane's budget is refused before its body goes
+    through the serializers (their run was most of a refusal's time), so a body that would
+    fail validation hears the overload status, and no serializer runs for it."""
+    from api.openai import views
+
+    await set_lane(tiny_alias, concurrency=1, queue_depth=0)
+    path, body, refusal = surfaces({str(tiny_eos_id): -100})[surface]
+    holder = await hold_the_slot(api_key, {str(tiny_eos_id): -100})
+    runs = []
+    original = views.validated
+    for module in (
+        "api.openai.views",
+        "api.openai.completions",
+        "api.openai.responses_views",
+        "api.anthropic.views",
+    ):
+        monkeypatch.setattr(f"{module}.validated", lambda *args: runs.append(args) or original(*args))
+    try:
+        refused = await post(api_key, path, {**body, "temperature": "hot"})
+        assert refused.status_code == refusal, refused.content
+        assert runs == []
+    finally:
+        mlx_engine.cancel(holder["X-Request-Id"])
+    await eventually(lambda: mlx_engine.snapshot()[0]["lane"]["active"] == 0, timeout=30, what="the slot")
+    invalid = await post(api_key, path, {**body, "temperature": "hot"})
+    assert invalid.status_code == 400  # with room, the same body is validated as before
+    assert len(runs) == 1
+
+
 async def test_a_revoked_key_is_refused_at_once_here_and_within_the_ttl_elsewhere(
     tiny_alias, api_key, user, monkeypatch
 ):

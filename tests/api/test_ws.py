@@ -318,6 +318,57 @@ async def test_a_full_lane_sends_an_overloaded_error_frame(tiny_alias, api_key, 
     await refused.disconnect()
 
 
+async def test_a_full_lane_refuses_a_frame_before_it_is_validated(
+    tiny_alias, api_key, mlx_engine, tiny_eos_id
+):
+    """LANE-2 (issue 25 §4): on a full lane a `response.create` is refused before validation: a
+    frame that would fail it hears `overloaded`; with room again, the same frame hears its 400."""
+    from tests.api.support import set_lane
+
+    await set_lane(tiny_alias, concurrency=1, queue_depth=0)
+    holder = await connect(key_headers(api_key))
+    no_eos = {str(tiny_eos_id): -100}
+    await ws_create(holder, input="Count", max_output_tokens=100_000, logit_bias=no_eos, store=False)
+    await frames_until(holder, "response.output_text.delta")
+    refused = await connect(key_headers(api_key))
+    await ws_create(refused, input="Hi", temperature="hot", store=False)
+    frame = json.loads(await refused.receive_from(timeout=10))
+    assert (frame["type"], frame["status"], frame["error"]["code"]) == ("error", 429, "queue_full")
+    assert frame["response_id"].startswith("resp_")
+
+    await holder.send_to(text_data=json.dumps({"type": "response.cancel"}))
+    await frames_until(holder, *WS_TERMINAL)
+    await ws_create(refused, input="Hi", temperature="hot", store=False)
+    frame = json.loads(await refused.receive_from(timeout=10))
+    assert (frame["type"], frame["status"]) == ("error", 400)
+    await holder.disconnect()
+    await refused.disconnect()
+
+
+async def test_a_frame_costs_no_extra_hop_to_the_sync_thread(tiny_alias, api_key, mlx_engine, monkeypatch):
+    """Issue 25 §4: channels closed stale database connections before every frame, one hop to
+    asgiref's one sync thread each; a frame now goes straight to its handler (the connect and
+    the disconnect keep the hop)."""
+    import channels.consumer
+
+    hops: list[int] = []
+    original = channels.consumer.aclose_old_connections
+
+    async def counted() -> None:
+        hops.append(1)
+        await original()
+
+    monkeypatch.setattr(channels.consumer, "aclose_old_connections", counted)
+    socket = await connect(key_headers(api_key))
+    connected = len(hops)
+    assert connected >= 1
+    for _ in range(3):
+        await socket.send_to(text_data=json.dumps({"type": "nope"}))
+        assert json.loads(await socket.receive_from(timeout=10))["type"] == "error"
+    assert len(hops) == connected
+    await socket.disconnect()
+
+
 async def test_hostile_frames_get_error_frames(tiny_alias, api_key, mlx_engine):
     """API-4: a 10,000-deep frame and a lone surrogate are error frames, not a crashed consumer."""
     socket = await connect(key_headers(api_key))

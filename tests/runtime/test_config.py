@@ -66,3 +66,22 @@ def test_the_settings_are_frozen():
 def test_the_dead_default_max_tokens_setting_is_gone():
     """Issue 11: MLXHOST_DEFAULT_MAX_TOKENS set nothing (the alias's max_tokens decides); it is removed."""
     assert not hasattr(EngineConfig(), "default_max_tokens")
+
+
+@pytest.mark.parametrize(
+    ("env", "trim_s", "cache_limit"),
+    [
+        pytest.param({}, EngineConfig().idle_trim_s, None, id="defaults"),
+        pytest.param({"MLXHOST_IDLE_TRIM_S": "3", "MLXHOST_MLX_CACHE_LIMIT_BYTES": "0"}, 3.0, 0, id="set"),
+        pytest.param(
+            {"MLXHOST_IDLE_TRIM_S": "off", "MLXHOST_MLX_CACHE_LIMIT_BYTES": "268435456"},
+            None,
+            1 << 28,
+            id="off",
+        ),
+    ],
+)
+def test_the_memory_settings_reach_the_engine(env, trim_s, cache_limit):
+    """Issue 25: the idle trim ("off" turns it off) and MLX's cache limit (0 is a limit: no cache)."""
+    engine = runtime_settings_from(env).engine
+    assert (engine.idle_trim_s, engine.mlx_cache_limit_bytes) == (trim_s, cache_limit)

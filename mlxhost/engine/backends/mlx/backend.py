@@ -270,6 +270,21 @@ class MlxBackend:
         """
         mx.clear_streams()
 
+    @staticmethod
+    def memory() -> dict[str, int]:
+        """MLX's live array bytes and its cache of freed buffers (issue 25)."""
+        return {"active": int(mx.get_active_memory()), "cache": int(mx.get_cache_memory())}
+
+    @staticmethod
+    def release_memory() -> None:
+        """Empty MLX's cache of freed buffers (the engine does it at idle)."""
+        mx.clear_cache()
+
+    @staticmethod
+    def set_cache_limit(limit: int) -> None:
+        """Bound MLX's cache of freed buffers to `limit` bytes (process-wide)."""
+        mx.set_cache_limit(limit)
+
     def load(self, spec: ModelSpec, progress: ProgressCallback) -> MlxModel:
         """Load a local folder (validated first) or a Hugging Face repo id at a pinned revision.
 
