@@ -368,3 +368,23 @@ async def test_the_burst_wait_is_bounded_and_a_lone_request_never_waits(make_eng
     second = await collect(await held)
     assert isinstance(second[-1], Done) and second[-1].usage.completion_tokens == 2
     assert backend.batch_steps.count(2) == 0  # r0 and r1 never shared a step
+
+
+@pytest.mark.parametrize(("can_batch", "served"), [(True, (3, 0, 4)), (False, (1, 2, 1))])
+async def test_a_model_that_cannot_batch_is_served_one_at_a_time(engine, backend, can_batch, served):
+    """LANE-1 (issue 25): a lane capacity above 1 on a model that cannot batch is clamped to 1, so
+    the requests it cannot run wait in the lane, where `active`, `queued`, queue positions and the
+    queue timeout see them, not hidden inside the worker; the snapshot says what was asked for."""
+    backend.batching = can_batch
+    x = batching(4)
+    await engine.load(x)
+    backend.gated = True
+    generations = await submit_all(engine, x, [{"max_tokens": 2}] * 3)
+    lane = lane_of(engine)
+    assert (lane["active"], lane["queued"], lane["capacity"]) == served
+    (snap,) = engine.snapshot()
+    assert (snap["configured_capacity"], snap["can_batch"]) == (4, can_batch)
+    ungate(backend)
+    results = await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 5)
+    assert all(isinstance(events[-1], Done) for events in results)
+    await lane_idle(engine)
