@@ -232,7 +232,8 @@ def _instance_metrics(engine: Engine) -> Iterator[Metric]:
     cache_counters = [
         (CounterMetricFamily(f"mlxhost_prefix_cache_{key}", text, labels=["instance", "tier"]), key)
         for key, text in (
-            ("hits", "Requests that started from a cached prefix."),
+            ("hits", "Requests whose cached prefix held the parent turn's whole input (SES-7 hit)."),
+            ("partials", "Requests that started from a shorter cached prefix (SES-7 partial)."),
             ("misses", "Requests that found no cached prefix to start from."),
             ("tokens_saved", "Prompt tokens that cached prefixes spared from computing."),
         )

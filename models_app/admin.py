@@ -44,6 +44,11 @@ else:
 
 ACTION_REQUESTED = "{action} requested for {names}; progress shows here and on the dashboard."
 DASH = "—"
+# LANE-1: a concurrency above 1 on weights that cannot batch is clamped to 1 by the engine.
+CANNOT_BATCH_NOTE = (
+    "This model cannot batch (its KV cache cannot merge sequences), so it serves one request at a "
+    "time whatever its concurrency says; the others wait in its queue."
+)
 
 
 # Live state, rendered ----------------------------------------------------------------------------
@@ -74,8 +79,12 @@ def live_load_text(live: selectors.AliasLiveState, *, short: bool = False) -> st
     if not live.resident_counts:
         return DASH
     if short:
-        return f"{live.active} / {live.queued} / {live.capacity}"
-    return f"{live.active} active / {live.queued} queued (capacity {live.capacity})"
+        clamped = " (cannot batch)" if live.cannot_batch else ""
+        return f"{live.active} / {live.queued} / {live.capacity}{clamped}"
+    text = f"{live.active} active / {live.queued} queued (capacity {live.capacity})"
+    if live.cannot_batch:
+        text += f". {CANNOT_BATCH_NOTE}"
+    return text
 
 
 def last_action_html(live: selectors.AliasLiveState) -> SafeString | str:

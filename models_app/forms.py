@@ -80,7 +80,8 @@ MODEL_HELP = {
     "hf_revision": "For a hub source: the commit hash or tag to serve, so the weights never change under "
     "a name. Empty for a folder.",
     "concurrency": "1 to 64. 1 runs one request at a time (exclusive); more runs them batched. Every alias "
-    "of this model shares these slots.",
+    "of this model shares these slots. A model that cannot batch (its KV cache cannot merge "
+    "sequences) is served one request at a time whatever this says, and its page says so.",
     "queue_depth": "0 or more (default 16): requests that may wait for a slot; one more is refused at once "
     "(429, or 529 on the Anthropic surface).",
     "queue_unbounded": "Let any number of requests wait; the queue depth is then ignored.",

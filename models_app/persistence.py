@@ -58,6 +58,12 @@ STAT_KEYS = (
     "tombstones_expired",
 )
 LANDED_CHUNK = 500
+# Writes the breaker gave up on (PER-4) are watched for a late landing: at most LATE_LIMIT of them
+# (beyond, the oldest is given up as if its tombstone expired), each checked ever more rarely, the
+# interval doubling from the poll up to LATE_POLL_MAX_S, so neither memory nor the database's load
+# grows with the trip rate (issue 25).
+LATE_LIMIT = 4096
+LATE_POLL_MAX_S = 60.0
 
 
 class StorageTimeoutError(Exception):
@@ -115,7 +121,23 @@ class _Pending:
     on_force_release: Callback | None
     on_late_landing: Callback | None
     landed: asyncio.Event = field(default_factory=asyncio.Event)
-    late_deadline: float = 0.0
+
+    @property
+    def owner_id(self) -> int:
+        return self.record.owner_id
+
+
+@dataclass(slots=True, eq=False)
+class _Late:
+    """A write the breaker gave up on, kept only for its late landing: the record (its text) is
+    dropped at the trip."""
+
+    owner_id: int
+    expires_at: float
+    on_late_landing: Callback | None
+    landed: asyncio.Event
+    next_check_at: float
+    interval_s: float
 
 
 def _with_db(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -176,6 +198,7 @@ class Persistence:
         wait_s: float = 2.0,
         poll_s: float = 0.25,
         tombstone_ttl_s: float = 7200.0,
+        late_limit: int = LATE_LIMIT,
         sweep_interval_s: float = 300.0,
         publish: Publish | None = None,
         eager: bool | None = None,
@@ -196,13 +219,14 @@ class Persistence:
         self.wait_s = wait_s
         self.poll_s = poll_s
         self.tombstone_ttl_s = tombstone_ttl_s
+        self.late_limit = late_limit
         self.sweep_interval_s = sweep_interval_s
         self._publisher = publish or CeleryPublisher(timeout_s=publish_timeout_s, url=broker_url, queue=queue)
         self._eager = eager
         self._shared = shared
         self._clock = clock
         self._pending: dict[str, _Pending] = {}
-        self._late: dict[str, _Pending] = {}
+        self._late: dict[str, _Late] = {}  # oldest trip first
         self._stats: dict[str, float] = dict.fromkeys(STAT_KEYS, 0)
         self._stats["lag_s_sum"] = 0.0
         self._stats["lag_s_max"] = 0.0
@@ -326,7 +350,7 @@ class Persistence:
         entry = entry or self._lookup(public_id)
         if entry is None and self._shared is not None:
             return await self._fetch_shared(public_id, owner_id, self.wait_s if wait_s is None else wait_s)
-        if entry is None or entry.record.owner_id != owner_id:
+        if entry is None or entry.owner_id != owner_id:
             raise StoredResponse.DoesNotExist(f"No stored response {public_id}.")
         if not entry.landed.is_set():
             with contextlib.suppress(TimeoutError):
@@ -362,7 +386,7 @@ class Persistence:
         except StoredResponse.DoesNotExist:
             return None
 
-    def _lookup(self, public_id: str) -> _Pending | None:
+    def _lookup(self, public_id: str) -> _Pending | _Late | None:
         return self._pending.get(public_id) or self._late.get(public_id)
 
     def is_pending(self, public_id: str) -> bool:
@@ -420,8 +444,7 @@ class Persistence:
                 logger.exception("persist monitor tick failed")
 
     async def _tick(self) -> None:
-        if self._query is None and (self._pending or self._late):
-            ids = [*self._pending, *self._late]
+        if self._query is None and (ids := [*self._pending, *self._late_due()]):
             self._query = asyncio.ensure_future(self._in_db_thread(self._landed_among, ids))
         if self._query is not None:
             # Bounded: a wedged database must not stop the breaker; the query is collected later.
@@ -435,6 +458,16 @@ class Persistence:
                         self._landed(public_id)
         self._check_deadlines()
 
+    def _late_due(self) -> list[str]:
+        """The given-up writes to look for now; each is next looked for after twice the wait."""
+        now, due = self._clock(), []
+        for public_id, late in self._late.items():
+            if now >= late.next_check_at:
+                due.append(public_id)
+                late.interval_s = min(2 * late.interval_s, LATE_POLL_MAX_S)
+                late.next_check_at = now + late.interval_s
+        return due
+
     @staticmethod
     def _landed_among(ids: list[str]) -> set[str]:
         landed: set[str] = set()
@@ -446,17 +479,28 @@ class Persistence:
         now = self._clock()
         for entry in [e for e in self._pending.values() if now >= e.deadline]:
             self._trip(entry, now)
-        for entry in [e for e in self._late.values() if now >= e.late_deadline]:
-            del self._late[entry.record.public_id]
-            self._stats["tombstones_expired"] += 1
-            logger.warning("gave up on the late row of response %s", entry.record.public_id)
-            _call(entry.on_late_landing, "on_late_landing")
+        for public_id in [k for k, e in self._late.items() if now >= e.expires_at]:
+            self._give_up_late(public_id)
+
+    def _give_up_late(self, public_id: str) -> None:
+        late = self._late.pop(public_id)
+        self._stats["tombstones_expired"] += 1
+        logger.warning("gave up on the late row of response %s", public_id)
+        _call(late.on_late_landing, "on_late_landing")
 
     def _trip(self, entry: _Pending, now: float) -> None:
         record = entry.record
         del self._pending[record.public_id]
-        entry.late_deadline = now + self.tombstone_ttl_s
-        self._late[record.public_id] = entry
+        self._late[record.public_id] = _Late(
+            owner_id=record.owner_id,
+            expires_at=now + self.tombstone_ttl_s,
+            on_late_landing=entry.on_late_landing,
+            landed=entry.landed,
+            next_check_at=now + self.poll_s,
+            interval_s=self.poll_s,
+        )
+        while len(self._late) > self.late_limit:
+            self._give_up_late(next(iter(self._late)))
         self._stats["breaker_trips"] += 1
         logger.error(
             "persist of response %s still pending after %.1fs: releasing instance %s (tombstone)",
@@ -486,12 +530,12 @@ class Persistence:
                 removal = self._in_db_thread(self._shared.remove, public_id)
                 self._spawn(asyncio.get_running_loop(), _logged(removal, f"shared pending {public_id}"))
             return
-        entry = self._late.pop(public_id, None)
-        if entry is not None:
+        late = self._late.pop(public_id, None)
+        if late is not None:
             self._stats["late_landed"] += 1
             logger.info("late row of response %s landed; releasing its tombstone", public_id)
-            entry.landed.set()
-            _call(entry.on_late_landing, "on_late_landing")
+            late.landed.set()
+            _call(late.on_late_landing, "on_late_landing")
 
     # Embedded sweeps, draining, plumbing -----------------------------------------------------
 

@@ -225,6 +225,8 @@ class AliasLiveState:
     active: int = 0
     queued: int = 0
     capacity: int = 0
+    # Its weights cannot batch (LANE-1): the lane serves one at a time, whatever the concurrency.
+    cannot_batch: bool = False
     warm_sessions: int = 0
     warm_bytes: int = 0
     cache_hit_rate: float | None = None  # of the prefix cache's lookups; None before the first
@@ -317,6 +319,7 @@ def model_live_state(
         active=int(view.get("active") or 0),
         queued=int(view.get("queued") or 0),
         capacity=int(view.get("capacity") or 0),
+        cannot_batch=view.get("can_batch") is False,
         warm_sessions=int(view.get("warm_sessions") or 0),
         warm_bytes=int(view.get("warm_bytes") or 0),
         cache_hit_rate=view.get("cache_hit_rate"),

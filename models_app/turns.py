@@ -90,7 +90,9 @@ class TurnHooks:
     """A surface's steps around the shared sequence; the base does nothing.
 
     `prepare` runs under the lane permit and returns the turn to submit; `refused` runs when
-    the turn fails after `prepare` (submit or the wait for a slot); `ended` runs exactly once
+    the turn fails in `prepare` (raised or cancelled part way: it gives back what prepare took so
+    far) or after it (submit or the wait for a slot), and may run after a `prepare` that took
+    nothing; `ended` runs exactly once
     when an admitted turn ends, and may return a handoff to await before the terminal event.
     """
 
@@ -206,6 +208,7 @@ async def turn_start(
         request = generation_request(alias, turn, request_id, engine)
     except BaseException:
         permit.release()  # idempotent; the place goes back to the lane (LANE-3)
+        hooks.refused()  # and what prepare took before it failed or was cancelled (REG-6)
         raise
     generation: Generation | None = None
     try:

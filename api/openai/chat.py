@@ -30,6 +30,9 @@ if TYPE_CHECKING:
 # event instead (the openai SDK raises APIError on it), never with a finish_reason that reads
 # like a complete answer.
 FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
+# The finish_reason of a stream the engine cut short (a drain ran out, a cancel): vLLM's word. The
+# final chunk always carries one (OPS-5); the error chunk after it says why (`draining`: retry).
+CUT_SHORT_FINISH = "abort"
 
 
 @dataclass
@@ -96,14 +99,16 @@ async def chat_sse(turn: ChatTurn, generation: Generation) -> AsyncIterator[byte
             yield sse_event(turn.chunk({"reasoning_content": event.text}))
         elif isinstance(event, ToolCallDelta):
             yield sse_event(turn.chunk({"tool_calls": [tool_call_part(event)]}))
-        elif isinstance(event, Done) and (cut := cut_short_error(event)) is not None:
-            yield sse_event(error_body(cut, "openai"))
         elif isinstance(event, Done):
-            yield sse_event(turn.chunk({}, FINISH_REASONS.get(event.finish_reason, "stop")))
+            cut = cut_short_error(event)
+            finish = CUT_SHORT_FINISH if cut else FINISH_REASONS.get(event.finish_reason, "stop")
+            yield sse_event(turn.chunk({}, finish))
             if turn.include_usage:
                 final = turn.envelope("chat.completion.chunk")
                 final.update(choices=[], usage=usage_body(event.usage))
                 yield sse_event(final)
+            if cut is not None:
+                yield sse_event(error_body(cut, "openai"))
         elif isinstance(event, Failed):
             yield sse_event(error_body(failed_error(event), "openai"))
     yield SSE_DONE

@@ -10,7 +10,7 @@ from rest_framework import serializers
 from api.auth import Caller, api_endpoint, caller_of
 from api.collect import collect_answer
 from api.errors import cut_short_error, error_body, failed_error
-from api.openai.chat import FINISH_REASONS, ChatTurn, usage_body
+from api.openai.chat import CUT_SHORT_FINISH, FINISH_REASONS, ChatTurn, usage_body
 from api.openai.serializers import StreamOptionsInput, StrictBooleanField, TextSamplingInput
 from api.openai.views import body_for_turn, chat_shaped_response, validated
 from api.sampling import sampling_overrides
@@ -115,13 +115,14 @@ async def completion_sse(turn: ChatTurn, generation: Generation) -> AsyncIterato
             logprobs = legacy_logprobs(list(event.logprobs), offset) if event.logprobs else None
             offset += len(event.text)
             yield sse_event({**_body(turn, event.text, None, logprobs), **usage_field})
-        elif isinstance(event, Done) and (cut := cut_short_error(event)) is not None:
-            yield sse_event(error_body(cut, "openai"))  # cut short: never a finish_reason
         elif isinstance(event, Done):
-            finish = FINISH_REASONS.get(event.finish_reason, "stop")
+            cut = cut_short_error(event)  # cut short: "abort", then the error that says why
+            finish = CUT_SHORT_FINISH if cut else FINISH_REASONS.get(event.finish_reason, "stop")
             yield sse_event({**_body(turn, "", finish), **usage_field})
             if turn.include_usage:
                 yield sse_event({**turn.envelope(OBJECT), "choices": [], "usage": usage_body(event.usage)})
+            if cut is not None:
+                yield sse_event(error_body(cut, "openai"))
         elif isinstance(event, Failed):
             yield sse_event(error_body(failed_error(event), "openai"))
     yield SSE_DONE

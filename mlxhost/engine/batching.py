@@ -158,11 +158,27 @@ class BatchScheduler:
                 job.generation.post_threadsafe(self._delta(sequence, tail))
             matched = sequence.matcher.matched if finish == "stop" else None
             post_done(job, sequence.turn, self._stats, self._clock(), finish, sequence.count, matched)
-            if cache is not None:
+            if cache is not None and self._holds_its_tokens(job, cache):
                 nbytes = self.model.cache_nbytes(cache.kv)
                 result = JobResult(finish, cache.kv, cache.tokens, nbytes, touched=True)
         finally:
             job.on_end(result)  # exactly once, whatever failed above: the lane slot must come back
+
+    def _holds_its_tokens(self, job: GenerateJob, cache: SequenceCache) -> bool:
+        """Whether the batch's cache holds exactly the tokens it says (SES-1): a warm session
+        whose KV and tokens disagree would start later turns from the wrong state, so a mismatch
+        is disposed, never adopted."""
+        length = self.model.cache_length(cache.kv)
+        if length == len(cache.tokens):
+            return True
+        logger.warning(
+            "batch cache of %s holds %d tokens but lists %d; not kept as a warm session",
+            job.generation.request_id,
+            length,
+            len(cache.tokens),
+        )
+        self.model.dispose_cache(cache.kv)
+        return False
 
     @staticmethod
     def _delta(sequence: _Sequence, text: str) -> Delta:

@@ -56,6 +56,7 @@ class DiskStats:
     entries: int = 0
     bytes: int = 0
     hits: int = 0
+    partials: int = 0  # never counted here: a saved parent is loaded whole or not at all
     misses: int = 0
     tokens_saved: int = 0
     written: int = 0

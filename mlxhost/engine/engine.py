@@ -26,7 +26,6 @@ from mlxhost.engine.errors import (
     DrainingError,
     DuplicateRequestError,
     EmbeddingFailedError,
-    EngineClosedError,
     EngineError,
     InvalidRequestError,
     ModelLoadError,
@@ -212,8 +211,7 @@ class Engine:
         """Bind a name (an alias) to the instance of `spec`'s weights; see `Registry.bind`.
 
         Raises:
-            DrainingError: the engine is draining for shutdown.
-            EngineClosedError: the engine has shut down.
+            DrainingError: the engine is draining for shutdown, or has shut down.
         """
         self._check_open()
         instance = self.registry.bind(name, spec)
@@ -226,9 +224,9 @@ class Engine:
         self._weights_listeners.append(listener)
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise EngineClosedError("The engine is shutting down.")
-        if self._stopping:
+        # Shut down or still draining, a client hears the same: this host is going away, retry
+        # (503 `draining`, Anthropic 529), never a bare "engine closed" (LANE-7, OPS-5).
+        if self._closed or self._stopping:
             raise DrainingError(SHUTDOWN_MESSAGE)
 
     def unbind(self, name: str) -> None:
@@ -380,8 +378,7 @@ class Engine:
             RequestCancelledError: a cancel for this id arrived first (LANE-6).
             DuplicateRequestError: a request with this id is live (LANE-5).
             QueueFullError: the lane is over budget (LANE-2).
-            DrainingError: the lane is draining (LANE-7).
-            EngineClosedError: the engine has shut down.
+            DrainingError: the lane is draining (LANE-7), or the engine has shut down.
         """
         if request_id in self._live:
             raise DuplicateRequestError(f"A request with id {request_id!r} is already in flight.")
@@ -413,7 +410,6 @@ class Engine:
             InvalidRequestError: a sampling value this model cannot use (before templating).
             PromptTooLongError: the prompt exceeds the model's context or max_input_tokens.
             RequestTooLargeError: its KV cache could not fit the memory budget.
-            EngineClosedError: the engine has shut down.
         """
         request_id = request.request_id
         if permit is None:
@@ -462,7 +458,7 @@ class Engine:
             UnknownModelError: nothing is bound under `request.binding`.
             ModelLoadError: the model could not be loaded.
             PromptTooLongError: the prompt's text has more characters than the context could hold.
-            EngineClosedError: the engine is shutting down.
+            DrainingError: the engine is shutting down.
         """
         self._check_open()
         instance = self.registry.resolve(request.binding)
@@ -685,7 +681,9 @@ class Engine:
 
         def on_end(result: JobResult) -> None:
             # The Done travels with the end (not ahead of it by the courier): see `_finished`.
-            loop.call_soon_threadsafe(self._finished, instance, ticket, generation, lease, result, job.done)
+            loop.call_soon_threadsafe(
+                self._finished, instance, ticket, generation, lease, result, job.done, len(prompt_ids)
+            )
 
         job = GenerateJob(generation, prompt_ids, admission.entered_at, on_end, sampling)
         if lease is not None:
@@ -727,6 +725,7 @@ class Engine:
         lease: SessionLease | None,
         result: JobResult,
         done: Done | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         # Adopt before releasing the slot: release admits (and leases for) the next waiter at
         # once, and a continuation queued behind its parent must find the parent's session.
@@ -743,6 +742,7 @@ class Engine:
                     tokens=result.kv_tokens,
                     kv=result.kv,
                     nbytes=result.kv_nbytes,
+                    prompt_tokens=prompt_tokens,
                 )
                 if kept and generation.request.keep_on_disk:
                     self._write_behind(instance, generation.request_id, query)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from mlxhost.engine.worker import WorkerStats
 
 State = Literal["unloaded", "loading", "ready", "error"]
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -56,6 +60,11 @@ class Instance:
         self.spec = spec
         self.state: State = "unloaded"
         self.last_error: str | None = None
+        # Whether the loaded weights can batch (None: not known before the first load). A chat
+        # model that cannot runs one request at a time, so its lane's capacity is clamped to 1
+        # (LANE-1): otherwise N-1 admitted requests would wait inside the worker, unseen by the
+        # queue positions, the queue timeout and `active`.
+        self.can_batch: bool | None = None
         self.progress = LoadProgress()
         self.last_used = clock()
         self._backend = backend
@@ -82,7 +91,7 @@ class Instance:
             clock,
             getattr(backend, "thread_exit", None),
             reload=self._reload_on_worker,
-            batch_capacity=spec.lane.capacity,
+            batch_capacity=self.effective_capacity(spec),
             arrivals=lambda: self.lane.permits,
             burst_wait_s=config.burst_wait_s,
             reload_after_faults=config.reload_after_faults,
@@ -118,8 +127,16 @@ class Instance:
             spec = replace(spec, instance_id=self.instance_id)
         if spec.lane != self.spec.lane:
             self._configure_lane(spec)
-            self._worker.set_batch_capacity(spec.lane.capacity)
+            self._worker.set_batch_capacity(self.effective_capacity(spec))
         self.spec = spec
+
+    def effective_capacity(self, spec: ModelSpec | None = None) -> int:
+        """The lane capacity this instance serves: the model's setting, or 1 for a chat model
+        whose weights cannot batch (LANE-1)."""
+        spec = spec or self.spec
+        if spec.kind == "chat" and self.can_batch is False:
+            return 1
+        return spec.lane.capacity
 
     async def ensure_loaded(self) -> None:
         """Load the weights unless resident; concurrent callers share one load.
@@ -186,6 +203,9 @@ class Instance:
             "state": self.state,
             "last_error": self.last_error,
             "lane": self.lane.probe().as_dict(),
+            # The capacity the model's settings ask for; `lane.capacity` is what is served (LANE-1).
+            "configured_capacity": self.spec.lane.capacity,
+            "can_batch": self.can_batch,
             "tokens_generated": stats.tokens_generated,
             "requests_finished": stats.requests_finished,
             "requests_cancelled": stats.requests_cancelled,
@@ -247,11 +267,28 @@ class Instance:
             self.touch()  # a fresh load is not idle yet: its keep-alive starts now
             if self.model is not None and self.model.shared_cache:
                 self.sessions.single_use()  # one shared mutable cache: one entry, taken out (SES-5)
+            if self.model is not None:
+                self._learn_batching(self.model)
+
+    def _learn_batching(self, model: LoadedModel) -> None:
+        can_batch = getattr(model, "can_batch", None)  # optional, as `open_batch` is
+        batches = bool(can_batch()) if can_batch is not None else hasattr(model, "open_batch")
+        if batches == self.can_batch:
+            return
+        self.can_batch = batches
+        if not batches and self.spec.lane.capacity > 1:
+            logger.warning(
+                "instance %s cannot batch: serving one request at a time, not %d (lane capacity 1)",
+                self.instance_id,
+                self.spec.lane.capacity,
+            )
+        self._configure_lane(self.spec)
+        self._worker.set_batch_capacity(self.effective_capacity())
 
     def _configure_lane(self, spec: ModelSpec) -> None:
         settings = spec.lane
         self.lane.configure(
-            capacity=settings.capacity,
+            capacity=self.effective_capacity(spec),
             queue_depth=settings.queue_depth,
             unbounded=settings.unbounded,
             queue_timeout_s=settings.queue_timeout_s,

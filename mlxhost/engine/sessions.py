@@ -29,7 +29,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Outcome = Literal["hit", "disk", "cold_replay", "fresh"]
+# SES-7: `hit` when the reused prefix holds the parent turn's whole input, `partial` when it holds
+# less (a shared system prompt, another conversation's start), `cold_replay` when the named parent
+# is not cached and its chain is replayed, `fresh` when nothing was reused or named.
+Outcome = Literal["hit", "partial", "disk", "cold_replay", "fresh"]
 Tier = Literal["response_id", "cache_key", "warm_any", "prefix"]
 
 _PREFIX_CHUNK = 256  # tuple slices compare in C; only the mismatching chunk is walked in Python
@@ -91,6 +94,7 @@ class SessionEntry:
     cache_key: str | None
     tokens: tuple[int, ...]
     kv: object  # owned by the backend; this cache never inspects it
+    prompt_tokens: int  # how many of `tokens` were the turn's input (the rest it produced)
     nbytes: int
     created_at: float
     last_used_at: float
@@ -108,15 +112,17 @@ class SessionLease:
     reuse_tokens: int  # common prefix with the new prompt, capped so at least one token is fed
     tier: Tier
     owned: bool = False
+    hit: bool = False  # counted as a hit (else as a partial) in the stats
 
 
 @dataclass(slots=True)
 class SessionStats:
     entries: int = 0
     bytes: int = 0
-    hits: int = 0
+    hits: int = 0  # lookups that reused the parent turn's whole input (SES-7 `hit`)
+    partials: int = 0  # lookups that reused a shorter prefix (`partial`, or a `cold_replay` with some)
     misses: int = 0
-    tokens_saved: int = 0  # prompt tokens that hits did not have to compute
+    tokens_saved: int = 0  # prompt tokens that hits and partials did not have to compute
     adopted: int = 0
     evicted: int = 0
     expired: int = 0
@@ -131,6 +137,7 @@ class TierStats(Protocol):
     entries: int
     bytes: int
     hits: int
+    partials: int
     misses: int
     tokens_saved: int
     evicted: int
@@ -138,12 +145,13 @@ class TierStats(Protocol):
 
 def tier_figures(stats: TierStats, max_bytes: int) -> dict[str, Any]:
     """One prefix-cache tier as /readyz, /metrics and the dashboard show it (memory or disk)."""
-    lookups = stats.hits + stats.misses
+    lookups = stats.hits + stats.partials + stats.misses
     return {
         "entries": stats.entries,
         "bytes": stats.bytes,
         "max_bytes": max_bytes,
         "hits": stats.hits,
+        "partials": stats.partials,
         "misses": stats.misses,
         "hit_rate": round(stats.hits / lookups, 3) if lookups else None,
         "tokens_saved": stats.tokens_saved,
@@ -168,6 +176,9 @@ class SessionCache:
     ) -> None:
         self._entries: dict[str, SessionEntry] = {}  # insertion order breaks last_used_at ties
         self._by_key: dict[tuple[str, str], str] = {}  # (domain, cache_key) -> response_id
+        # An entry dropped because a newer one starts with its tokens -> (that one, its input
+        # length): a continuation naming it is still served whole (SES-1, SES-7). Bounded.
+        self._superseded: dict[str, tuple[str, int]] = {}
         self._bytes = 0
         self._max_entries = max_entries
         self._max_bytes = max_bytes
@@ -206,7 +217,10 @@ class SessionCache:
         falling back to the longest in-domain token prefix (SES-8); a `previous_response_id`
         never falls through to a cache key. The entry stays cached (SES-4), except on a
         single-use cache, where it is taken out; there a keyed lease with nothing reusable is
-        still returned, so its kv can be recycled, but its outcome is not "hit".
+        still returned, so its kv can be recycled, but its outcome is not "hit". The outcome
+        (SES-7) is "hit" only when the reused prefix holds the entry's whole input (or all of this
+        prompt that can be reused), else "partial"; a named parent that is not cached is
+        "cold_replay" even when another entry lends a shorter prefix.
         """
         self.sweep()
         prompt = tuple(prompt_ids)
@@ -216,19 +230,24 @@ class SessionCache:
         if found is None or (reuse == 0 and not self._shared_kv):
             self._stats.misses += 1
             return None, cold
-        entry, tier = found
+        entry, tier, parent_input = found
         if self._shared_kv:
             self._remove(entry)
         else:
             entry.pins += 1
             entry.last_used_at = self._clock()
-        lease = SessionLease(entry=entry, reuse_tokens=reuse, tier=tier, owned=self._shared_kv)
+        outcome = _outcome(query, tier, reuse, min(parent_input, len(prompt) - 1))
+        hit = outcome == "hit"
+        lease = SessionLease(entry=entry, reuse_tokens=reuse, tier=tier, owned=self._shared_kv, hit=hit)
         if reuse == 0:
             self._stats.misses += 1
             return lease, cold
-        self._stats.hits += 1
+        if hit:
+            self._stats.hits += 1
+        else:
+            self._stats.partials += 1
         self._stats.tokens_saved += reuse
-        return lease, "hit"
+        return lease, outcome
 
     @property
     def copies(self) -> bool:
@@ -250,7 +269,10 @@ class SessionCache:
     def unlease(self, lease: SessionLease) -> None:
         """Give back a shared lease the request will not use (a better start was found elsewhere),
         counting it as the miss it turned out to be."""
-        self._stats.hits -= 1
+        if lease.hit:
+            self._stats.hits -= 1
+        else:
+            self._stats.partials -= 1
         self._stats.tokens_saved -= lease.reuse_tokens
         self._stats.misses += 1
         self.release(lease, consumed=False)
@@ -275,7 +297,14 @@ class SessionCache:
             self._evict()
 
     def adopt(
-        self, *, response_id: str, query: SessionQuery, tokens: Sequence[int], kv: object, nbytes: int
+        self,
+        *,
+        response_id: str,
+        query: SessionQuery,
+        tokens: Sequence[int],
+        kv: object,
+        nbytes: int,
+        prompt_tokens: int | None = None,
     ) -> bool:
         """Keep a turn's kv as the entry of `response_id`.
 
@@ -283,6 +312,7 @@ class SessionCache:
         server abort the caller must `discard(kv)` instead. An older entry with the same response
         id, with the same cache key in the same domain, or whose tokens are a prefix of `tokens`
         in the same domain (the new entry serves every prompt it served), is dropped.
+        `prompt_tokens` says how many of `tokens` were the turn's input (all when not given).
 
         Returns:
             Whether the entry is now cached; False when `nbytes` alone exceeds `max_bytes`
@@ -301,6 +331,7 @@ class SessionCache:
                     older.tokens
                 ):
                     self._drop(older, kv)
+                    self._supersede(older, response_id)
         now = self._clock()
         entry = SessionEntry(
             response_id=response_id,
@@ -309,6 +340,7 @@ class SessionCache:
             cache_key=query.cache_key,
             tokens=tokens,
             kv=kv,
+            prompt_tokens=len(tokens) if prompt_tokens is None else min(prompt_tokens, len(tokens)),
             nbytes=nbytes,
             created_at=now,
             last_used_at=now,
@@ -337,20 +369,38 @@ class SessionCache:
         for entry in list(self._entries.values()):
             self._uncache(entry)
 
-    def _find(self, query: SessionQuery, prompt: tuple[int, ...]) -> tuple[SessionEntry, Tier] | None:
-        if query.previous_response_id is not None:
-            entry = self._entries.get(query.previous_response_id)
+    def _find(self, query: SessionQuery, prompt: tuple[int, ...]) -> tuple[SessionEntry, Tier, int] | None:
+        """The entry to start from, its tier and how many tokens of it are the named parent's input."""
+        if (parent := query.previous_response_id) is not None:
+            entry = self._entries.get(parent)
+            parent_input = entry.prompt_tokens if entry is not None else 0
+            if entry is None and parent in self._superseded:
+                newer, parent_input = self._superseded[parent]
+                entry = self._entries.get(newer)
             if entry is not None and _scoped(entry, query):
-                return entry, "response_id"
+                return entry, "response_id", parent_input
         elif query.cache_key is not None:
             entry = self._keyed(query.domain, query.cache_key)
             if entry is not None and _scoped(entry, query):
-                return entry, "cache_key"
+                return entry, "cache_key", entry.prompt_tokens
         elif query.warm_any:
             entry = self._most_recent(query)
             if entry is not None:
-                return entry, "warm_any"
-        return self._longest_prefix(query.domain, prompt)
+                return entry, "warm_any", entry.prompt_tokens
+        best = self._longest_prefix(query.domain, prompt)
+        return None if best is None else (best[0], best[1], best[0].prompt_tokens)
+
+    def _supersede(self, older: SessionEntry, newer: str) -> None:
+        parent_input = older.prompt_tokens
+        if (chained := self._superseded.get(older.response_id)) is not None:
+            parent_input = chained[1]
+        self._superseded.pop(older.response_id, None)
+        self._superseded[older.response_id] = (newer, parent_input)
+        for name, (target, length) in list(self._superseded.items()):
+            if target == older.response_id:  # a chain of supersessions points at the newest
+                self._superseded[name] = (newer, length)
+        while len(self._superseded) > 4 * self._max_entries:
+            del self._superseded[next(iter(self._superseded))]
 
     def _keyed(self, domain: str, cache_key: str) -> SessionEntry | None:
         response_id = self._by_key.get((domain, cache_key))
@@ -424,6 +474,14 @@ class SessionCache:
                 return
             self._stats.disposed += 1
             return
+
+
+def _outcome(query: SessionQuery, tier: Tier, reuse: int, covers: int) -> Outcome:
+    if query.previous_response_id is not None and tier != "response_id":
+        return "cold_replay"  # the parent is gone: its chain is replayed, a shared prefix aside
+    # `covers`: the parent's whole input (its own answer may re-tokenize differently), or all of
+    # this prompt but the token that must be fed.
+    return "hit" if reuse >= covers else "partial"
 
 
 def _scoped(entry: SessionEntry, query: SessionQuery) -> bool:

@@ -148,6 +148,9 @@ class StatusBuilder:
             "active": lane["active"],
             "queued": lane["queued"],
             "capacity": lane["capacity"],
+            # A model that cannot batch serves one at a time whatever its concurrency (LANE-1).
+            "can_batch": snap.get("can_batch"),
+            "configured_capacity": snap.get("configured_capacity"),
             "draining": lane["draining"],
             "tokens_per_s": self._rate(instance_id, tokens, now),
             "decode_tps": snap["decode_tps"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from django.test import AsyncClient
@@ -37,18 +38,32 @@ async def test_turn_two_reuses_the_cached_prefix_and_matches_a_cold_recompute(
 
 
 async def test_a_burst_beyond_capacity_and_depth_gets_429s_and_the_admitted_complete(
-    tiny_alias, api_key, mlx_engine, tiny_eos_id
+    tiny_alias, api_key, mlx_engine, tiny_eos_id, monkeypatch
 ):
-    """LANE-2: over budget is a 429 queue_full with Retry-After; every admitted request completes."""
+    """LANE-2: over budget is a 429 queue_full with Retry-After; every admitted request completes.
+    The worker is held until the burst has been answered, so exactly capacity + depth = 3 are
+    admitted and the other 5 refused, however fast the machine decodes."""
     await set_lane(tiny_alias, concurrency=1, queue_depth=2)
     await post_chat(api_key, max_tokens=1)  # load first, so the burst measures admission only
+    (instance,) = mlx_engine.registry.instances()
+    release, generate = threading.Event(), instance.model.generate
+
+    def held(*args, **kwargs):  # on the worker thread: nothing finishes until the test says so
+        release.wait(30)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(instance.model, "generate", held)
     no_eos = {str(tiny_eos_id): -100}
-    responses = await asyncio.gather(
-        *(post_chat(api_key, max_tokens=200, logit_bias=no_eos) for _ in range(8))
-    )
+    burst = [asyncio.create_task(post_chat(api_key, max_tokens=200, logit_bias=no_eos)) for _ in range(8)]
+    try:
+        await eventually(lambda: sum(t.done() for t in burst) == 5, timeout=30, what="the five refusals")
+        lane = mlx_engine.snapshot()[0]["lane"]
+        assert (lane["active"], lane["queued"]) == (1, 2)
+    finally:
+        release.set()
+    responses = await asyncio.gather(*burst)
     statuses = sorted(r.status_code for r in responses)
-    assert set(statuses) == {200, 429}
-    assert statuses.count(200) >= 3
+    assert statuses == [200] * 3 + [429] * 5
     for response in responses:
         if response.status_code == 429:
             assert int(response["Retry-After"]) >= 1

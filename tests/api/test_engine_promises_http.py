@@ -108,12 +108,22 @@ async def test_an_admin_unload_drains_refuses_arrivals_and_aborts_streams_at_the
     assert again.status_code == 200
 
 
-async def test_an_aborted_chat_stream_ends_with_an_error_event_before_done(
-    tiny_alias, api_key, draining_engine, tiny_eos_id
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        pytest.param("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}, id="chat"),
+        pytest.param("/v1/completions", {"prompt": "Once upon a time"}, id="completions"),
+    ],
+)
+async def test_an_aborted_stream_ends_with_a_finish_reason_then_the_error_and_done(
+    tiny_alias, api_key, draining_engine, tiny_eos_id, path, body
 ):
-    """LANE-7, OPS-5: a chat stream cut short by a drain never ends with `finish_reason: stop`:
-    its last data is an OpenAI error (code `draining`), then `[DONE]`."""
-    running = await post_chat(api_key, stream=True, max_tokens=100_000, logit_bias={str(tiny_eos_id): -100})
+    """LANE-7, OPS-5 (issue 25): a stream cut short by a drain ends with a final chunk whose
+    finish_reason is `abort` (never `stop`, which reads like a complete answer), its usage when
+    asked for, then an OpenAI error (code `draining`) that says why, then `[DONE]`."""
+    no_eos = {str(tiny_eos_id): -100}
+    request = {"model": "tiny", "stream": True, "max_tokens": 100_000, "logit_bias": no_eos, **body}
+    running = await post(api_key, path, {**request, "stream_options": {"include_usage": True}})
     chunks: list[bytes] = []
 
     async def read() -> None:
@@ -132,8 +142,10 @@ async def test_an_aborted_chat_stream_ends_with_an_error_event_before_done(
     ]
     assert frames[-1] == b"[DONE]"
     assert json.loads(frames[-2])["error"]["code"] == "draining"
-    finishes = [c["finish_reason"] for f in frames[:-1] for c in json.loads(f).get("choices", [])]
-    assert set(finishes) == {None}
+    payloads = [json.loads(f) for f in frames[:-2]]
+    finishes = [c["finish_reason"] for p in payloads for c in p.get("choices", [])]
+    assert finishes[-1] == "abort" and set(finishes[:-1]) == {None}
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] >= 1
 
 
 @pytest.fixture

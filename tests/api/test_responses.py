@@ -272,3 +272,48 @@ async def test_a_hung_up_stream_is_stored_as_cancelled_without_claimed_usage(
     row = await persistence().fetch(public_id=response["X-Request-Id"], owner_id=alice.owner_id)
     assert row.status == "cancelled"
     assert row.usage == {}
+
+
+async def test_a_turn_cancelled_inside_prepare_leaks_no_retention_and_no_live_entry(
+    tiny_alias, user, mlx_engine, settings, monkeypatch
+):
+    """REG-6, OPS-9 (issue 25): with Redis configured, a Responses turn whose caller goes away
+    while `ResponseHooks.prepare` shares its live entry gives back the instance's retention, the
+    lane permit, this host's live entry and the shared one."""
+    import asyncio
+
+    from api.openai.responses_input import ResponsesInput
+    from api.openai.views import validated
+    from models_app import live_responses
+    from models_app.response_turns import response_start
+
+    settings.REDIS_URL = "redis://127.0.0.1:6379/6"  # shared: `started` awaits the cache
+    entered, written, deleted = asyncio.Event(), [], []
+
+    async def slow_set(key, value, timeout=None):
+        written.append(key)
+        entered.set()
+        await asyncio.Event().wait()  # Redis is slow: the caller gives up meanwhile
+
+    async def delete(key):
+        deleted.append(key)
+
+    monkeypatch.setattr(live_responses.cache, "aset", slow_set)
+    monkeypatch.setattr(live_responses.cache, "adelete", delete)
+    data = validated(ResponsesInput, {"model": "tiny", "input": "hi", "max_output_tokens": 2})
+    data["stream"] = True
+    task = asyncio.create_task(response_start(data, user.pk, {}, response_id="resp_prepare_cancel"))
+    await asyncio.wait_for(entered.wait(), 30)
+    (instance,) = mlx_engine.registry.instances()
+    assert mlx_engine.registry.holds(instance).retentions == 1  # taken inside prepare
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0)  # the shared entry's removal runs as a task of its own
+    while live_responses._clearing:
+        await asyncio.gather(*live_responses._clearing)
+    assert mlx_engine.registry.holds(instance).retentions == 0
+    assert live_responses.local_owner("resp_prepare_cancel") is None
+    assert deleted == written == ["live-response:resp_prepare_cancel"]
+    lane = mlx_engine.snapshot()[0]["lane"]
+    assert (lane["active"], lane["queued"], lane["permits"]) == (0, 0, 0)

@@ -88,7 +88,8 @@ async def test_a_tool_chain_continues_warm_and_replays_cold(tiny_alias, alice, m
     assert items[0]["type"] == "function_call_output" and items[0]["call_id"] == item["call_id"]
 
     warm = await alice.create(input="thanks", previous_response_id=answer["id"], max_output_tokens=6)
-    assert warm.status_code == 200 and warm["X-Session-Cache"] in ("hit", "fresh")
+    # Without `tools` the prompt's start differs from the parent's: reused only in part (SES-7).
+    assert warm.status_code == 200 and warm["X-Session-Cache"] in ("hit", "partial")
     for instance in mlx_engine.registry.instances():
         instance.sessions.clear()
     cold = await alice.create(input="thanks", previous_response_id=answer["id"], max_output_tokens=6)

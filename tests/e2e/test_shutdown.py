@@ -73,8 +73,8 @@ def lane(server: Server, headers: dict[str, str]) -> dict:
 
 def test_sigterm_drains_ends_every_stream_and_exits_zero(server, tiny_alias, api_key, tiny_eos_id):
     """OPS-5, LANE-7: on SIGTERM the running stream gets SHUTDOWN_TIMEOUT_S to finish, is then
-    aborted and ends with an error event (code `draining`, never a finish_reason that reads like
-    a complete answer) and [DONE]; the queued request and a new
+    aborted and ends with a final chunk whose finish_reason is `abort` (never one that reads like
+    a complete answer), an error event (code `draining`) and [DONE]; the queued request and a new
     one sent during the drain get 503 `draining`; then the process exits with status 0."""
     headers = {"Authorization": f"Bearer {api_key}"}
     chat = f"{server.url}/v1/chat/completions"
@@ -137,7 +137,7 @@ def test_sigterm_drains_ends_every_stream_and_exits_zero(server, tiny_alias, api
     assert data[-1] == "[DONE]"
     assert json.loads(data[-2])["error"]["code"] == "draining"
     finishes = [c["choices"][0]["finish_reason"] for c in map(json.loads, data[:-2]) if c.get("choices")]
-    assert all(f is None for f in finishes)
+    assert finishes[-1] == "abort" and all(f is None for f in finishes[:-1])
 
     assert server.process.wait(timeout=EXIT_WITHIN_S) == 0, server.output()
     assert "engine stopped" in server.output()
@@ -146,8 +146,9 @@ def test_sigterm_drains_ends_every_stream_and_exits_zero(server, tiny_alias, api
 def test_sigterm_ends_a_running_websocket_turn_with_its_terminal_event(
     server, tiny_alias, api_key, tiny_eos_id
 ):
-    """OPS-5, API-3: a WebSocket turn still generating when SIGTERM arrives gets its terminal
-    event (after the drain's grace period), the socket then closes with 1001, and the process exits 0."""
+    """OPS-5, API-3: a WebSocket turn still generating when SIGTERM arrives (it never ends by
+    itself) gets its terminal event after the drain's grace period: `response.incomplete`, reason
+    `draining`, never `completed`; the socket then closes with 1001, and the process exits 0."""
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
@@ -172,7 +173,9 @@ def test_sigterm_ends_a_running_websocket_turn_with_its_terminal_event(
         while frames[-1]["type"] not in ("response.completed", "response.incomplete", "response.failed"):
             assert time.monotonic() < deadline, "the turn never ended"
             frames.append(json.loads(socket.recv(timeout=STREAM_END_WITHIN_S)))
-        assert frames[-1]["response"]["status"] in {"incomplete", "cancelled", "failed", "completed"}
+        assert frames[-1]["type"] == "response.incomplete", frames[-1]
+        assert frames[-1]["response"]["status"] == "incomplete"
+        assert frames[-1]["response"]["incomplete_details"] == {"reason": "draining"}
         with pytest.raises(ConnectionClosed) as closed:
             while True:  # nothing but the close may follow the terminal event
                 extra = json.loads(socket.recv(timeout=STREAM_END_WITHIN_S))

@@ -178,6 +178,35 @@ async def test_finished_sequences_hand_back_exact_caches_and_many_are_kept(engin
     assert [events[0].cached_tokens for events in results] == [len("<user>turn 0<assistant>")] * 3
 
 
+async def test_a_batch_cache_whose_length_disagrees_with_its_tokens_is_never_adopted(
+    engine, backend, monkeypatch, caplog
+):
+    """SES-1 (issue 25): on the batched adopt path the cache must hold exactly `len(tokens)`
+    tokens; one that holds another number is disposed and logged, never kept as a warm session
+    (a later turn would start from the wrong state). An exact one is kept."""
+    x = batching(2)
+    await engine.load(x)
+    removed = FakeBatch.remove
+
+    def off_by_one(self, handle):
+        cache = removed(self, handle)
+        return type(cache)(cache.kv, cache.tokens[:-1])
+
+    monkeypatch.setattr(FakeBatch, "remove", off_by_one)
+    query = engine.scoper.query(tenant="t")
+    events = await collect(await engine.submit(request("r0", session=query, spec_=x, max_tokens=2)))
+    assert isinstance(events[-1], Done)
+    await lane_idle(engine)
+    instance = engine.get(1)
+    assert instance.sessions.stats.entries == 0 and backend.dispose_calls == 1
+    assert "not kept as a warm session" in caplog.text
+
+    monkeypatch.setattr(FakeBatch, "remove", removed)
+    await collect(await engine.submit(request("r1", session=query, spec_=x, max_tokens=2)))
+    await lane_idle(engine)
+    assert instance.sessions.stats.entries == 1 and backend.dispose_calls == 1
+
+
 async def test_a_seed_request_joins_the_running_batch(engine, backend):
     """LANE-1 (issue 12): a seeded request shares the batch like any other: it joins between steps."""
     x = batching(2)
@@ -368,3 +397,23 @@ async def test_the_burst_wait_is_bounded_and_a_lone_request_never_waits(make_eng
     second = await collect(await held)
     assert isinstance(second[-1], Done) and second[-1].usage.completion_tokens == 2
     assert backend.batch_steps.count(2) == 0  # r0 and r1 never shared a step
+
+
+@pytest.mark.parametrize(("can_batch", "served"), [(True, (3, 0, 4)), (False, (1, 2, 1))])
+async def test_a_model_that_cannot_batch_is_served_one_at_a_time(engine, backend, can_batch, served):
+    """LANE-1 (issue 25): a lane capacity above 1 on a model that cannot batch is clamped to 1, so
+    the requests it cannot run wait in the lane, where `active`, `queued`, queue positions and the
+    queue timeout see them, not hidden inside the worker; the snapshot says what was asked for."""
+    backend.batching = can_batch
+    x = batching(4)
+    await engine.load(x)
+    backend.gated = True
+    generations = await submit_all(engine, x, [{"max_tokens": 2}] * 3)
+    lane = lane_of(engine)
+    assert (lane["active"], lane["queued"], lane["capacity"]) == served
+    (snap,) = engine.snapshot()
+    assert (snap["configured_capacity"], snap["can_batch"]) == (4, can_batch)
+    ungate(backend)
+    results = await asyncio.wait_for(asyncio.gather(*(collect(g) for g in generations)), 5)
+    assert all(isinstance(events[-1], Done) for events in results)
+    await lane_idle(engine)

@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 
 from mlxhost.engine.config import EngineConfig, prefix_cache_bytes
-from mlxhost.engine.sessions import SessionCache, SessionQuery, SessionScoper
+from mlxhost.engine.sessions import SessionCache, SessionQuery, SessionScoper, tier_figures
 from tests.support import FakeClock
 
 SECRET = b"s" * 32
@@ -90,17 +90,19 @@ def test_a_single_use_lease_takes_the_entry(cache: SessionCache, scoper: Session
 
 
 def test_eight_requests_start_from_one_entry(cache: SessionCache, scoper: SessionScoper) -> None:
-    """A shared system prompt: eight new conversations all reuse the one cached turn's prefix."""
+    """A shared system prompt: eight new conversations all reuse the one cached turn's prefix;
+    SES-7: that is a `partial` (the entry's own input went further), never a `hit`."""
     system = tuple(range(300))
     adopt(cache, query(scoper), "resp_1", tokens=(*system, 1000, 1001))
     leases = [cache.lease(query(scoper), (*system, 2000 + i, 7)) for i in range(8)]
-    assert [(outcome, lease.reuse_tokens) for lease, outcome in leases if lease] == [("hit", 300)] * 8
+    assert [(outcome, lease.reuse_tokens) for lease, outcome in leases if lease] == [("partial", 300)] * 8
     assert len(cache) == 1 and cache.stats.tokens_saved == 8 * 300
 
 
 def test_same_salt_hits_and_different_salt_misses(scoper: SessionScoper, clock: FakeClock) -> None:
     """SES-3: the same salt hits; a different salt is a cold replay; different instructions fall
-    back to the token prefix (the entry is not named, its shared tokens are)."""
+    back to the token prefix (the entry is not named, its shared tokens are), which is still a
+    cold replay of the named parent (SES-7)."""
     cases = {"same": ("s1", "be brief"), "salt": ("s2", "be brief"), "instr": ("s1", "be verbose")}
     outcomes, tiers = {}, {}
     for name, (salt, instructions) in cases.items():
@@ -111,7 +113,7 @@ def test_same_salt_hits_and_different_salt_misses(scoper: SessionScoper, clock: 
         lease = cache.lease(q, (*PROMPT, 7))[0]
         if lease is not None:
             tiers[name] = lease.tier
-    assert outcomes == {"same": "hit", "salt": "cold_replay", "instr": "hit"}
+    assert outcomes == {"same": "hit", "salt": "cold_replay", "instr": "cold_replay"}
     # Other instructions never name the entry; only the tokens they share can be reused.
     assert tiers == {"same": "response_id", "instr": "prefix"}
 
@@ -137,13 +139,14 @@ def test_raw_key_and_salt_are_never_stored(cache: SessionCache, scoper: SessionS
 
 
 def test_tier1_miss_never_falls_through_to_the_key(cache: SessionCache, scoper: SessionScoper) -> None:
-    """SES-2: a tier-1 miss takes the longest prefix, never the entry of its cache key."""
+    """SES-2: a tier-1 miss takes the longest prefix, never the entry of its cache key; SES-7: the
+    parent is not cached, so it is a cold replay, whatever prefix it borrows."""
     adopt(cache, query(scoper, prompt_cache_key="k"), "resp_1", tokens=(9, 9, 9))
     q = query(scoper, previous_response_id="resp_gone", prompt_cache_key="k")
     assert cache.lease(q, (*PROMPT, 7)) == (None, "cold_replay")
     adopt(cache, query(scoper), "resp_2")
     lease, outcome = cache.lease(q, (*PROMPT, 7))
-    assert outcome == "hit" and lease is not None
+    assert outcome == "cold_replay" and lease is not None
     assert (lease.entry.response_id, lease.tier, lease.reuse_tokens) == ("resp_2", "prefix", 6)
 
 
@@ -398,3 +401,52 @@ def test_the_byte_bound_is_sized_from_the_memory_budget() -> None:
     assert prefix_cache_bytes(EngineConfig(), 24 << 30) == 6 << 30
     assert prefix_cache_bytes(EngineConfig(max_session_bytes=5), 24 << 30) == 5
     assert prefix_cache_bytes(EngineConfig(), None) == 2 << 30
+
+
+def test_hit_only_when_the_parent_turn_is_covered(cache: SessionCache, scoper: SessionScoper) -> None:
+    """SES-7 (issue 25): `hit` only when the reused prefix holds the parent turn's whole input;
+    reusing only a shared start (the chat template, a system prompt) is `partial`; a named parent
+    that is not cached is `cold_replay` even when another entry lends a prefix; the hit rate
+    counts hits only."""
+    template = (1, 2, 3)
+    parent = (*template, 10, 11, 12, 13, 14, 15)  # 9 tokens of input...
+    cache.adopt(
+        response_id="resp_1",
+        query=query(scoper),
+        tokens=(*parent, 50, 51),
+        kv="kv",
+        nbytes=1,
+        prompt_tokens=9,
+    )  # ...and 2 of answer
+    # The continuation's re-tokenized answer differs after its first token: still the parent's whole input.
+    continuation = (*parent, 50, 99, 7, 8)
+    assert cache.lease(query(scoper, previous_response_id="resp_1"), continuation)[1] == "hit"
+    # Another conversation shares the template only: 3 of the entry's 9 input tokens.
+    lease, outcome = cache.lease(query(scoper), (*template, 40, 41, 42))
+    assert (outcome, lease is not None and lease.reuse_tokens) == ("partial", 3)
+    # A parent that is gone is replayed from its chain, even though the template prefix is reused.
+    lease, outcome = cache.lease(query(scoper, previous_response_id="resp_gone"), (*template, 40, 41))
+    assert (outcome, lease is not None and lease.reuse_tokens) == ("cold_replay", 3)
+    # The same prompt again: everything reusable is reused.
+    assert cache.lease(query(scoper), parent)[1] == "hit"
+    stats = cache.stats
+    assert (stats.hits, stats.partials, stats.misses) == (2, 2, 0)
+    figures = tier_figures(stats, cache.max_bytes)
+    assert figures["hit_rate"] == 0.5 and figures["partials"] == 2
+
+
+def test_a_parent_superseded_by_its_continuation_is_still_a_hit(
+    cache: SessionCache, scoper: SessionScoper
+) -> None:
+    """SES-1, SES-7: the parent's entry was dropped because its child's tokens start with it; a
+    second child of the same parent (a regenerate) is served from the child's entry as a hit."""
+    parent = (1, 2, 3, 4, 5, 6)
+    cache.adopt(
+        response_id="resp_p", query=query(scoper), tokens=parent, kv="kv-p", nbytes=1, prompt_tokens=4
+    )
+    child = (*parent, 7, 8, 9)
+    cache.adopt(response_id="resp_c", query=query(scoper), tokens=child, kv="kv-c", nbytes=1, prompt_tokens=8)
+    assert sorted(cache._entries) == ["resp_c"]
+    lease, outcome = cache.lease(query(scoper, previous_response_id="resp_p"), (*parent, 7, 20))
+    assert outcome == "hit" and lease is not None
+    assert (lease.entry.response_id, lease.reuse_tokens) == ("resp_c", 7)

@@ -475,6 +475,12 @@ LIVE_CASES = [
         ("2 / 3 / 4", "2 active / 3 queued (capacity 4)"),
         id="resident",
     ),
+    pytest.param(
+        [_view(0, active=1, queued=2, capacity=1, can_batch=False, configured_capacity=4)],
+        None,
+        ("1 / 2 / 1 (cannot batch)", "it serves one request at a time whatever its concurrency says"),
+        id="cannot-batch",  # LANE-1, issue 25: the clamp is said on every model and alias page
+    ),
     pytest.param([_view(0, draining=True, active=1)], None, "draining", id="draining"),
     pytest.param(
         [_view(0, state="error", status="error", error="weights are corrupt")],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import threading
 import time
@@ -16,11 +17,11 @@ from mlxhost.engine.backends.fake import FakeBackend
 from models_app import persistence as persistence_module
 from models_app import services, tasks
 from models_app.models import InstanceTombstone, StoredResponse
-from models_app.persistence import Persistence, StorageTimeoutError
+from models_app.persistence import Persistence, ResponseRecord, StorageTimeoutError
 from models_app.publishing import CeleryPublisher
 from tests.engine.conftest import spec
 from tests.models_app.support import drop, make_record, off_loop
-from tests.support import eventually
+from tests.support import FakeClock, eventually
 
 DAY = 24 * 3600
 
@@ -337,6 +338,58 @@ async def test_an_unlanded_tombstone_expires_and_is_released(user, make_store):
     )
     await eventually(lambda: calls == ["force_release", "late_landing"], timeout=3, what="expiry")
     assert store.stats()["tombstones_expired"] == 1
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_given_up_writes_keep_no_record_and_are_bounded(user, make_store):
+    """PER-4, REG-7 (issue 25): a trip keeps only what a late landing needs (no record, so none of
+    its text), and at most `late_limit` given-up writes are watched: beyond it, the oldest is given
+    up as if its tombstone expired (its tombstone is released)."""
+    store = make_store(eager=False, publish=drop, hard_timeout_s=0.05, tombstone_ttl_s=3600, late_limit=3)
+    released: list[int] = []
+    records = [make_record(user.pk, text="x" * 100_000) for _ in range(5)]
+    for i, record in enumerate(records):
+        store.record(record, on_late_landing=functools.partial(released.append, i))
+    await eventually(lambda: store.stats()["breaker_trips"] == 5, timeout=5, what="five trips")
+    assert store.stats()["late"] == 3 and store.stats()["tombstones_expired"] == 2
+    assert sorted(released) == [0, 1]  # the oldest two
+    assert [store.is_pending(r.public_id) for r in records] == [False, False, True, True, True]
+    held = [getattr(late, name) for late in store._late.values() for name in late.__slots__]
+    assert not any(isinstance(value, ResponseRecord | dict | str) for value in held)
+    assert await store.flush(timeout_s=5)  # the tombstone rows are written before the next test
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_given_up_writes_are_looked_for_ever_more_rarely(user, make_store, monkeypatch):
+    """PER-4 (issue 25): the monitor looks for a given-up write's late row at a doubling interval,
+    up to once a minute, not at every 0.25 s poll: over a 2-hour tombstone, 20 trips cost a few
+    thousand ids looked up in all (576,000 before), and then expire."""
+    clock = FakeClock()
+    store = make_store(
+        eager=False, publish=drop, hard_timeout_s=1, poll_s=0.25, tombstone_ttl_s=7200, clock=clock
+    )
+    looked_up: list[str] = []
+
+    def landed(*, public_ids):
+        looked_up.extend(public_ids)
+        return set()
+
+    monkeypatch.setattr(persistence_module.selectors, "responses_landed", landed)
+    for _ in range(20):
+        store.record(make_record(user.pk))
+    await eventually(lambda: store.stats()["published"] == 20, timeout=5, what="the publishes")
+    store._monitor.cancel()  # this test ticks the monitor itself, on its own clock
+    clock.advance(2)
+    await store._tick()
+    assert store.stats()["breaker_trips"] == 20
+    looked_up.clear()
+    for _ in range(7200):
+        clock.advance(1)
+        await store._tick()
+    assert store.stats()["tombstones_expired"] == 20 and store.stats()["late"] == 0
+    per_write = len(looked_up) / 20
+    assert 7200 / 60 <= per_write <= 7200 / 60 + 12  # about once a minute, after a short ramp
+    assert await store.flush(timeout_s=5)
 
 
 @pytest.mark.django_db(transaction=True)

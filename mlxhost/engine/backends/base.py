@@ -203,7 +203,9 @@ class LoadedModel(Protocol):
     def open_batch(self, capacity: int) -> BatchRunner | None:
         """A batch of up to `capacity` sequences, or None when this model cannot batch.
 
-        Optional: the worker treats a model without this method as single-stream.
+        Optional: the worker treats a model without this method as single-stream. A model that
+        has it may also define `can_batch() -> bool`, asked once per load: when false, the
+        instance's lane capacity is clamped to 1 (LANE-1).
         """
         ...
 

@@ -222,9 +222,12 @@ class FakeModel:
     def recover(self) -> None:
         self._backend.recoveries += 1
 
-    def open_batch(self, capacity: int) -> FakeBatch | None:
+    def can_batch(self) -> bool:
         # One shared mutable cache cannot hold several sequences (SES-5).
-        if self.shared_cache or not self._backend.batching:
+        return not self.shared_cache and self._backend.batching
+
+    def open_batch(self, capacity: int) -> FakeBatch | None:
+        if not self.can_batch():
             return None
         return FakeBatch(self._backend, self.spec.instance_id, capacity)
 

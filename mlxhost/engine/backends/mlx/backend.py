@@ -208,11 +208,15 @@ class MlxModel:
         finally:
             responses.close()
 
+    def can_batch(self) -> bool:
+        """Whether this model's cache can merge sequences (mlx-lm's batch needs `merge`)."""
+        return self._model is not None and all(
+            hasattr(layer, "merge") for layer in make_prompt_cache(self._model)
+        )
+
     def open_batch(self, capacity: int) -> MlxBatch | None:
         """A `BatchGenerator` of `capacity` sequences; None when the cache cannot merge (no batching)."""
-        if self._model is None or not all(
-            hasattr(layer, "merge") for layer in make_prompt_cache(self._model)
-        ):
+        if self._model is None or not self.can_batch():
             return None
         return MlxBatch(self._model, self._tokenizer, capacity, vocabulary=self.vocabulary)
 
