@@ -413,3 +413,35 @@ def test_a_killed_host_leaves_the_survivor_serving_and_its_chains_continue(
             interval=0.5,
             what="host 1 to take traffic again",
         )
+
+
+def test_a_host_killed_under_the_supervisor_comes_back_while_the_other_serves(
+    fleet: Fleet, fleet_alias, api_key
+):
+    """What `make fleet` does when a host dies (`Fleet.supervise`): SIGKILL host 1; requests
+    through the proxy keep getting 200 from host 2 meanwhile, the supervisor says what happened
+    and starts host 1 again, and host 1 takes traffic once it is back; the run ends 0."""
+    both_hosts_ready(fleet)
+    lines: list[str] = []
+    stop = threading.Event()
+    codes: list[int] = []
+    supervisor = threading.Thread(target=lambda: codes.append(fleet.supervise(stop, lines.append)))
+    supervisor.start()
+    try:
+        fleet.host(1).kill()
+        with client(fleet.url, api_key) as http:
+            meanwhile = [turn(http, f"While host one is down {i}.") for i in range(6)]
+            assert [r.status_code for r in meanwhile] == [200] * 6, [r.text for r in meanwhile]
+            wait_until(lambda: "fleet: h01 is back" in lines, timeout=120, interval=0.5, what="h01 back")
+            wait_until(
+                lambda: any(home_host(turn(http, "Back?").json()["id"]) == 1 for _ in range(4)),
+                timeout=30,
+                interval=0.5,
+                what="host 1 to take traffic again",
+            )
+    finally:
+        stop.set()
+        supervisor.join(30)
+    assert codes == [0]
+    assert lines[0].startswith("fleet: h01 exited (code -9); starting it again in 1s"), lines
+    assert "fleet: h01 started again" in lines and not [line for line in lines if "h02" in line]
