@@ -7,7 +7,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from html.parser import HTMLParser
@@ -34,7 +37,8 @@ pytestmark = [
 
 WARM = ("hit", "disk")
 CLIENTS = 6  # concurrent clients of the rolling reload: each host's lane holds 4 running, 8 queued
-ARTIFACTS = Path(__file__).resolve().parents[2] / ".cache" / "artifacts"
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / ".cache" / "artifacts"
 
 
 def text_of(body: dict[str, Any]) -> str:
@@ -413,6 +417,32 @@ def test_a_killed_host_leaves_the_survivor_serving_and_its_chains_continue(
             interval=0.5,
             what="host 1 to take traffic again",
         )
+
+
+def test_the_banners_api_key_hint_mints_a_key_the_fleet_accepts_when_pasted(fleet: Fleet, fleet_alias):
+    """The banner `make fleet` prints (the bootstrap command with the fleet's environment) says
+    how to mint another key; pasted as it is into a shell that has none of that environment, it
+    mints a key the fleet accepts (before, `make api-key` wrote it into SQLite)."""
+    manage = [sys.executable, "manage.py", "mlxhost_bootstrap", "--port", fleet.url.rsplit(":", 1)[1]]
+    env = {k: v for k, v in fleet.host(1).env.items() if k != "MLXHOST_BOOTSTRAP_API_KEY"}
+    banners = [
+        subprocess.run(manage, cwd=ROOT, env=env, capture_output=True, text=True, check=True) for _ in "12"
+    ]
+    hint = re.search(r"mint another: (.+)\)$", banners[1].stdout, re.MULTILINE)
+    assert hint is not None, banners[1].stdout
+    # A shell with nothing of the fleet's environment; make is told the venv is installed (so
+    # `make install` does not run pip here), the only difference from a paste.
+    shell = {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/root"),
+        "MAKEFLAGS": "-o .venv/.installed",
+    }
+    pasted = subprocess.run(["bash", "-c", hint[1]], cwd=ROOT, env=shell, capture_output=True, text=True)
+    assert pasted.returncode == 0, pasted.stdout + pasted.stderr
+    key = re.search(r"API key:\s+(mlxh_\S+)", pasted.stdout)
+    assert key is not None, pasted.stdout
+    models = httpx.get(f"{fleet.url}/v1/models", headers={"Authorization": f"Bearer {key[1]}"}, timeout=30)
+    assert models.status_code == 200, models.text
 
 
 def test_a_host_killed_under_the_supervisor_comes_back_while_the_other_serves(
