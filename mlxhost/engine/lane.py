@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import deque
@@ -253,8 +254,12 @@ class Lane:
         return True
 
     @asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
+    async def exclusive(self, *, abort_after: float | None = None) -> AsyncIterator[None]:
         """Run the block as a writer (LANE-4): alone in the lane, after every earlier waiter.
+
+        Requests arriving meanwhile queue behind the writer and run after it. With `abort_after`
+        (an in-place reload), a writer still waiting after that many seconds moves to the head of
+        the queue and aborts what runs (LANE-7's drain timeout); nothing waiting is refused.
 
         Raises:
             DrainingError: the lane is draining, or starts draining while the writer waits.
@@ -265,6 +270,14 @@ class Lane:
         self._queue.append(writer)
         self._pump()
         try:
+            if abort_after is not None and not writer.admitted.done():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(writer.admitted), abort_after)
+                if writer.state == "queued":
+                    self._queue.remove(writer)
+                    self._queue.appendleft(writer)
+                    self._abort_active()
+                    self._pump()
             await writer.admitted
         except BaseException:
             self._abandon(writer)

@@ -14,7 +14,7 @@ from mlxhost.engine.errors import (
     RequestCancelledError,
 )
 from mlxhost.engine.lane import Lane, Ticket, TicketHooks
-from tests.support import FakeClock
+from tests.support import FakeClock, eventually
 
 
 def within_budget(lane: Lane) -> bool:
@@ -436,3 +436,32 @@ async def test_configure_raising_capacity_admits_waiters():
     assert [t.state for t in waiters] == ["active", "active", "queued"]
     assert waiters[2].position == 1
     assert lane.probe().limit == 7
+
+
+async def test_a_writer_past_abort_after_goes_first_and_aborts_what_runs():
+    """LANE-4, LANE-7: a writer with `abort_after` still waiting at that time moves ahead of the
+    readers queued before it and aborts the running one; the readers wait for it, none refused."""
+    lane = Lane(capacity=1, queue_depth=4)
+    order: list[str] = []
+    aborts: list[str] = []
+    running = admit(lane, "running", order, on_abort=lambda: aborts.append("running"))
+    early = admit(lane, "early", order)
+    release = asyncio.Event()
+
+    async def writer() -> None:
+        async with lane.exclusive(abort_after=0.01):
+            order.append("writer")
+            await release.wait()
+
+    task = asyncio.create_task(writer())
+    await eventually(lambda: aborts, what="the writer to abort the running reader")
+    late = admit(lane, "late", order)
+    assert (early.state, late.state, lane.probe().draining) == ("queued", "queued", False)
+    lane.release(running)
+    await settle()
+    assert order[-1] == "writer" and early.state == "queued"
+    release.set()
+    await task
+    lane.release(early)
+    assert order == ["running", "writer", "early", "late"]
+    assert aborts == ["running"]

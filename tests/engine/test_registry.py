@@ -272,3 +272,42 @@ async def test_a_reload_of_the_same_weights_drains_and_loads_them_in_place(engin
     assert await engine.reload(["a"], X) == instance.instance_id
     assert backend.loads == [1, 1]
     assert engine.resolve("a") == instance.instance_id and instance.state == "ready"
+
+
+async def test_a_reload_of_the_same_weights_keeps_arrivals_waiting_in_the_lane(engine, backend):
+    """LANE-4, OPS-4: an in-place reload is a writer: it waits for the running request, requests
+    arriving meanwhile (before and during the load) queue behind it instead of being refused as
+    draining, and they all run on the new load."""
+    await engine.serve(["a"], X)
+    backend.gated = True
+    running = await engine.submit(request("running", binding="a", spec_=X, max_tokens=3))
+    stream = await started(running)
+    reload = asyncio.create_task(engine.reload(["a"], X))
+    await until(lambda: lane_of(engine)["writers"] == 1, what="the reload to wait as a writer")
+    arrival = await engine.submit(request("arrival", binding="a", spec_=X, max_tokens=2))
+    assert (lane_of(engine)["queued"], lane_of(engine)["draining"]) == (1, False)
+    ungate(backend)
+    events = [event async for event in stream]
+    assert events[-1].finish_reason == "length"  # finished, not aborted
+    await asyncio.wait_for(reload, 5)
+    assert backend.loads == [1, 1]
+    assert (await collect(arrival))[-1].finish_reason == "length"
+
+
+async def test_an_in_place_reload_aborts_what_outlives_the_drain_timeout(make_engine, backend):
+    """LANE-7, OPS-4: a running stream that outlives the drain timeout is aborted (its Done says
+    so); the request waiting behind the reload is still served, after it."""
+    engine = make_engine(drain_timeout_s=0.05)
+    await engine.serve(["a"], X)
+    backend.gated = True
+    running = await engine.submit(request("long", binding="a", spec_=X, max_tokens=100_000))
+    stream = await started(running)
+    waiting = await engine.submit(request("waiting", binding="a", spec_=X, max_tokens=2))
+    reload = asyncio.create_task(engine.reload(["a"], X))
+    await until(lambda: running.stop_flag.is_set(), what="the drain timeout to abort the stream")
+    ungate(backend)
+    events = [event async for event in stream]
+    assert isinstance(events[-1], Done) and events[-1].finish_reason == "aborted"
+    await asyncio.wait_for(reload, 5)
+    assert (await collect(waiting))[-1].finish_reason == "length"
+    assert backend.loads == [1, 1]

@@ -171,6 +171,37 @@ def test_bootstrap_command_prints_login_and_key_once(capsys, monkeypatch):
     assert ApiKey.objects.count() == 1
 
 
+@pytest.mark.parametrize(
+    ("url", "prefix"),
+    [
+        (None, ""),
+        (
+            "postgres://postgres@127.0.0.1:5432/mlxhost_fleet",
+            "DATABASE_URL=postgres://postgres@127.0.0.1:5432/mlxhost_fleet ",
+        ),
+        ("postgres://ops:s3cret@db:5432/mlxhost", 'DATABASE_URL="$DATABASE_URL" '),
+    ],
+    ids=["sqlite", "fleet-default", "with-password"],
+)
+def test_bootstrap_hints_name_the_database_they_ran_on(capsys, monkeypatch, url, prefix):
+    """Issue 25: the banner's `make api-key` and `changepassword` hints reach the database this
+    run used when pasted (the fleet's PostgreSQL, not the default SQLite); a password in the URL
+    is referred to, never printed; a port other than 8000 is passed on."""
+    monkeypatch.delenv("MLXHOST_BOOTSTRAP_API_KEY", raising=False)
+    monkeypatch.delenv("DJANGO_SUPERUSER_PASSWORD", raising=False)
+    if url is None:
+        monkeypatch.delenv("DATABASE_URL", raising=False)
+    else:
+        monkeypatch.setenv("DATABASE_URL", url)
+    call_command("mlxhost_bootstrap", port="9000")
+    capsys.readouterr()
+    call_command("mlxhost_bootstrap", port="9000")
+    out = capsys.readouterr().out
+    assert f"mint another: {prefix}make api-key PORT=9000)" in out
+    assert f"reset: {prefix}.venv/bin/python manage.py changepassword admin)" in out
+    assert "s3cret" not in out
+
+
 def test_bootstrap_honours_environment(monkeypatch, capsys, django_user_model):
     monkeypatch.setenv("MLXHOST_BOOTSTRAP_API_KEY", "ci-key-0123456789abcdef")
     monkeypatch.setenv("DJANGO_SUPERUSER_USERNAME", "ops")
