@@ -46,7 +46,7 @@ def test_a_new_key_is_shown_once_with_copy_buttons_and_snippets(admin_client, ad
     [raw] = set(RAW_KEY.findall(page))
     assert raw.startswith(key.prefix) and key.secret_hash not in page
     assert 'data-copy="mlxhost-secret"' in page
-    for snippet in ("curl", "openai", "anthropic", "env"):
+    for snippet in ("tiny-curl", "tiny-openai", "tiny-anthropic", "env"):
         assert f'data-copy="snippet-{snippet}"' in page
     base = "http://testserver"
     for expected in (
@@ -68,6 +68,41 @@ def test_a_new_key_is_shown_once_with_copy_buttons_and_snippets(admin_client, ad
     assert "shown once" in again
     for url in (KEYS, f"{KEYS}{key.pk}/change/"):
         assert raw not in admin_client.get(url).content.decode()
+
+
+def test_the_snippets_name_a_chat_alias_first_and_embeddings_their_endpoint(
+    admin_client, admin_user, tiny_alias, minilm_alias
+):
+    """KEY-1: with an embedding alias that sorts first (minilm < tiny), the snippets shown first
+    name the chat alias; a picker offers both, and the embedding alias's call /v1/embeddings."""
+    _, created = create_key(admin_client, admin_user)
+    page = admin_client.get(created).content.decode()
+    groups = re.findall(r'<div class="mlxhost-snippet-group" data-alias="([^"]+)"( hidden)?>', page)
+    assert groups == [("tiny", ""), ("minilm", " hidden")]
+    assert '<option value="tiny">tiny</option><option value="minilm">minilm (embedding)</option>' in page
+    minilm = page[page.index('data-alias="minilm"') :]
+    assert "/v1/embeddings" in minilm and "/v1/chat/completions" not in minilm
+    assert 'id="snippet-minilm-anthropic"' not in page  # Anthropic's API has no embeddings
+    tiny = page[page.index('data-alias="tiny"') : page.index('data-alias="minilm"')]
+    assert "/v1/chat/completions" in tiny and "/v1/embeddings" not in tiny
+
+
+def test_the_owner_of_a_new_key_starts_on_the_signed_in_user(admin_client, admin_user, user):
+    page = admin_client.get(f"{KEYS}add/").content.decode()
+    assert f'<option value="{admin_user.pk}" selected>' in page
+    assert f'<option value="{user.pk}" selected>' not in page
+
+
+def test_embedding_snippets_call_the_embeddings_endpoint():
+    snippets = {
+        s.id: s.text
+        for s in key_snippets(base_url="https://llm.example/", raw_key="K", model="e", embedding=True)
+    }
+    assert list(snippets) == ["curl", "openai", "env"]
+    assert snippets["curl"].splitlines()[0] == "curl https://llm.example/v1/embeddings \\"
+    assert json.loads(snippets["curl"].split("-d '")[1].rstrip("'")) == {"model": "e", "input": ["Hello"]}
+    compile(snippets["openai"], "openai", "exec")
+    assert 'client.embeddings.create(model="e"' in snippets["openai"]
 
 
 def test_snippets_name_the_server_and_the_key():
