@@ -266,20 +266,42 @@ class ApiKeyAdmin(_ApiKeyAdminBase):
     # Revoking -------------------------------------------------------------------------------------
 
     @admin.action(description="Revoke selected keys", permissions=["change"])
-    def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
-        self._revoke(request, list(queryset.filter(revoked_at__isnull=True)))
+    def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> TemplateResponse | None:
+        """Asks first, on a page naming the keys (as Django's delete does); revokes on its POST."""
+        keys = list(queryset.filter(revoked_at__isnull=True))
+        if keys and request.POST.get("confirmed") != "1":
+            return self._revoke_confirm(request, keys, action_url=reverse("admin:models_app_apikey_changelist"))
+        self._revoke(request, keys)
+        return None
 
     def revoke_view(self, request: HttpRequest, object_id: str) -> HttpResponseRedirect | HttpResponse:
-        """POST only: revoke this key (the change page's button)."""
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
+        """GET (or a POST without `confirmed`) asks first; a confirmed POST revokes this key."""
+        if request.method not in ("GET", "POST"):
+            return HttpResponseNotAllowed(["GET", "POST"])
         key = self.get_object(request, unquote(object_id))
         if key is None:
             raise Http404("No such API key.")
         if not self.has_change_permission(request, key):
             raise PermissionDenied
+        change_url = reverse("admin:models_app_apikey_change", args=(quote(key.pk),))
+        if key.revoked_at is None and (request.method == "GET" or request.POST.get("confirmed") != "1"):
+            return self._revoke_confirm(request, [key], action_url=request.path, cancel_url=change_url)
         self._revoke(request, [key] if key.revoked_at is None else [])
-        return redirect(reverse("admin:models_app_apikey_change", args=(quote(key.pk),)))
+        return redirect(change_url)
+
+    def _revoke_confirm(
+        self, request: HttpRequest, keys: list[ApiKey], *, action_url: str, cancel_url: str = ""
+    ) -> TemplateResponse:
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": "Revoke this key?" if len(keys) == 1 else f"Revoke these {len(keys)} keys?",
+            "keys": keys,
+            "action_url": action_url,
+            "from_list": not cancel_url,
+            "cancel_url": cancel_url or reverse("admin:models_app_apikey_changelist"),
+        }
+        return TemplateResponse(request, "admin/models_app/apikey/revoke_confirm.html", context)
 
     def _revoke(self, request: HttpRequest, keys: list[ApiKey]) -> None:
         if not keys:

@@ -95,6 +95,9 @@ def revoke_from_the_list(page, name: str) -> None:
     row.locator("input.action-select").check()
     page.select_option("select[name=action]", "revoke")
     page.click("#changelist-form button[name=index]")
+    page.locator("h1", has_text="Revoke this key?").wait_for()  # it asks first
+    page.screenshot(path=str(ARTIFACTS / f"keys-revoke-confirm-{page.viewport_size['width']}.png"))
+    page.click("#confirm-revoke")
     page.locator(".messagelist .success", has_text=f"Revoked {name} (").wait_for()
     row.locator(".mlxhost-badge-revoked", has_text="revoked").wait_for()
 

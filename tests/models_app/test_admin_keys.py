@@ -120,21 +120,33 @@ def test_snippets_name_the_server_and_the_key():
     ]
 
 
-def test_revoking_says_so_and_the_list_shows_a_badge(admin_client, user):
-    """KEY-1: the list's action and the key page's button revoke, say so in a success message,
-    and the list marks the key "revoked"; a revoked key's page offers no button."""
+def test_revoking_asks_first_then_says_so_and_the_list_shows_a_badge(admin_client, user):
+    """KEY-1: the list's action and the key page's button ask first (a page naming the key; nothing
+    revoked yet), then revoke, say so in a success message, and the list marks the key "revoked";
+    a revoked key's page offers no button."""
     first, _ = services.apikey_create(owner=user, name="first")
     second, _ = services.apikey_create(owner=user, name="second")
-    response = admin_client.post(KEYS, {"action": "revoke", "_selected_action": [first.pk]}, follow=True)
+    asked = admin_client.post(KEYS, {"action": "revoke", "_selected_action": [first.pk]})
+    page = asked.content.decode()
+    assert asked.status_code == 200 and "Revoke this key?" in page and f"{first.prefix}…" in page
+    assert 'name="confirmed" value="1"' in page and 'name="action" value="revoke"' in page
+    assert not ApiKey.objects.filter(revoked_at__isnull=False).exists()
+    response = admin_client.post(
+        KEYS, {"action": "revoke", "_selected_action": [first.pk], "confirmed": "1"}, follow=True
+    )
     page = response.content.decode()
     assert "Revoked first (" in page and "now get 401" in page
     assert 'class="messagelist"' in page and 'class="success"' in page
     assert page.count("mlxhost-badge-revoked") == 1 and page.count("mlxhost-badge-active") == 1
 
     change = f"{KEYS}{second.pk}/change/"
-    assert f'action="{KEYS}{second.pk}/revoke/"' in admin_client.get(change).content.decode()
-    assert admin_client.get(f"{KEYS}{second.pk}/revoke/").status_code == 405
-    response = admin_client.post(f"{KEYS}{second.pk}/revoke/", follow=True)
+    assert f'href="{KEYS}{second.pk}/revoke/"' in admin_client.get(change).content.decode()
+    for unconfirmed in (admin_client.get, admin_client.post):
+        asked = unconfirmed(f"{KEYS}{second.pk}/revoke/")
+        assert asked.status_code == 200 and "Revoke this key?" in asked.content.decode()
+        assert f'href="{change}"' in asked.content.decode()  # "No, keep it" goes back
+    assert ApiKey.objects.filter(revoked_at__isnull=False).count() == 1
+    response = admin_client.post(f"{KEYS}{second.pk}/revoke/", {"confirmed": "1"}, follow=True)
     page = response.content.decode()
     assert "Revoked second (" in page and "mlxhost-badge-revoked" in page
     assert "/revoke/" not in page
