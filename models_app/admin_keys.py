@@ -270,7 +270,9 @@ class ApiKeyAdmin(_ApiKeyAdminBase):
         """Asks first, on a page naming the keys (as Django's delete does); revokes on its POST."""
         keys = list(queryset.filter(revoked_at__isnull=True))
         if keys and request.POST.get("confirmed") != "1":
-            return self._revoke_confirm(request, keys, action_url=reverse("admin:models_app_apikey_changelist"))
+            return self._revoke_confirm(
+                request, keys, action_url=reverse("admin:models_app_apikey_changelist")
+            )
         self._revoke(request, keys)
         return None
 
