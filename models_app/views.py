@@ -28,6 +28,7 @@ View = Callable[..., "HttpResponse"]
 CHANGE_MODEL = "models_app.change_model"
 ACTION_LABELS = {"load": "Load", "unload": "Unload\u2026", "reload": "Reload"}
 ACTION_REQUESTED = "{action} requested for {model}."
+SESSION_ENDED = "Your session has ended: log in again to act."
 
 
 def staff_only(view: View) -> View:
@@ -39,6 +40,9 @@ def staff_only(view: View) -> View:
     def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         if request.user.is_authenticated and not request.user.is_staff:
             raise PermissionDenied
+        if not request.user.is_authenticated and "application/json" in request.headers.get("Accept", ""):
+            # A page's script, left open after a logout: a login page's HTML would read as success.
+            return JsonResponse({"message": SESSION_ENDED, "code": "session_ended"}, status=401)
         return guarded(request, *args, **kwargs)
 
     return wrapper

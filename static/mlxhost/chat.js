@@ -58,8 +58,9 @@
         self.lib.showState(stateNode, name, text);
         self.buttons();
       },
-      onClose: function () {
-        if (self.current) self.fail(self.current, "The connection dropped; the server cancelled this reply.");
+      onClose: function (event) {
+        var why = event.code === 4401 ? "Your session ended; the server stopped this reply." : "The connection dropped; the server cancelled this reply.";
+        if (self.current) self.fail(self.current, why);
       },
     });
     this.form.addEventListener("submit", function (event) {
@@ -420,6 +421,13 @@
   Chat.prototype.buttons = function () {
     var running = this.current !== null;
     var last = this.turns[this.turns.length - 1];
+    if (this.lib.sessionEnded()) {
+      this.lib.disableControls();
+      this.turns.forEach(function (turn) {
+        turn.regen.hidden = true;
+      });
+      return;
+    }
     this.send.disabled = running || !this.socket.isOpen() || !this.model.value;
     this.stop.disabled = !running || Boolean(this.current && this.current.cancelling);
     this.reset.disabled = running;

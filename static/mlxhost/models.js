@@ -19,6 +19,13 @@
     });
   }
 
+  function SessionEnded() {}
+
+  // A fetch that followed a redirect to the login page: the session is gone.
+  function isLoginPage(response) {
+    return response.redirected && /\/login\/?$/.test(new URL(response.url).pathname);
+  }
+
   function ModelsPage(root) {
     this.root = root;
     this.body = document.getElementById("models-body");
@@ -160,7 +167,7 @@
     var hits = live.resident && view.cache_hit_rate != null ? Math.round(view.cache_hit_rate * 100) + "%" : DASH;
     setText(tr, ".hits", hits);
     tr.querySelectorAll("form.model-action button[name=action]").forEach(function (button) {
-      button.disabled = live.allowed.indexOf(button.value) === -1;
+      button.disabled = window.mlxhost.sessionEnded() || live.allowed.indexOf(button.value) === -1;
     });
     tr.dataset.serving = JSON.stringify(this.serving(model, view));
   };
@@ -182,6 +189,10 @@
       var age = Math.max(0, Math.round((now - entry.seen) / 1000));
       parts.push(entry.status.host + " pid " + entry.status.pid + " (updated " + age + " s ago)");
     });
+    if (window.mlxhost.sessionEnded()) {
+      this.summary.textContent = "Not live: the session ended, and actions are off until you log in again.";
+      return;
+    }
     this.summary.textContent = parts.length
       ? parts.length + (parts.length === 1 ? " engine: " : " engines: ") + parts.join("; ")
       : "no engine has reported in the last 15 s: actions are off until one does";
@@ -192,7 +203,7 @@
   ModelsPage.prototype.ask = function (form) {
     var self = this;
     var button = form.querySelector("button[name=action]");
-    if (!button || button.disabled) return;
+    if (!button || button.disabled || window.mlxhost.sessionEnded()) return;
     var tr = form.closest("tr");
     if (button.value !== "unload") {
       this.send(form, tr, false);
@@ -239,12 +250,21 @@
             return {};
           })
           .then(function (data) {
+            // 401: the session ended (the server answers a script so, not with the login page).
+            if (response.status === 401 || isLoginPage(response)) throw new SessionEnded();
             if (!response.ok) throw new Error(data.message || response.status + " " + response.statusText);
+            if (!data.message) throw new Error("the server's answer did not say (" + response.status + ")");
             self.say(data.message + " The row follows it live.", "ok");
           });
       })
       .catch(function (error) {
         self.pending.delete(tr.dataset.model);
+        if (error instanceof SessionEnded) {
+          window.mlxhost.endSession();
+          self.say("Nothing was sent: your session has ended. Log in again, then retry.", "error");
+          self.render();
+          return;
+        }
         self.say("Could not request " + action + " of " + tr.dataset.model + ": " + error.message, "error");
         self.render();
       });
