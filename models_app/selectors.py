@@ -55,6 +55,11 @@ def aliases_enabled() -> QuerySet[ModelAlias]:
     )
 
 
+def aliases_for_chat() -> QuerySet[ModelAlias]:
+    """The enabled aliases of chat models, by name: what the chat page offers (ADM-4)."""
+    return aliases_enabled().filter(model__kind=Model.Kind.CHAT).order_by("name")
+
+
 def models_with_aliases() -> QuerySet[Model]:
     """Every model, by name, with its instance and its aliases (the Models page, ADM-7)."""
     return Model.objects.select_related("instance").prefetch_related("aliases").order_by("name")

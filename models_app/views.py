@@ -249,7 +249,7 @@ def chat(request: HttpRequest) -> HttpResponse:
         **admin.site.each_context(request),
         "title": "Chat",
         "is_nav_sidebar_enabled": False,
-        "aliases": list(selectors.aliases_enabled()),
+        "aliases": list(selectors.aliases_for_chat()),
         "history": history,
         "missing_id": public_id if public_id and history is None else "",
         "recent": transcripts.conversations_recent(owner_id=owner_id),
@@ -259,6 +259,22 @@ def chat(request: HttpRequest) -> HttpResponse:
     response["Content-Security-Policy"] = content_security_policy(request)
     response["Referrer-Policy"] = "same-origin"
     return response
+
+
+@require_safe
+@staff_only
+def chat_aliases(request: HttpRequest) -> HttpResponse:
+    """The chat page's model list, as JSON: it re-reads it to stay live (ADM-4)."""
+    aliases = [
+        {
+            "name": alias.name,
+            "temperature": alias.temperature,
+            "top_p": alias.top_p,
+            "max_output_tokens": alias.max_tokens,
+        }
+        for alias in selectors.aliases_for_chat()
+    ]
+    return JsonResponse({"aliases": aliases})
 
 
 def load_percent(progress: dict[str, Any]) -> int:

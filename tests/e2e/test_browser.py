@@ -316,9 +316,8 @@ def test_the_chat_page_shows_error_frames(daphne_server, tiny_alias, staff_user,
     failed = page.locator(f'{TURN}[data-status="failed"]')
     failed.wait_for()
     error = failed.locator(".chat-status").inner_text()
-    assert "429 rate_limit_error (queue_full)" in error
-    assert "The queue is full." in error
-    assert "Retry after 3 s." in error
+    assert error == "The model is busy: its queue is full. Try again in 3 s."
+    assert failed.locator(".chat-error-code").inner_text() == "429 \u00b7 queue_full"
     assert page.locator(TURN).count() == 1
     assert page.input_value("#chat-input") == "Hello"  # given back, to send again
     assert page.is_enabled("#chat-send") and page.is_disabled("#chat-stop")
