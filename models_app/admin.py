@@ -55,15 +55,20 @@ def live_state_html(live: selectors.AliasLiveState) -> SafeString:
     badge = format_html('<span class="mlxhost-state mlxhost-state-{}">{}</span>', live.state, live.label)
     if live.state == "loading":
         percent = live.progress_percent
-        if percent is None:  # size unknown yet (a download starting): an indeterminate bar
-            return format_html('{} <progress class="mlxhost-progress"></progress>', badge)
+        if percent is None:  # nothing to count (starting, checking, building): an indeterminate bar
+            return format_html(
+                '{} <progress class="mlxhost-progress"></progress> {}',
+                badge,
+                live.progress_words or "starting",
+            )
         return format_html(
-            '{} <progress class="mlxhost-progress" value="{}" max="100" title="{} of {}">{}%</progress> {}%',
+            '{} <progress class="mlxhost-progress" value="{}" max="100" title="{} of {}">{}%</progress> {}: {}%',
             badge,
             percent,
             live.progress_done,
             live.progress_total,
             percent,
+            live.progress_words or "loading",
             percent,
         )
     if live.state == "error":

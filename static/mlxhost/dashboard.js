@@ -49,17 +49,29 @@
     return String(text).toLowerCase().replace(/[^a-z0-9]+/g, "-").replace(/^-+|-+$/g, "");
   }
 
-  // Load progress (OPS-4): bytes read, or files fetched while a hub download runs. The status
-  // carries no unit yet, so the text is a percentage unless `unit` says which.
+  // Load progress (OPS-4), phase by phase as the engine reports them: checking the weights,
+  // downloading (files), reading (bytes), building the model in memory. Only the phases that count
+  // show a percentage; the others an indeterminate bar, never "100 %" while the build runs.
+  var LOAD_PHASES = {
+    starting: "starting",
+    verify: "checking the weights",
+    download: "downloading",
+    read: "reading the weights",
+    build: "building the model in memory",
+  };
+  var COUNTED = { download: true, read: true };
+
   function loadProgress(progress) {
-    if (!progress.total) {
-      return el("div", { className: "load" }, [el("progress", {}), el("span", { className: "quiet", text: "starting\u2026" })]);
+    var phase = progress.phase || (progress.total ? (progress.unit === "files" ? "download" : "read") : "starting");
+    var words = LOAD_PHASES[phase] || phase;
+    if (!COUNTED[phase] || !progress.total) {
+      return el("div", { className: "load", "data-phase": phase }, [el("progress", {}), el("span", { className: "quiet", text: words + "\u2026" })]);
     }
     var percent = Math.max(0, Math.min(100, Math.round((100 * progress.done) / progress.total)));
-    var detail = percent + "%";
+    var detail = words + ": " + percent + "%";
     if (progress.unit === "bytes") detail += " (" + formatBytes(progress.done) + " of " + formatBytes(progress.total) + ")";
     else if (progress.unit === "files") detail += " (" + progress.done + " of " + progress.total + " files)";
-    return el("div", { className: "load" }, [
+    return el("div", { className: "load", "data-phase": phase }, [
       el("progress", { max: String(progress.total), value: String(progress.done), title: progress.done + " of " + progress.total }),
       el("span", { className: "quiet", text: detail }),
     ]);
@@ -363,7 +375,7 @@
           ? null
           : el("div", { className: "quiet", text: "disk: " + view.disk_entries + " \u00b7 " + formatBytes(view.disk_bytes) }),
       ]),
-      el("td", { className: "num memory", "data-label": "Memory", text: formatBytes(view.memory_bytes) })
+      el("td", { className: "num memory", "data-label": "Memory", text: view.state === "loading" ? DASH : formatBytes(view.memory_bytes) })
     );
   };
 

@@ -117,15 +117,20 @@
     var action = actionText(live.actions[model.name]);
     var allowed = action.state === "running" ? [] : this.page.actions_by_state[state] || [];
     var pending = this.pending.get(model.name);
+    var label = view ? view.label : labels[state] || state;
     if (pending) {
       var result = live.actions[model.name];
       var pickedUp = result && result.at > pending.since;
       if (pickedUp || Date.now() > pending.until) this.pending.delete(model.name);
-      else allowed = [];
+      else {
+        allowed = [];
+        label = pending.action + " requested\u2026"; // until an engine picks it up, not "not loaded"
+      }
     }
+    this.settleFeedback(model.name, live.actions[model.name]);
     return {
       state: state,
-      label: view ? view.label : labels[state] || state,
+      label: label,
       view: view,
       resident: view !== null && ["unloaded", "unreported"].indexOf(state) === -1,
       action: action,
@@ -255,6 +260,7 @@
             if (!response.ok) throw new Error(data.message || response.status + " " + response.statusText);
             if (!data.message) throw new Error("the server's answer did not say (" + response.status + ")");
             self.say(data.message + " The row follows it live.", "ok");
+            self.asked = { model: tr.dataset.model, action: action, since: last ? last.at : 0 };
           });
       })
       .catch(function (error) {
@@ -268,6 +274,17 @@
         self.say("Could not request " + action + " of " + tr.dataset.model + ": " + error.message, "error");
         self.render();
       });
+  };
+
+  // The "requested" line stands while the action runs; when it ends, the line says how.
+  ModelsPage.prototype.settleFeedback = function (name, result) {
+    var asked = this.asked;
+    if (!asked || asked.model !== name || !result || result.at <= asked.since) return;
+    if (result.state !== "done" && result.state !== "failed") return;
+    this.asked = null;
+    var what = asked.action.charAt(0).toUpperCase() + asked.action.slice(1) + " of " + name;
+    if (result.state === "failed") this.say(what + " failed: " + (result.error || "no reason given"), "error");
+    else this.say(what + " done.", "ok");
   };
 
   ModelsPage.prototype.say = function (text, kind) {

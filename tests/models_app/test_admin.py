@@ -470,6 +470,18 @@ LIVE_CASES = [
         id="loading-progress",
     ),
     pytest.param(
+        [_view(0, state="loading", load_progress={"done": 30, "total": 120, "phase": "read"})],
+        None,
+        "reading the weights: 25%",
+        id="loading-read-phase",
+    ),
+    pytest.param(
+        [_view(0, state="loading", load_progress={"done": 120, "total": 120, "phase": "build"})],
+        None,
+        '<progress class="mlxhost-progress"></progress> building the model in memory',
+        id="loading-build-phase",
+    ),
+    pytest.param(
         [_view(0, active=2, queued=3, capacity=4, warm_sessions=5)],
         None,
         ("2 / 3 / 4", "2 active / 3 queued (capacity 4)"),
