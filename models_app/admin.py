@@ -14,6 +14,7 @@ from django.shortcuts import redirect
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
+from django.utils.http import urlencode
 
 from models_app import admin_keys as admin_keys  # registers the API key and usage pages (KEY-1..4)
 from models_app import control, selectors, services, transcripts
@@ -59,15 +60,20 @@ def live_state_html(live: selectors.AliasLiveState) -> SafeString:
     badge = format_html('<span class="mlxhost-state mlxhost-state-{}">{}</span>', live.state, live.label)
     if live.state == "loading":
         percent = live.progress_percent
-        if percent is None:  # size unknown yet (a download starting): an indeterminate bar
-            return format_html('{} <progress class="mlxhost-progress"></progress>', badge)
+        if percent is None:  # nothing to count (starting, checking, building): an indeterminate bar
+            return format_html(
+                '{} <progress class="mlxhost-progress"></progress> {}',
+                badge,
+                live.progress_words or "starting",
+            )
         return format_html(
-            '{} <progress class="mlxhost-progress" value="{}" max="100" title="{} of {}">{}%</progress> {}%',
+            '{} <progress class="mlxhost-progress" value="{}" max="100" title="{} of {}">{}%</progress> {}: {}%',
             badge,
             percent,
             live.progress_done,
             live.progress_total,
             percent,
+            live.progress_words or "loading",
             percent,
         )
     if live.state == "error":
@@ -422,21 +428,26 @@ class ModelInstanceAdmin(_ModelInstanceAdminBase):
 
 # Stored responses ------------------------------------------------------------------------------------
 
+PREVIEW_PROMPT_CHARS = 140
+PREVIEW_ANSWER_CHARS = 280
+
+
+def _continue_url(response: StoredResponse) -> str:
+    """The chat page, reopening the conversation that ends at `response` (its owner's only)."""
+    return reverse("dashboard:chat") + "?" + urlencode({"response": response.public_id})
+
+
+def _shorten(text: str, limit: int) -> str:
+    text = text.strip()
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "\u2026"
+
 
 @admin.register(StoredResponse)
 class StoredResponseAdmin(_StoredResponseAdminBase):
     """Read-only (staff may delete), searchable, with a chain view per row."""
 
-    list_display = (
-        "public_id",
-        "alias_name",
-        "owner",
-        "status",
-        "instance_id",
-        "chain_link",
-        "created_at",
-        "expires_at",
-    )
+    # A preview of the turn, not ids only (ADM-5); the instance and expiry are on the row's page.
+    list_display = ("public_id", "preview", "alias_name", "owner", "status", "chain_link", "created_at")
     list_filter = ("status", "alias_name")
     list_select_related = ("owner",)
     # The prompt lives in JSON: `request__input` is a key transform, matched as text by icontains on
@@ -459,11 +470,42 @@ class StoredResponseAdmin(_StoredResponseAdminBase):
         ("Raw JSON", {"fields": ("request", "output", "output_text", "usage"), "classes": ("collapse",)}),
     )
 
+    class Media:
+        # The answer's preview is Markdown, rendered by the chat page's renderer (DOM nodes only,
+        # so markup in model output never runs); without script it reads as plain text.
+        css = {"all": ("mlxhost/chat.css",)}
+        js = ("mlxhost/markdown.js", "mlxhost/stored_responses.js")
+
+    @admin.display(description="prompt and answer")
+    def preview(self, obj: StoredResponse) -> SafeString:
+        prompt = _shorten(selectors.response_input_text(response=obj), PREVIEW_PROMPT_CHARS)
+        answer = _shorten(obj.output_text, PREVIEW_ANSWER_CHARS)
+        return format_html(
+            '<div class="mlxhost-preview"><p class="mlxhost-preview-prompt">{}</p>'
+            '<div class="mlxhost-preview-answer chat-md" data-markdown>{}</div></div>',
+            prompt or "(no text input)",
+            answer or "(no answer text)",
+        )
+
     @admin.display(description="chain")
     def chain_link(self, obj: StoredResponse) -> SafeString:
         url = reverse("admin:models_app_storedresponse_chain", args=(quote(obj.pk),))
         label = "follow back" if obj.previous_response_id else "root"
         return format_html('<a href="{}">{}</a>', url, label)
+
+    def get_list_display(
+        self, request: HttpRequest
+    ) -> tuple[str | Callable[[StoredResponse], str | bool], ...]:
+        # The chat page reopens only its user's own conversations (PER-6): link those.
+        viewer = request.user.pk
+
+        @admin.display(description="continue")
+        def continue_link(obj: StoredResponse) -> str:
+            if obj.owner_id != viewer:
+                return format_html('<span class="mlxhost-muted">{}</span>', "another user's")
+            return format_html('<a href="{}" class="mlxhost-continue">in chat</a>', _continue_url(obj))
+
+        return (*self.list_display, continue_link)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -498,6 +540,7 @@ class StoredResponseAdmin(_StoredResponseAdminBase):
                 transcript=transcript,
                 previous_url=self._change_url(transcript.previous),
                 next_links=[(row.public_id, self._change_url(row)) for row in transcript.next],
+                continue_url=_continue_url(obj) if obj.owner_id == request.user.pk else "",
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 
@@ -536,6 +579,7 @@ class StoredResponseAdmin(_StoredResponseAdminBase):
             "original": response,
             "chain": chain,
             "turns": turns,
+            "is_nav_sidebar_enabled": False,  # the turns' text needs the width (ADM-9)
         }
         return TemplateResponse(request, "admin/models_app/storedresponse/chain.html", context)
 

@@ -21,8 +21,8 @@ from django.utils.timesince import timesince
 
 from models_app import selectors, services, usage
 from models_app.forms import API_KEY_CREATE_FIELDS, ApiKeyChangeForm, ApiKeyCreateForm
-from models_app.models import ApiKey, UsageDay
-from models_app.snippets import key_snippets
+from models_app.models import ApiKey, Model, UsageDay
+from models_app.snippets import MODEL_PLACEHOLDER, env_snippet, key_snippets
 
 if TYPE_CHECKING:
     from django import forms
@@ -91,6 +91,26 @@ def usage_context(rows: QuerySet[UsageDay], chart_id: str) -> dict[str, Any]:
         "usage_chart": usage.usage_chart_data(days=days),
         "usage_chart_id": chart_id,
     }
+
+
+def snippet_context(base_url: str, raw_key: str) -> dict[str, Any]:
+    """The snippets for each enabled alias, chat aliases first (the first one is shown), with the
+    picker's choices; the agent CLIs' environment names no model, so it stands apart (KEY-1)."""
+    aliases = sorted(
+        selectors.aliases_enabled(), key=lambda alias: (alias.model.kind != Model.Kind.CHAT, alias.name)
+    )
+    named = [(alias.name, alias.model.kind == Model.Kind.EMBEDDING) for alias in aliases]
+    groups = [
+        {
+            "alias": name,
+            "label": f"{name} (embedding)" if embedding else name,
+            "snippets": key_snippets(base_url=base_url, raw_key=raw_key, model=name, embedding=embedding)[
+                :-1
+            ],
+        }
+        for name, embedding in named or [(MODEL_PLACEHOLDER, False)]
+    ]
+    return {"snippet_groups": groups, "env_snippet": env_snippet(base_url=base_url, raw_key=raw_key)}
 
 
 class KeyStatusFilter(admin.SimpleListFilter):
@@ -227,40 +247,63 @@ class ApiKeyAdmin(_ApiKeyAdminBase):
         if not self.has_view_permission(request, key):
             raise PermissionDenied
         raw = request.session.pop(NEW_KEY_SESSION.format(pk=key.pk), None)
-        alias = selectors.aliases_enabled().order_by("name").first()
-        snippets = []
-        if raw:
-            base_url = request.build_absolute_uri("/")
-            snippets = key_snippets(base_url=base_url, raw_key=raw, model=alias.name if alias else None)
         context = {
             **self.admin_site.each_context(request),
             "opts": self.opts,
             "original": key,
             "title": f"API key {key.name} created" if raw else f"API key {key.name}",
             "raw_key": raw,
-            "snippets": snippets,
+            **(snippet_context(request.build_absolute_uri("/"), raw) if raw else {}),
             "change_url": reverse("admin:models_app_apikey_change", args=(quote(key.pk),)),
             "list_url": reverse("admin:models_app_apikey_changelist"),
         }
         return TemplateResponse(request, "admin/models_app/apikey/created.html", context)
 
+    def get_changeform_initial_data(self, request: HttpRequest) -> dict[str, Any]:
+        # A new key is most often the signed-in staff member's own.
+        return {"owner": request.user.pk, **super().get_changeform_initial_data(request)}
+
     # Revoking -------------------------------------------------------------------------------------
 
     @admin.action(description="Revoke selected keys", permissions=["change"])
-    def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
-        self._revoke(request, list(queryset.filter(revoked_at__isnull=True)))
+    def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> TemplateResponse | None:
+        """Asks first, on a page naming the keys (as Django's delete does); revokes on its POST."""
+        keys = list(queryset.filter(revoked_at__isnull=True))
+        if keys and request.POST.get("confirmed") != "1":
+            return self._revoke_confirm(
+                request, keys, action_url=reverse("admin:models_app_apikey_changelist")
+            )
+        self._revoke(request, keys)
+        return None
 
     def revoke_view(self, request: HttpRequest, object_id: str) -> HttpResponseRedirect | HttpResponse:
-        """POST only: revoke this key (the change page's button)."""
-        if request.method != "POST":
-            return HttpResponseNotAllowed(["POST"])
+        """GET (or a POST without `confirmed`) asks first; a confirmed POST revokes this key."""
+        if request.method not in ("GET", "POST"):
+            return HttpResponseNotAllowed(["GET", "POST"])
         key = self.get_object(request, unquote(object_id))
         if key is None:
             raise Http404("No such API key.")
         if not self.has_change_permission(request, key):
             raise PermissionDenied
+        change_url = reverse("admin:models_app_apikey_change", args=(quote(key.pk),))
+        if key.revoked_at is None and (request.method == "GET" or request.POST.get("confirmed") != "1"):
+            return self._revoke_confirm(request, [key], action_url=request.path, cancel_url=change_url)
         self._revoke(request, [key] if key.revoked_at is None else [])
-        return redirect(reverse("admin:models_app_apikey_change", args=(quote(key.pk),)))
+        return redirect(change_url)
+
+    def _revoke_confirm(
+        self, request: HttpRequest, keys: list[ApiKey], *, action_url: str, cancel_url: str = ""
+    ) -> TemplateResponse:
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": "Revoke this key?" if len(keys) == 1 else f"Revoke these {len(keys)} keys?",
+            "keys": keys,
+            "action_url": action_url,
+            "from_list": not cancel_url,
+            "cancel_url": cancel_url or reverse("admin:models_app_apikey_changelist"),
+        }
+        return TemplateResponse(request, "admin/models_app/apikey/revoke_confirm.html", context)
 
     def _revoke(self, request: HttpRequest, keys: list[ApiKey]) -> None:
         if not keys:

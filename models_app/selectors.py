@@ -55,6 +55,11 @@ def aliases_enabled() -> QuerySet[ModelAlias]:
     )
 
 
+def aliases_for_chat() -> QuerySet[ModelAlias]:
+    """The enabled aliases of chat models, by name: what the chat page offers (ADM-4)."""
+    return aliases_enabled().filter(model__kind=Model.Kind.CHAT).order_by("name")
+
+
 def models_with_aliases() -> QuerySet[Model]:
     """Every model, by name, with its instance and its aliases (the Models page, ADM-7)."""
     return Model.objects.select_related("instance").prefetch_related("aliases").order_by("name")
@@ -236,6 +241,7 @@ class AliasLiveState:
     disk_hit_rate: float | None = None
     progress_done: int = 0
     progress_total: int = 0
+    progress_phase: str = ""
     last_action: str = ""  # "reload failed: <reason>", "load done", "unload running"
     last_action_state: str = ""  # waiting (its turn in a rolling reload) | running | done | failed
     memory_bytes: int = 0
@@ -269,10 +275,26 @@ class AliasLiveState:
         return control.ACTIONS_BY_STATE.get(self.state, ())
 
     @property
+    def progress_words(self) -> str:
+        """The load's phase in words (OPS-4); the percent belongs to the phases that count."""
+        return LOAD_PHASE_WORDS.get(self.progress_phase, "")
+
+    @property
     def progress_percent(self) -> int | None:
-        if self.progress_total <= 0:
+        if self.progress_total <= 0 or self.progress_phase in UNCOUNTED_PHASES:
             return None
         return max(0, min(100, round(100 * self.progress_done / self.progress_total)))
+
+
+# A load's phases (mlxhost.engine.instance.LoadProgress), as the admin and the pages' scripts say them.
+LOAD_PHASE_WORDS = {
+    "starting": "starting",
+    "verify": "checking the weights",
+    "download": "downloading",
+    "read": "reading the weights",
+    "build": "building the model in memory",
+}
+UNCOUNTED_PHASES = frozenset({"starting", "verify", "build"})
 
 
 def live_views() -> tuple[dict[int, dict[str, Any]] | None, dict[str, dict[str, Any]]]:
@@ -329,6 +351,7 @@ def model_live_state(
         disk_hit_rate=view.get("disk_hit_rate"),
         progress_done=int(progress.get("done") or 0),
         progress_total=int(progress.get("total") or 0),
+        progress_phase=str(progress.get("phase") or ""),
         last_action=action,
         last_action_state=action_state,
         memory_bytes=int(view.get("memory_bytes") or 0),

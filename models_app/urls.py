@@ -11,6 +11,7 @@ app_name = "dashboard"
 urlpatterns = [
     path("", views.dashboard, name="index"),
     path("chat/", views.chat, name="chat"),
+    path("chat/aliases/", views.chat_aliases, name="chat-aliases"),
     path("models/", views.models_page, name="models"),
     path("models/<int:pk>/<str:action>/", views.model_action, name="model-action"),
 ]

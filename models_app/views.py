@@ -29,6 +29,7 @@ View = Callable[..., "HttpResponse"]
 CHANGE_MODEL = "models_app.change_model"
 ACTION_LABELS = {"load": "Load", "unload": "Unload\u2026", "reload": "Reload"}
 ACTION_REQUESTED = "{action} requested for {model}."
+SESSION_ENDED = "Your session has ended: log in again to act."
 
 
 def staff_only(view: View) -> View:
@@ -40,6 +41,9 @@ def staff_only(view: View) -> View:
     def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         if request.user.is_authenticated and not request.user.is_staff:
             raise PermissionDenied
+        if not request.user.is_authenticated and "application/json" in request.headers.get("Accept", ""):
+            # A page's script, left open after a logout: a login page's HTML would read as success.
+            return JsonResponse({"message": SESSION_ENDED, "code": "session_ended"}, status=401)
         return guarded(request, *args, **kwargs)
 
     return wrapper
@@ -246,7 +250,7 @@ def chat(request: HttpRequest) -> HttpResponse:
         **admin.site.each_context(request),
         "title": "Chat",
         "is_nav_sidebar_enabled": False,
-        "aliases": list(selectors.aliases_enabled()),
+        "aliases": list(selectors.aliases_for_chat()),
         "history": history,
         "missing_id": public_id if public_id and history is None else "",
         "recent": transcripts.conversations_recent(owner_id=owner_id),
@@ -256,6 +260,22 @@ def chat(request: HttpRequest) -> HttpResponse:
     response["Content-Security-Policy"] = content_security_policy(request)
     response["Referrer-Policy"] = "same-origin"
     return response
+
+
+@require_safe
+@staff_only
+def chat_aliases(request: HttpRequest) -> HttpResponse:
+    """The chat page's model list, as JSON: it re-reads it to stay live (ADM-4)."""
+    aliases = [
+        {
+            "name": alias.name,
+            "temperature": alias.temperature,
+            "top_p": alias.top_p,
+            "max_output_tokens": alias.max_tokens,
+        }
+        for alias in selectors.aliases_for_chat()
+    ]
+    return JsonResponse({"aliases": aliases})
 
 
 def load_percent(progress: dict[str, Any]) -> int:

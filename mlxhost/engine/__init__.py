@@ -5,7 +5,7 @@ from __future__ import annotations
 from mlxhost.engine.config import EngineConfig
 from mlxhost.engine.disk import remove_saved
 from mlxhost.engine.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
-from mlxhost.engine.engine import Engine, Permit, is_internal_name
+from mlxhost.engine.engine import Engine, Permit, instance_id_of_name, is_internal_name
 from mlxhost.engine.errors import (
     DrainingError,
     DuplicateRequestError,
@@ -120,6 +120,7 @@ __all__ = [
     "detect_kind",
     "folder_fingerprint",
     "hub_fingerprint",
+    "instance_id_of_name",
     "is_internal_name",
     "remove_saved",
     "resolve_under",

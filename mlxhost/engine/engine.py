@@ -951,6 +951,12 @@ def _default_name(spec: ModelSpec) -> str:
     return f"instance:{spec.instance_id}"
 
 
+def instance_id_of_name(name: str) -> int | None:
+    """The instance id a binding by id names (`instance:<id>`, a load with no alias); else None."""
+    kind, _, number = name.partition(INTERNAL_NAME_MARK)
+    return int(number) if kind == "instance" and number.isdigit() else None
+
+
 def _staging_name(spec: ModelSpec) -> str:
     return f"reload:{spec.instance_id}"
 

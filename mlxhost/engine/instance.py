@@ -35,9 +35,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class LoadProgress:
+    """Where a load is (OPS-4): its phase, and within a phase that can count, how far."""
+
     done: int = 0
     total: int = 0
     unit: str = "bytes"  # or "files" (a hub download)
+    # "starting", "verify" (hashing a local folder), "download" (files), "read" (bytes), or
+    # "build" (mlx-lm makes the model from the read weights; nothing to count).
+    phase: str = "starting"
+
+
+PHASE_OF_UNIT = {"files": "download", "bytes": "read"}
 
 
 class Instance:
@@ -246,6 +254,7 @@ class Instance:
                 "done": self.progress.done,
                 "total": self.progress.total,
                 "unit": self.progress.unit,
+                "phase": self.progress.phase,
             },
             "prefix_cache": self._cache_snapshot(),
             "worker_alive": self._worker.alive,
@@ -311,6 +320,7 @@ class Instance:
 
     def _load(self) -> None:
         worker = self._worker
+        self.progress = LoadProgress(phase="verify")
         if self.spec.kind == "embedding":
             if worker.embedder is None:
                 self._verify_weights()
@@ -357,8 +367,8 @@ class Instance:
         if model is not None:
             model.dispose_cache(kv)
 
-    def _on_progress(self, done: int, total: int, unit: str = "bytes") -> None:
-        self.progress = LoadProgress(done, total, unit)
+    def _on_progress(self, done: int, total: int, unit: str = "bytes", phase: str = "") -> None:
+        self.progress = LoadProgress(done, total, unit, phase or PHASE_OF_UNIT.get(unit, "read"))
 
     async def _on_worker(self, fn: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()

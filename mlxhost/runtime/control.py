@@ -20,7 +20,14 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 from django.core.exceptions import ValidationError
 
-from mlxhost.engine import Engine, EngineError, ModelSpec, UnknownModelError, is_internal_name
+from mlxhost.engine import (
+    Engine,
+    EngineError,
+    ModelSpec,
+    UnknownModelError,
+    instance_id_of_name,
+    is_internal_name,
+)
 from mlxhost.runtime import lifecycle
 from models_app import control, hotcache, live_responses, selectors, services
 from models_app.models import Model, ModelAlias
@@ -38,6 +45,11 @@ ROLLING_POLL_S = 0.5
 # Reconciling ------------------------------------------------------------------------------------
 
 
+def _served_instance_ids() -> set[int]:
+    """The instance ids of every model the database still has (a deleted model's is not here)."""
+    return {model.instance_id for model in selectors.models_served() if model.instance_id is not None}
+
+
 def _desired() -> dict[str, tuple[ModelSpec, bool]]:
     """Every enabled alias -> (the spec of its model, whether that model is pinned)."""
     return {
@@ -52,10 +64,15 @@ async def reconcile(engine: Engine, *, load_pinned: bool = True) -> None:
 
     Only control binds (this, `bind_on_demand` and the admin actions); requests resolve."""
     desired = await sync_to_async(_desired)()
+    served = await sync_to_async(_served_instance_ids)()
     bound = set(engine.bound_names())
     for name in bound:
         if is_alias(name) and name not in desired:
             logger.info("alias %s is gone or disabled: unbinding it", name)
+            engine.unbind(name)
+        elif (instance_id := instance_id_of_name(name)) is not None and instance_id not in served:
+            # Loaded with no alias, then its model was deleted: nothing may keep the weights.
+            logger.info("instance %s has no model any more: unbinding it", instance_id)
             engine.unbind(name)
     loads = []
     for name, (spec, pinned) in desired.items():

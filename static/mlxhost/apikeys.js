@@ -29,7 +29,20 @@
     if (status) status.textContent = message;
   }
 
+  // The model picker: one group of snippets per enabled alias; the chosen one shows.
+  function showAlias(alias) {
+    document.querySelectorAll(".mlxhost-snippet-group").forEach(function (group) {
+      group.hidden = group.getAttribute("data-alias") !== alias;
+    });
+  }
+
   document.addEventListener("DOMContentLoaded", function () {
+    var picker = document.getElementById("mlxhost-snippet-alias");
+    if (picker && picker.options.length > 1) {
+      document.getElementById("mlxhost-snippet-pick").hidden = false;
+      picker.addEventListener("change", function () { showAlias(picker.value); });
+      showAlias(picker.value);
+    }
     document.querySelectorAll("button[data-copy]").forEach(function (button) {
       var target = document.getElementById(button.getAttribute("data-copy"));
       if (!target) return;

@@ -19,6 +19,21 @@
     failed: "Failed",
   };
   var COPIED_MS = 1500;
+  var ALIASES_EVERY_MS = 5000; // the model list is re-read this often (and when the tab shows again)
+  // What a failed turn says, by the error's code: words for a person; the code itself goes below.
+  var ERROR_WORDS = {
+    model_not_found: "{model} is not offered for chat any more (it was disabled or removed). Pick another model and send again.",
+    wrong_model_kind: "{model} is not a chat model. Pick another model and send again.",
+    queue_full: "The model is busy: its queue is full.",
+    queue_timeout: "The model was busy for too long: the request waited in its queue and gave up.",
+    rate_limit_exceeded: "You reached a usage limit.",
+    draining: "The model is being unloaded or the server is restarting.",
+    engine_closed: "The server is restarting.",
+    model_load_failed: "The model could not be loaded; staff can see why on the Models page.",
+    context_length_exceeded: "The conversation is too long for this model. Start a new chat, or shorten the message.",
+    storage_timeout: "The server could not reach the stored conversation in time.",
+    too_many_turns: "Too many requests on this connection at once: wait for the reply, then send again.",
+  };
 
   function Chat(root, lib, markdown) {
     this.lib = lib;
@@ -43,6 +58,7 @@
     document.querySelectorAll("#chat-legend [data-figure]").forEach(function (node) {
       self.definitions[node.dataset.figure] = node.querySelector("dd").textContent;
     });
+    this.modelNote = document.getElementById("chat-model-note");
     this.turns = []; // every turn shown, oldest first; the running one is `this.current`
     this.current = null;
   }
@@ -58,8 +74,9 @@
         self.lib.showState(stateNode, name, text);
         self.buttons();
       },
-      onClose: function () {
-        if (self.current) self.fail(self.current, "The connection dropped; the server cancelled this reply.");
+      onClose: function (event) {
+        var why = event.code === 4401 ? "Your session ended; the server stopped this reply." : "The connection dropped; the server cancelled this reply.";
+        if (self.current) self.fail(self.current, why);
       },
     });
     this.form.addEventListener("submit", function (event) {
@@ -86,6 +103,63 @@
     this.defaults();
     this.socket.connect();
     this.buttons();
+    setInterval(function () {
+      self.refreshAliases();
+    }, ALIASES_EVERY_MS);
+    document.addEventListener("visibilitychange", function () {
+      if (document.visibilityState === "visible") self.refreshAliases();
+    });
+  };
+
+  // The model list stays live: chat aliases only, re-read from the server, so an alias disabled
+  // (or a model removed) since the page loaded leaves it, and a new one joins it.
+  Chat.prototype.refreshAliases = function () {
+    var self = this;
+    if (this.lib.sessionEnded() || this.refreshing) return;
+    this.refreshing = true;
+    fetch(this.root.dataset.aliasesUrl, { headers: { Accept: "application/json" }, credentials: "same-origin" })
+      .then(function (response) {
+        if (response.status === 401) {
+          self.lib.endSession();
+          return null;
+        }
+        return response.ok ? response.json() : null;
+      })
+      .then(function (data) {
+        if (data && !self.current) self.showAliases(data.aliases);
+      })
+      .catch(function () {}) // offline for a moment: the next round tries again
+      .then(function () {
+        self.refreshing = false;
+      });
+  };
+
+  Chat.prototype.showAliases = function (aliases) {
+    var el = this.lib.el;
+    var before = this.model.value;
+    var names = aliases.map(function (alias) {
+      return alias.name;
+    });
+    var options = aliases.map(function (alias) {
+      return el("option", {
+        value: alias.name,
+        "data-temperature": String(alias.temperature),
+        "data-top-p": String(alias.top_p),
+        "data-max-output-tokens": String(alias.max_output_tokens),
+        text: alias.name,
+      });
+    });
+    if (!options.length) options = [el("option", { value: "", disabled: "", text: "no chat model enabled" })];
+    this.model.replaceChildren.apply(this.model, options);
+    if (names.indexOf(before) !== -1) this.model.value = before;
+    else if (before) this.noteModel(before + " is not offered any more (it was disabled or removed)." + (names.length ? " Now: " + this.model.value + "." : ""));
+    this.defaults();
+    this.buttons();
+  };
+
+  Chat.prototype.noteModel = function (text) {
+    this.modelNote.textContent = text;
+    this.modelNote.hidden = !text;
   };
 
   // The conversation the server holds -------------------------------------------------------------
@@ -193,7 +267,11 @@
     var turn = this.current;
     if (!turn) return;
     if (frame.type === "error") {
-      if (!frame.response_id || !turn.id || frame.response_id === turn.id) this.fail(turn, errorText(frame));
+      if (!frame.response_id || !turn.id || frame.response_id === turn.id) {
+        this.fail(turn, errorText(frame, turn.model), errorCode(frame));
+        var code = (frame.error || {}).code;
+        if (code === "model_not_found" || code === "wrong_model_kind") this.refreshAliases();
+      }
       return;
     }
     switch (frame.type) {
@@ -255,10 +333,12 @@
     this.buttons();
   };
 
-  Chat.prototype.fail = function (turn, message) {
+  Chat.prototype.fail = function (turn, message, code) {
     if (this.current === turn) this.current = null;
     this.paint(turn);
     this.settle(turn, "failed", null, message);
+    turn.errorCode.textContent = code || "";
+    turn.errorCode.hidden = !code;
     if (turn.firstAt === null && !this.input.value) this.input.value = turn.input; // to send again
     this.buttons();
   };
@@ -269,6 +349,7 @@
     var el = this.lib.el;
     var self = this;
     var turn = {
+      model: this.model.value,
       input: input,
       previousId: previousId || null,
       id: null,
@@ -284,6 +365,7 @@
     };
     turn.answer = el("div", { className: "chat-md" });
     turn.statusLine = el("p", { className: "chat-status", role: "status" });
+    turn.errorCode = el("p", { className: "chat-error-code quiet", hidden: "" });
     turn.figures = el("dl", { className: "chat-figures" });
     turn.copy = el("button", { type: "button", className: "chat-copy", text: "Copy" });
     turn.regen = el("button", { type: "button", className: "chat-regen", text: "Regenerate" });
@@ -301,6 +383,7 @@
       el("div", { className: "chat-role", text: this.model.value || "assistant" }),
       turn.answer,
       turn.statusLine,
+      turn.errorCode,
       turn.figures,
       el("div", { className: "chat-actions" }, [turn.copy, turn.regen]),
     ]);
@@ -420,23 +503,45 @@
   Chat.prototype.buttons = function () {
     var running = this.current !== null;
     var last = this.turns[this.turns.length - 1];
+    if (this.lib.sessionEnded()) {
+      this.lib.disableControls();
+      this.turns.forEach(function (turn) {
+        turn.regen.hidden = true;
+      });
+      return;
+    }
     this.send.disabled = running || !this.socket.isOpen() || !this.model.value;
     this.stop.disabled = !running || Boolean(this.current && this.current.cancelling);
     this.reset.disabled = running;
     this.model.disabled = running;
     this.turns.forEach(function (turn) {
-      turn.regen.hidden = turn !== last || running;
-      turn.copy.hidden = turn === this.current;
+      var empty = turn.text === "" && turn !== this.current; // nothing to copy or to do again
+      turn.regen.hidden = turn !== last || running || empty;
+      turn.copy.hidden = turn === this.current || empty;
     }, this);
     this.root.dataset.running = running ? "true" : "false";
   };
 
-  function errorText(frame) {
+  // A person's words for an error frame; the status and code go on a quiet line of their own.
+  function errorText(frame, model) {
     var err = frame.error || {};
-    var head = [frame.status, err.type, err.code ? "(" + err.code + ")" : ""].filter(Boolean).join(" ");
-    var text = "Failed: " + (head ? head + ": " : "") + (err.message || "unknown error");
-    if (frame.retry_after) text += " Retry after " + frame.retry_after + " s.";
+    var words = ERROR_WORDS[err.code];
+    var text = words ? words.replace("{model}", model || "This model") : fallbackWords(frame.status);
+    // A bad setting's message names the field and its range: that is the useful part.
+    if (!words && err.code === "invalid_value" && err.message) text += " " + err.message;
+    if (frame.retry_after) text += " Try again in " + frame.retry_after + " s.";
     return text;
+  }
+
+  function fallbackWords(status) {
+    if (status >= 500) return "The server could not answer this time. Try again in a moment.";
+    if (status === 429) return "Too many requests right now.";
+    return "The server did not accept this message.";
+  }
+
+  function errorCode(frame) {
+    var err = frame.error || {};
+    return [frame.status, err.code || err.type].filter(Boolean).join(" \u00b7 ");
   }
 
   document.addEventListener("DOMContentLoaded", function () {

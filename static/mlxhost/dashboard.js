@@ -10,7 +10,8 @@
   var BACKOFF_MIN_MS = 500;
   var BACKOFF_MAX_MS = 15000;
   // Close codes after which retrying is useless until the user signs in again.
-  var DENIED = { 4401: "signed out", 4403: "forbidden" };
+  var DENIED = { 4401: "session ended", 4403: "forbidden" };
+  var SESSION_ENDED = 4401;
 
   // Helpers -----------------------------------------------------------------------------------
 
@@ -48,17 +49,29 @@
     return String(text).toLowerCase().replace(/[^a-z0-9]+/g, "-").replace(/^-+|-+$/g, "");
   }
 
-  // Load progress (OPS-4): bytes read, or files fetched while a hub download runs. The status
-  // carries no unit yet, so the text is a percentage unless `unit` says which.
+  // Load progress (OPS-4), phase by phase as the engine reports them: checking the weights,
+  // downloading (files), reading (bytes), building the model in memory. Only the phases that count
+  // show a percentage; the others an indeterminate bar, never "100 %" while the build runs.
+  var LOAD_PHASES = {
+    starting: "starting",
+    verify: "checking the weights",
+    download: "downloading",
+    read: "reading the weights",
+    build: "building the model in memory",
+  };
+  var COUNTED = { download: true, read: true };
+
   function loadProgress(progress) {
-    if (!progress.total) {
-      return el("div", { className: "load" }, [el("progress", {}), el("span", { className: "quiet", text: "starting\u2026" })]);
+    var phase = progress.phase || (progress.total ? (progress.unit === "files" ? "download" : "read") : "starting");
+    var words = LOAD_PHASES[phase] || phase;
+    if (!COUNTED[phase] || !progress.total) {
+      return el("div", { className: "load", "data-phase": phase }, [el("progress", {}), el("span", { className: "quiet", text: words + "\u2026" })]);
     }
     var percent = Math.max(0, Math.min(100, Math.round((100 * progress.done) / progress.total)));
-    var detail = percent + "%";
+    var detail = words + ": " + percent + "%";
     if (progress.unit === "bytes") detail += " (" + formatBytes(progress.done) + " of " + formatBytes(progress.total) + ")";
     else if (progress.unit === "files") detail += " (" + progress.done + " of " + progress.total + " files)";
-    return el("div", { className: "load" }, [
+    return el("div", { className: "load", "data-phase": phase }, [
       el("progress", { max: String(progress.total), value: String(progress.done), title: progress.done + " of " + progress.total }),
       el("span", { className: "quiet", text: detail }),
     ]);
@@ -66,7 +79,10 @@
 
   // A WebSocket that reconnects with exponential backoff and reports its state ------------------
 
+  var sockets = []; // every LiveSocket of the page, so that a session's end stops them all
+
   function LiveSocket(path, handlers) {
+    sockets.push(this);
     this.path = path;
     this.handlers = handlers;
     this.attempt = 0;
@@ -100,6 +116,11 @@
       if (self.ws !== ws) return;
       self.ws = null;
       if (self.handlers.onClose) self.handlers.onClose(event);
+      if (event.code === SESSION_ENDED) {
+        self.state("denied", "not live: the session ended");
+        endSession();
+        return;
+      }
       if (DENIED[event.code]) {
         self.state("denied", DENIED[event.code] + " (" + event.code + "): reload the page after signing in");
         return;
@@ -146,7 +167,55 @@
     node.textContent = text;
   }
 
+  // The session ended (a logout here or in another tab, or its expiry): a socket closed with 4401,
+  // or an action answered 401. Say so once, with a link to log in again, and turn every control of
+  // the page off; the pages' renders keep them off (sessionEnded()), and stop blaming the engines.
+  var ended = false;
+
+  function loginUrl() {
+    var meta = document.querySelector('meta[name="mlxhost-login-url"]');
+    var base = meta ? meta.getAttribute("content") : "/admin/login/";
+    return base + "?next=" + encodeURIComponent(location.pathname + location.search);
+  }
+
+  function endSession() {
+    if (ended) return;
+    ended = true;
+    document.body.dataset.session = "ended";
+    var banner = el("div", { id: "session-ended", className: "session-ended", role: "alert" }, [
+      el("strong", { text: "Your session has ended" }),
+      " (you logged out, here or in another tab, or it expired). Nothing on this page acts until you ",
+      el("a", { href: loginUrl(), id: "session-login", text: "log in again" }),
+      ".",
+    ]);
+    var content = document.getElementById("content") || document.body;
+    content.prepend(banner);
+    sockets.forEach(function (socket) {
+      var ws = socket.ws;
+      socket.stopped = true;
+      socket.ws = null; // its close handler ignores a socket it no longer holds
+      clearTimeout(socket.timer);
+      if (ws) ws.close();
+      socket.state("denied", "not live: the session ended");
+    });
+    disableControls();
+    window.dispatchEvent(new CustomEvent("mlxhost:session-ended"));
+  }
+
+  function disableControls() {
+    document.querySelectorAll("#content button, #content input, #content select, #content textarea").forEach(function (node) {
+      if (!node.closest("#session-ended")) node.disabled = true;
+    });
+  }
+
+  function sessionEnded() {
+    return ended;
+  }
+
   window.mlxhost = {
+    endSession: endSession,
+    sessionEnded: sessionEnded,
+    disableControls: disableControls,
     LiveSocket: LiveSocket,
     el: el,
     formatBytes: formatBytes,
@@ -306,7 +375,7 @@
           ? null
           : el("div", { className: "quiet", text: "disk: " + view.disk_entries + " \u00b7 " + formatBytes(view.disk_bytes) }),
       ]),
-      el("td", { className: "num memory", "data-label": "Memory", text: formatBytes(view.memory_bytes) })
+      el("td", { className: "num memory", "data-label": "Memory", text: view.state === "loading" ? DASH : formatBytes(view.memory_bytes) })
     );
   };
 
@@ -370,6 +439,10 @@
         ? ". Fleet total: " + total.active + " active / " + total.queued + " queued / " + total.capacity +
           " capacity, " + formatNumber(total.memory / 1048576) + " MiB of weights"
         : "";
+    if (ended) {
+      this.summary.textContent = "Figures stopped when the session ended.";
+      return;
+    }
     this.summary.textContent = parts.length
       ? parts.length + (parts.length === 1 ? " engine: " : " engines: ") + parts.join("; ") + fleet
       : "no engine has reported in the last 15 s";

@@ -19,6 +19,13 @@
     });
   }
 
+  function SessionEnded() {}
+
+  // A fetch that followed a redirect to the login page: the session is gone.
+  function isLoginPage(response) {
+    return response.redirected && /\/login\/?$/.test(new URL(response.url).pathname);
+  }
+
   function ModelsPage(root) {
     this.root = root;
     this.body = document.getElementById("models-body");
@@ -110,15 +117,20 @@
     var action = actionText(live.actions[model.name]);
     var allowed = action.state === "running" ? [] : this.page.actions_by_state[state] || [];
     var pending = this.pending.get(model.name);
+    var label = view ? view.label : labels[state] || state;
     if (pending) {
       var result = live.actions[model.name];
       var pickedUp = result && result.at > pending.since;
       if (pickedUp || Date.now() > pending.until) this.pending.delete(model.name);
-      else allowed = [];
+      else {
+        allowed = [];
+        label = pending.action + " requested\u2026"; // until an engine picks it up, not "not loaded"
+      }
     }
+    this.settleFeedback(model.name, live.actions[model.name]);
     return {
       state: state,
-      label: view ? view.label : labels[state] || state,
+      label: label,
       view: view,
       resident: view !== null && ["unloaded", "unreported"].indexOf(state) === -1,
       action: action,
@@ -160,7 +172,7 @@
     var hits = live.resident && view.cache_hit_rate != null ? Math.round(view.cache_hit_rate * 100) + "%" : DASH;
     setText(tr, ".hits", hits);
     tr.querySelectorAll("form.model-action button[name=action]").forEach(function (button) {
-      button.disabled = live.allowed.indexOf(button.value) === -1;
+      button.disabled = window.mlxhost.sessionEnded() || live.allowed.indexOf(button.value) === -1;
     });
     tr.dataset.serving = JSON.stringify(this.serving(model, view));
   };
@@ -182,6 +194,10 @@
       var age = Math.max(0, Math.round((now - entry.seen) / 1000));
       parts.push(entry.status.host + " pid " + entry.status.pid + " (updated " + age + " s ago)");
     });
+    if (window.mlxhost.sessionEnded()) {
+      this.summary.textContent = "Not live: the session ended, and actions are off until you log in again.";
+      return;
+    }
     this.summary.textContent = parts.length
       ? parts.length + (parts.length === 1 ? " engine: " : " engines: ") + parts.join("; ")
       : "no engine has reported in the last 15 s: actions are off until one does";
@@ -192,7 +208,7 @@
   ModelsPage.prototype.ask = function (form) {
     var self = this;
     var button = form.querySelector("button[name=action]");
-    if (!button || button.disabled) return;
+    if (!button || button.disabled || window.mlxhost.sessionEnded()) return;
     var tr = form.closest("tr");
     if (button.value !== "unload") {
       this.send(form, tr, false);
@@ -239,15 +255,36 @@
             return {};
           })
           .then(function (data) {
+            // 401: the session ended (the server answers a script so, not with the login page).
+            if (response.status === 401 || isLoginPage(response)) throw new SessionEnded();
             if (!response.ok) throw new Error(data.message || response.status + " " + response.statusText);
+            if (!data.message) throw new Error("the server's answer did not say (" + response.status + ")");
             self.say(data.message + " The row follows it live.", "ok");
+            self.asked = { model: tr.dataset.model, action: action, since: last ? last.at : 0 };
           });
       })
       .catch(function (error) {
         self.pending.delete(tr.dataset.model);
+        if (error instanceof SessionEnded) {
+          window.mlxhost.endSession();
+          self.say("Nothing was sent: your session has ended. Log in again, then retry.", "error");
+          self.render();
+          return;
+        }
         self.say("Could not request " + action + " of " + tr.dataset.model + ": " + error.message, "error");
         self.render();
       });
+  };
+
+  // The "requested" line stands while the action runs; when it ends, the line says how.
+  ModelsPage.prototype.settleFeedback = function (name, result) {
+    var asked = this.asked;
+    if (!asked || asked.model !== name || !result || result.at <= asked.since) return;
+    if (result.state !== "done" && result.state !== "failed") return;
+    this.asked = null;
+    var what = asked.action.charAt(0).toUpperCase() + asked.action.slice(1) + " of " + name;
+    if (result.state === "failed") this.say(what + " failed: " + (result.error || "no reason given"), "error");
+    else this.say(what + " done.", "ok");
   };
 
   ModelsPage.prototype.say = function (text, kind) {

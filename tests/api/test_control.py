@@ -151,6 +151,26 @@ async def test_reconcile_loads_pinned_aliases_and_drops_deleted_ones(tiny_alias,
     assert "tiny" not in mlx_engine.registry.names()
 
 
+async def test_a_deleted_model_leaves_the_engine_and_readyz(tiny_alias, mlx_engine, admin_client):
+    """ADM-7, OPS-2: a model loaded with no alias (bound by its instance id), then deleted, is
+    unbound and torn down on the next reconcile: no "#N unbound · not loaded" row is left in the
+    status the dashboard draws, nor an instance in /readyz."""
+    model = await sync_to_async(lambda: tiny_alias.model)()
+    spec = await sync_to_async(selectors.model_spec_for)(model=model)
+    await sync_to_async(services.alias_delete)(alias=tiny_alias)
+    await engine_control.reconcile(mlx_engine)
+    await mlx_engine.serve([], spec)  # the admin's Load of a model with no alias
+    assert [snap["instance_id"] for snap in mlx_engine.snapshot()] == [spec.instance_id]
+    await engine_control.reconcile(mlx_engine)  # the model is still there: it stays
+    assert [snap["instance_id"] for snap in mlx_engine.snapshot()] == [spec.instance_id]
+
+    await sync_to_async(services.model_delete)(model=model)
+    await engine_control.reconcile(mlx_engine)
+    assert mlx_engine.snapshot() == [] and mlx_engine.bound_names() == []
+    body = (await sync_to_async(admin_client.get)("/readyz")).json()
+    assert body["states"] == {} and not body.get("instances")
+
+
 async def test_a_reload_with_new_weights_swaps_and_a_failed_one_keeps_the_old_instance(
     reload_folder, mlx_engine, listening
 ):

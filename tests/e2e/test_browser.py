@@ -15,6 +15,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 import pytest
 
@@ -74,10 +75,13 @@ def browser_context(daphne_server) -> Iterator:
         errors: list[str] = []  # uncaught exceptions, and console errors such as CSP violations
         context.on("weberror", lambda error: errors.append(str(error.error)))
         context.on("console", lambda message: _console_error(message, errors))
+        expected: list[str] = []  # a test names the console errors it causes on purpose
+        context.expect_console_error = expected.append
         try:
             yield context
         finally:
             browser.close()
+        errors = [error for error in errors if not any(part in error for part in expected)]
         assert not errors, f"errors in the pages: {errors}"
 
 
@@ -312,9 +316,8 @@ def test_the_chat_page_shows_error_frames(daphne_server, tiny_alias, staff_user,
     failed = page.locator(f'{TURN}[data-status="failed"]')
     failed.wait_for()
     error = failed.locator(".chat-status").inner_text()
-    assert "429 rate_limit_error (queue_full)" in error
-    assert "The queue is full." in error
-    assert "Retry after 3 s." in error
+    assert error == "The model is busy: its queue is full. Try again in 3 s."
+    assert failed.locator(".chat-error-code").inner_text() == "429 \u00b7 queue_full"
     assert page.locator(TURN).count() == 1
     assert page.input_value("#chat-input") == "Hello"  # given back, to send again
     assert page.is_enabled("#chat-send") and page.is_disabled("#chat-stop")
@@ -339,14 +342,17 @@ def test_a_logged_out_tab_is_closed_and_cannot_generate(
     daphne_server, tiny_alias, staff_user, browser_context
 ):
     """API-5: signing out in one tab closes the other tabs' sockets with 4401 within seconds (the
-    dashboard's, the chat page's and any other), each says it is signed out, and the chat tab can
-    no longer generate."""
+    dashboard's, the chat page's, the Models page's and any other). Each page says the session
+    ended, with a link to log in again, and turns its controls off; none blames the engines. A
+    Models page whose socket did not hear of it is told by its action's 401 (not "undefined")."""
     with artifacts_on_failure(browser_context, daphne_server):
         dash = browser_context.new_page()
+        dash.set_viewport_size({"width": 1280, "height": 900})
         sign_in(dash)
         dash.goto("/dashboard/")
         dash.wait_for_selector('#ws-state[data-state="open"]')
         chat = browser_context.new_page()
+        chat.set_viewport_size({"width": 390, "height": 844})
         chat.goto(CHAT)
         chat.wait_for_selector('#chat-socket[data-state="open"]')
         chat.select_option("#chat-model", tiny_alias.name)
@@ -354,6 +360,16 @@ def test_a_logged_out_tab_is_closed_and_cannot_generate(
         chat.evaluate("() => window.probe.create()")
         chat.wait_for_function(PROBE_DONE)  # the session generates while it lasts
         assert chat.is_enabled("#chat-send")
+        models = browser_context.new_page()
+        models.set_viewport_size({"width": 1280, "height": 900})
+        models.goto("/dashboard/models/")
+        models.wait_for_selector('#ws-state[data-state="open"]')
+        deaf = browser_context.new_page()  # a Models page whose socket never hears the logout
+        deaf.set_viewport_size({"width": 390, "height": 844})
+        deaf.route_web_socket(re.compile(r"/ws/dashboard$"), lambda ws: None)
+        deaf.goto("/dashboard/models/")
+        reload_button = deaf.locator(f'tr[data-model="{tiny_alias.model.name}"] button[value=reload]')
+        assert reload_button.is_enabled()  # the page's own status says the model is resident
 
         other = browser_context.new_page()
         other.goto("/admin/")
@@ -362,19 +378,49 @@ def test_a_logged_out_tab_is_closed_and_cannot_generate(
 
         seconds = {"timeout": 5_000}
         chat.wait_for_function("() => window.probe.closed === 4401", **seconds)
-        dash.wait_for_selector('#ws-state[data-state="denied"]', **seconds)
-        chat.wait_for_selector('#chat-socket[data-state="denied"]', **seconds)
-        assert "signed out (4401)" in dash.inner_text("#ws-state")
-        assert "signed out (4401)" in chat.inner_text("#chat-socket")
+        for page, state in ((dash, "#ws-state"), (chat, "#chat-socket"), (models, "#ws-state")):
+            page.wait_for_selector(f'{state}[data-state="denied"]', **seconds)
+            assert page.inner_text(state) == "not live: the session ended"
+            assert_session_ended(page)
+        models.wait_for_function(
+            "() => document.getElementById('engines-summary').textContent.startsWith('Not live')"
+        )
+        assert "no engine" not in models.inner_text("#engines-summary")
+        assert models.locator("button[name=action]:enabled").count() == 0
+        dash.screenshot(path=str(ARTIFACTS / "session-ended-dashboard-1280.png"))
+        chat.screenshot(path=str(ARTIFACTS / "session-ended-chat-390.png"))
 
         assert chat.evaluate("() => window.probe.ws.readyState") == 3  # CLOSED: nothing can be sent
-        assert chat.is_disabled("#chat-send")  # the chat page knows it is signed out
+        assert chat.is_disabled("#chat-send") and chat.is_disabled("#chat-input")
+        chat.evaluate("() => { const i = document.getElementById('chat-input'); i.disabled = false; }")
         chat.fill("#chat-input", "Still there?")
         chat.press("#chat-input", "Enter")  # Enter sends, when it can: here it must not
         assert chat.locator(TURN).count() == 0 and chat.input_value("#chat-input") == "Still there?"
+
+        browser_context.expect_console_error("status of 401 (Unauthorized)")  # Chromium logs the answer
+        reload_button.click()  # the deaf page still thinks it may: the server's 401 tells it
+        deaf.locator("#action-feedback", has_text="your session has ended").wait_for()
+        assert "undefined" not in deaf.inner_text("#action-feedback")
+        assert_session_ended(deaf)
+        assert deaf.inner_text("#ws-state") == "not live: the session ended"  # its socket is closed
+        assert reload_button.is_disabled()
+        deaf.screenshot(path=str(ARTIFACTS / "session-ended-models-390.png"))
         for page, path in ((chat, CHAT), (dash, "/dashboard/")):
             page.reload()  # the page itself is gone with the login
             page.wait_for_url(re.compile(rf"/admin/login/\?next={re.escape(path)}"))
+
+
+def assert_session_ended(page) -> None:
+    """The banner says it, links to the login with the way back, and no control is left on."""
+    banner = page.locator("#session-ended")
+    banner.wait_for()
+    assert "Your session has ended" in banner.inner_text()
+    path = page.evaluate("location.pathname")
+    assert page.get_attribute("#session-login", "href") == f"/admin/login/?next={quote(path, safe='')}"
+    enabled = "#content :is(button, input, select, textarea):enabled"
+    assert page.locator(enabled).count() == 0, page.locator(enabled).evaluate_all(
+        "els => els.map(e => e.outerHTML)"
+    )
 
 
 @pytest.fixture

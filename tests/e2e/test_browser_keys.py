@@ -72,7 +72,8 @@ def assert_fits(page, width: int, where: str) -> None:
 def create_key(page, name: str, width: int) -> str:
     page.goto("/admin/models_app/apikey/add/")
     assert_fits(page, width, "the add form")
-    page.select_option("#id_owner", label=STAFF)
+    # The owner starts on the signed-in staff member.
+    assert page.locator("#id_owner option:checked").inner_text() == STAFF
     page.fill("#id_name", name)
     page.fill("#id_requests_per_minute", "60")
     page.click("input[name=_save]")
@@ -94,13 +95,22 @@ def revoke_from_the_list(page, name: str) -> None:
     row.locator("input.action-select").check()
     page.select_option("select[name=action]", "revoke")
     page.click("#changelist-form button[name=index]")
+    page.locator("h1", has_text="Revoke this key?").wait_for()  # it asks first
+    page.screenshot(path=str(ARTIFACTS / f"keys-revoke-confirm-{page.viewport_size['width']}.png"))
+    page.click("#confirm-revoke")
     page.locator(".messagelist .success", has_text=f"Revoked {name} (").wait_for()
     row.locator(".mlxhost-badge-revoked", has_text="revoked").wait_for()
 
 
 # One test for both sizes: the server process caches content type ids, which a second
 # transactional test's fresh database would no longer have.
-def test_keys_are_easy_to_create_copy_and_revoke(daphne_server, staff_user, usage_history):  # noqa: F811
+def test_keys_are_easy_to_create_copy_and_revoke(
+    daphne_server,
+    staff_user,  # noqa: F811
+    usage_history,
+    tiny_alias,
+    minilm_alias,
+):
     """KEY-1, KEY-3: the secret is shown once with working copy buttons; revoking says so and
     badges the key; every column fits at 1280 px and nothing scrolls sideways at 390 px."""
     _require_browser()
@@ -133,6 +143,16 @@ def walk_through(page, device: str, width: int, older_key_id: int) -> None:
     secret = page.inner_text("#mlxhost-secret").strip()
     assert RAW_KEY.fullmatch(secret), secret
     assert copy_and_read(page, "mlxhost-secret") == secret
+    # The examples name the chat alias first, and the picker switches them to the embedding one.
+    assert page.locator("#mlxhost-snippet-alias").is_visible()
+    chat = copy_and_read(page, "snippet-tiny-curl")
+    assert '"model": "tiny"' in chat and "/v1/chat/completions" in chat and secret in chat
+    assert not page.locator("#snippet-minilm-curl").is_visible()
+    page.select_option("#mlxhost-snippet-alias", "minilm")
+    assert not page.locator("#snippet-tiny-curl").is_visible()
+    embed = copy_and_read(page, "snippet-minilm-curl")
+    assert '"model": "minilm"' in embed and "/v1/embeddings" in embed
+    page.screenshot(path=str(ARTIFACTS / f"keys-created-embedding-{device}.png"), full_page=True)
     env = copy_and_read(page, "snippet-env")
     assert f"export OPENAI_API_KEY={secret}" in env and f"export ANTHROPIC_API_KEY={secret}" in env
     assert_fits(page, width, "the new key's page")

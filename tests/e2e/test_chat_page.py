@@ -244,6 +244,58 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
         stored_response_page(page, stored(stopped_id).pk, previous=regenerated_id, before=first_id)
 
 
+def in_a_thread(work):
+    """Run `work` (an ORM call) on a thread of its own: the ORM refuses Playwright's."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(work).result()
+
+
+@pytest.mark.parametrize(
+    "viewport", [pytest.param(DESKTOP, id="1280x900"), pytest.param(PHONE, id="390x844")]
+)
+def test_the_model_list_offers_chat_aliases_live_and_errors_are_worded_for_a_person(
+    daphne_server, tiny_alias, minilm_alias, staff_user, open_context, viewport
+):
+    """ADM-4: the list holds chat aliases only (not the embedding one) and follows the admin
+    without a reload: an alias disabled since the page loaded leaves it. A turn on an alias that
+    is gone says so in words (the code on a line of its own), with no Copy or Regenerate for
+    the empty reply, and gives the input back."""
+    from models_app.models import ModelAlias
+    from tests.support import register_alias
+
+    in_a_thread(lambda: register_alias(name="tiny-two", folder="tiny-llama"))
+    page = signed_in_chat(open_context(viewport))
+    options = "() => [...document.querySelectorAll('#chat-model option')].map(o => o.value)"
+    assert page.evaluate(options) == ["tiny", "tiny-two"]  # minilm is an embedding model
+    page.select_option("#chat-model", "tiny-two")
+
+    in_a_thread(lambda: ModelAlias.objects.filter(name="tiny-two").update(enabled=False))
+    page.wait_for_function(f"() => JSON.stringify(({options})()) === '[\"tiny\"]'", timeout=15_000)
+    note = page.locator("#chat-model-note")
+    assert note.inner_text() == "tiny-two is not offered any more (it was disabled or removed). Now: tiny."
+    page.screenshot(path=str(ARTIFACTS / f"chat-alias-gone-{viewport['width']}.png"))
+
+    # A page that still offers it (as one that loaded before the change would): the server says no.
+    page.evaluate(
+        "() => { const o = document.createElement('option'); o.value = o.textContent = 'tiny-two';"
+        " document.querySelector('#chat-model').append(o); }"
+    )
+    page.select_option("#chat-model", "tiny-two")
+    say(page, "Hello?")
+    turn = finished_turn(page, 0)
+    assert turn.get_attribute("data-status") == "failed"
+    assert turn.locator(".chat-status").inner_text() == (
+        "tiny-two is not offered for chat any more (it was disabled or removed). "
+        "Pick another model and send again."
+    )
+    assert turn.locator(".chat-error-code").inner_text() == "404 \u00b7 model_not_found"
+    assert turn.locator(".chat-copy").is_hidden() and turn.locator(".chat-regen").is_hidden()
+    assert page.input_value("#chat-input") == "Hello?"  # given back, to send again
+    page.wait_for_function(f"() => !({options})().includes('tiny-two')")  # the error re-read the list
+    no_sideways_overflow(page, viewport["width"])
+    page.screenshot(path=str(ARTIFACTS / f"chat-error-words-{viewport['width']}.png"))
+
+
 def stored_response_page(page, pk: int, *, previous: str, before: str) -> None:
     """ADM-5: the stored turn's admin page shows the conversation, not JSON, and links its parent."""
     page.goto(f"/admin/models_app/storedresponse/{pk}/change/")
@@ -301,6 +353,8 @@ def test_markup_in_a_reply_is_shown_as_text_and_never_runs(daphne_server, staff_
     context = open_context(PHONE)
     page = context.new_page()
     page.route_web_socket(re.compile(r"/ws/v1/responses$"), fake_model)
+    fake = {"name": "fake", "temperature": 0, "top_p": 1, "max_output_tokens": 64}
+    page.route("**/dashboard/chat/aliases/", lambda route: route.fulfill(json={"aliases": [fake]}))
     page.goto("/admin/login/?next=/admin/")
     page.fill("#id_username", STAFF)
     page.fill("#id_password", PASSWORD)

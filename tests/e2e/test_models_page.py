@@ -111,6 +111,31 @@ def model_row(page):
     return page.locator(f'#models-body tr[data-model="{MODEL}"]')
 
 
+# Each phase as a load reports it (status frames come once a second, so the tiny model's load
+# is too quick to catch them all live): the script's words for each, drawn in the page itself.
+PHASES = """() => [
+  {phase: "verify", done: 0, total: 0, unit: "bytes"},
+  {phase: "download", done: 3, total: 7, unit: "files"},
+  {phase: "read", done: 268435456, total: 539700000, unit: "bytes"},
+  {phase: "build", done: 0, total: 0, unit: ""},
+].map(p => { const node = window.mlxhost.loadProgress(p);
+  return [node.textContent, node.querySelector("progress").hasAttribute("value")]; })"""
+
+
+def test_a_load_shows_its_phases_as_they_are(daphne_server, two_aliases, open_context):
+    """OPS-4: checking, downloading (files), reading (bytes) and building each say so; only the
+    phases that count show a percentage, so a build never shows "100 %" beside memory 0 B."""
+    page = open_context(PHONE).new_page()
+    page.goto("/dashboard/models/")
+    page.wait_for_selector('#ws-state[data-state="open"]')
+    assert page.evaluate(PHASES) == [
+        ["checking the weights\u2026", False],
+        ["downloading: 43% (3 of 7 files)", True],
+        ["reading the weights: 50% (256.0 MB of 514.7 MB)", True],
+        ["building the model in memory\u2026", False],
+    ]
+
+
 def test_the_models_page_follows_an_unload_live_and_asks_first(daphne_server, two_aliases, open_context):
     """ADM-7, OPS-4: load from the Models page; an unload asks first, naming both aliases of the
     model, and the open pages (a desktop's and a phone's) show it unloaded within 2 s, without a
@@ -136,7 +161,10 @@ def test_the_models_page_follows_an_unload_live_and_asks_first(daphne_server, tw
         save(page, "models-1280.png")
         save(phone, "models-390.png")
 
-        said = page.inner_text("#action-feedback")  # "Load requested for ..."
+        # The "requested" line ends with the action: it says how it went (OPS-4).
+        page.locator("#action-feedback", has_text=f"Load of {MODEL} done.").wait_for()
+        assert "requested" not in page.inner_text("#action-feedback")
+        said = page.inner_text("#action-feedback")
         row.locator("button[value=unload]").click()
         dialog = page.locator("#unload-dialog")
         dialog.wait_for()

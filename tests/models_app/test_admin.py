@@ -7,7 +7,7 @@ import re
 import pytest
 
 from mlxhost.runtime.status import live_fields
-from models_app.models import ApiKey, Model, ModelAlias
+from models_app.models import ApiKey, Model, ModelAlias, StoredResponse
 from tests.support import register_alias
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]
@@ -470,6 +470,18 @@ LIVE_CASES = [
         id="loading-progress",
     ),
     pytest.param(
+        [_view(0, state="loading", load_progress={"done": 30, "total": 120, "phase": "read"})],
+        None,
+        "reading the weights: 25%",
+        id="loading-read-phase",
+    ),
+    pytest.param(
+        [_view(0, state="loading", load_progress={"done": 120, "total": 120, "phase": "build"})],
+        None,
+        '<progress class="mlxhost-progress"></progress> building the model in memory',
+        id="loading-build-phase",
+    ),
+    pytest.param(
         [_view(0, active=2, queued=3, capacity=4, warm_sessions=5)],
         None,
         ("2 / 3 / 4", "2 active / 3 queued (capacity 4)"),
@@ -577,3 +589,25 @@ def test_live_state_selector_maps_each_engine_state(tiny_alias):
     tiny_alias.enabled = True
     running = state({}, {"tiny": {"action": "load", "state": "running", "error": "", "at": 1}})
     assert (running.last_action, running.last_action_state) == ("load running", "running")
+
+
+def test_the_stored_responses_list_previews_each_turn_and_links_the_chat(admin_client, admin_user, user):
+    """ADM-5: the list shows each turn's prompt and answer (the answer marked for the Markdown
+    renderer, every value escaped), and links the viewer's own turns to the chat page."""
+    _stored(
+        admin_user, "resp_mine", text_in="What is **2+2**?", text_out="It is **4**.\n\n<script>x()</script>"
+    )
+    _stored(user, "resp_theirs", text_in="theirs-question", text_out="theirs-answer " * 40)
+    page = admin_client.get("/admin/models_app/storedresponse/").content.decode()
+    assert '<p class="mlxhost-preview-prompt">What is **2+2**?</p>' in page
+    assert "It is **4**.\n\n&lt;script&gt;x()&lt;/script&gt;</div>" in page and "<script>x()" not in page
+    assert 'class="mlxhost-preview-answer chat-md" data-markdown' in page
+    assert "theirs-answer theirs-answer" in page and "\u2026</div>" in page  # long answers are cut
+    assert page.count('class="mlxhost-continue"') == 1
+    assert '<a href="/dashboard/chat/?response=resp_mine" class="mlxhost-continue">in chat</a>' in page
+    assert "another user&#x27;s" in page
+    assert "mlxhost/markdown.js" in page and "mlxhost/stored_responses.js" in page
+    mine = StoredResponse.objects.get(public_id="resp_mine")
+    detail = admin_client.get(f"/admin/models_app/storedresponse/{mine.pk}/change/").content.decode()
+    assert 'href="/dashboard/chat/?response=resp_mine" id="mlxhost-continue"' in detail
+    assert 'chat-md" data-markdown>It is **4**.' in detail

@@ -46,7 +46,7 @@ def test_a_new_key_is_shown_once_with_copy_buttons_and_snippets(admin_client, ad
     [raw] = set(RAW_KEY.findall(page))
     assert raw.startswith(key.prefix) and key.secret_hash not in page
     assert 'data-copy="mlxhost-secret"' in page
-    for snippet in ("curl", "openai", "anthropic", "env"):
+    for snippet in ("tiny-curl", "tiny-openai", "tiny-anthropic", "env"):
         assert f'data-copy="snippet-{snippet}"' in page
     base = "http://testserver"
     for expected in (
@@ -70,6 +70,41 @@ def test_a_new_key_is_shown_once_with_copy_buttons_and_snippets(admin_client, ad
         assert raw not in admin_client.get(url).content.decode()
 
 
+def test_the_snippets_name_a_chat_alias_first_and_embeddings_their_endpoint(
+    admin_client, admin_user, tiny_alias, minilm_alias
+):
+    """KEY-1: with an embedding alias that sorts first (minilm < tiny), the snippets shown first
+    name the chat alias; a picker offers both, and the embedding alias's call /v1/embeddings."""
+    _, created = create_key(admin_client, admin_user)
+    page = admin_client.get(created).content.decode()
+    groups = re.findall(r'<div class="mlxhost-snippet-group" data-alias="([^"]+)"( hidden)?>', page)
+    assert groups == [("tiny", ""), ("minilm", " hidden")]
+    assert '<option value="tiny">tiny</option><option value="minilm">minilm (embedding)</option>' in page
+    minilm = page[page.index('data-alias="minilm"') :]
+    assert "/v1/embeddings" in minilm and "/v1/chat/completions" not in minilm
+    assert 'id="snippet-minilm-anthropic"' not in page  # Anthropic's API has no embeddings
+    tiny = page[page.index('data-alias="tiny"') : page.index('data-alias="minilm"')]
+    assert "/v1/chat/completions" in tiny and "/v1/embeddings" not in tiny
+
+
+def test_the_owner_of_a_new_key_starts_on_the_signed_in_user(admin_client, admin_user, user):
+    page = admin_client.get(f"{KEYS}add/").content.decode()
+    assert f'<option value="{admin_user.pk}" selected>' in page
+    assert f'<option value="{user.pk}" selected>' not in page
+
+
+def test_embedding_snippets_call_the_embeddings_endpoint():
+    snippets = {
+        s.id: s.text
+        for s in key_snippets(base_url="https://llm.example/", raw_key="K", model="e", embedding=True)
+    }
+    assert list(snippets) == ["curl", "openai", "env"]
+    assert snippets["curl"].splitlines()[0] == "curl https://llm.example/v1/embeddings \\"
+    assert json.loads(snippets["curl"].split("-d '")[1].rstrip("'")) == {"model": "e", "input": ["Hello"]}
+    compile(snippets["openai"], "openai", "exec")
+    assert 'client.embeddings.create(model="e"' in snippets["openai"]
+
+
 def test_snippets_name_the_server_and_the_key():
     snippets = {s.id: s.text for s in key_snippets(base_url="https://llm.example/", raw_key="K", model="m")}
     assert snippets["curl"].splitlines()[0] == "curl https://llm.example/v1/chat/completions \\"
@@ -85,21 +120,33 @@ def test_snippets_name_the_server_and_the_key():
     ]
 
 
-def test_revoking_says_so_and_the_list_shows_a_badge(admin_client, user):
-    """KEY-1: the list's action and the key page's button revoke, say so in a success message,
-    and the list marks the key "revoked"; a revoked key's page offers no button."""
+def test_revoking_asks_first_then_says_so_and_the_list_shows_a_badge(admin_client, user):
+    """KEY-1: the list's action and the key page's button ask first (a page naming the key; nothing
+    revoked yet), then revoke, say so in a success message, and the list marks the key "revoked";
+    a revoked key's page offers no button."""
     first, _ = services.apikey_create(owner=user, name="first")
     second, _ = services.apikey_create(owner=user, name="second")
-    response = admin_client.post(KEYS, {"action": "revoke", "_selected_action": [first.pk]}, follow=True)
+    asked = admin_client.post(KEYS, {"action": "revoke", "_selected_action": [first.pk]})
+    page = asked.content.decode()
+    assert asked.status_code == 200 and "Revoke this key?" in page and f"{first.prefix}…" in page
+    assert 'name="confirmed" value="1"' in page and 'name="action" value="revoke"' in page
+    assert not ApiKey.objects.filter(revoked_at__isnull=False).exists()
+    response = admin_client.post(
+        KEYS, {"action": "revoke", "_selected_action": [first.pk], "confirmed": "1"}, follow=True
+    )
     page = response.content.decode()
     assert "Revoked first (" in page and "now get 401" in page
     assert 'class="messagelist"' in page and 'class="success"' in page
     assert page.count("mlxhost-badge-revoked") == 1 and page.count("mlxhost-badge-active") == 1
 
     change = f"{KEYS}{second.pk}/change/"
-    assert f'action="{KEYS}{second.pk}/revoke/"' in admin_client.get(change).content.decode()
-    assert admin_client.get(f"{KEYS}{second.pk}/revoke/").status_code == 405
-    response = admin_client.post(f"{KEYS}{second.pk}/revoke/", follow=True)
+    assert f'href="{KEYS}{second.pk}/revoke/"' in admin_client.get(change).content.decode()
+    for unconfirmed in (admin_client.get, admin_client.post):
+        asked = unconfirmed(f"{KEYS}{second.pk}/revoke/")
+        assert asked.status_code == 200 and "Revoke this key?" in asked.content.decode()
+        assert f'href="{change}"' in asked.content.decode()  # "No, keep it" goes back
+    assert ApiKey.objects.filter(revoked_at__isnull=False).count() == 1
+    response = admin_client.post(f"{KEYS}{second.pk}/revoke/", {"confirmed": "1"}, follow=True)
     page = response.content.decode()
     assert "Revoked second (" in page and "mlxhost-badge-revoked" in page
     assert "/revoke/" not in page

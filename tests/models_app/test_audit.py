@@ -118,7 +118,9 @@ def test_key_creation_and_revocation_show_in_the_key_history(admin_client, admin
     response = admin_client.post("/admin/models_app/apikey/add/", {"owner": user.pk, "name": "ci"})
     assert response.status_code == 302
     key = ApiKey.objects.get(name="ci")
-    admin_client.post("/admin/models_app/apikey/", {"action": "revoke", "_selected_action": [key.pk]})
+    admin_client.post(
+        "/admin/models_app/apikey/", {"action": "revoke", "_selected_action": [key.pk], "confirmed": "1"}
+    )
     added, revoked = entries(key)
     assert (added.action_flag, revoked.action_flag) == (ADDITION, CHANGE)
     assert history(admin_client, key) == [

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from models_app.models import ModelAlias
 from tests.models_app.test_transcripts import stored
 from tests.support import register_alias
 
@@ -69,6 +70,26 @@ def test_staff_get_the_enabled_aliases_and_an_empty_conversation(staff_client, t
     assert "None stored yet." in page
     for words in ("Queue", "First token", "Tokens/s", "Cache", "What the figures mean"):
         assert words in page
+
+
+def test_the_model_list_holds_chat_aliases_only_and_is_served_live(staff_client, tiny_chat, minilm_alias):
+    """ADM-4: an embedding alias is not offered for chat, on the page or in the list the page
+    re-reads to stay live (which follows the admin: a disabled alias leaves it)."""
+    page = staff_client.get(URL).content.decode()
+    assert 'value="tiny-chat"' in page and 'value="minilm"' not in page
+    assert 'data-aliases-url="/dashboard/chat/aliases/"' in page
+    listed = staff_client.get("/dashboard/chat/aliases/", headers={"Accept": "application/json"})
+    assert listed.json() == {
+        "aliases": [{"name": "tiny-chat", "temperature": 0.3, "top_p": 1.0, "max_output_tokens": 512}]
+    }
+    ModelAlias.objects.filter(name="tiny-chat").update(enabled=False)
+    assert staff_client.get("/dashboard/chat/aliases/").json() == {"aliases": []}
+
+
+def test_the_live_model_list_is_for_staff(client, user):
+    assert client.get("/dashboard/chat/aliases/", headers={"Accept": "application/json"}).status_code == 401
+    client.force_login(user)
+    assert client.get("/dashboard/chat/aliases/").status_code == 403
 
 
 def test_the_page_runs_under_the_strict_policy(staff_client, tiny_chat):

@@ -99,6 +99,20 @@ def test_anonymous_visitors_are_sent_to_the_login(client, url):
     assert response.status_code == 302 and response["Location"].startswith("/admin/login/")
 
 
+def test_a_page_script_left_open_after_logout_is_told_the_session_ended(client, shared, sent):
+    """API-5: a script's action without a session gets 401 JSON saying so, never the login page's
+    HTML (which read as a success with no message); nothing is sent to the engines."""
+    response = client.post(
+        f"/dashboard/models/{shared.pk}/load/", {"next": URL}, headers={"Accept": "application/json"}
+    )
+    assert response.status_code == 401
+    assert response.json() == {
+        "message": "Your session has ended: log in again to act.",
+        "code": "session_ended",
+    }
+    assert sent == []
+
+
 def test_non_staff_users_are_refused(client, user, shared):
     """ADM-7: the Models page is for staff."""
     client.force_login(user)

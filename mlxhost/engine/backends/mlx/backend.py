@@ -302,6 +302,7 @@ class MlxBackend:
             path = _download(spec.source, spec.revision, progress)
             validate_model_folder(path)
         _read_with_progress(path, progress)
+        progress(0, 0, "", "build")  # mlx-lm says nothing while it builds: a phase with no count
         try:
             model, tokenizer = mlx_load(str(path))[:2]
         except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: MLX's own reader
@@ -319,6 +320,7 @@ class MlxBackend:
             path = _download(spec.source, spec.revision, progress)
         validate_model_folder(path)
         _read_with_progress(path, progress)
+        progress(0, 0, "", "build")
         try:
             return load_embedder(path)
         except (OSError, ValueError, KeyError, RuntimeError) as exc:

@@ -1,0 +1,103 @@
+"""The console as a new staff user sees it (issue 25 §7), in headless Chromium at a laptop's
+1280x900 and a phone's 390x844: the conversation chain page fits and its input and output are
+readable; the stored responses list previews each turn with its answer as Markdown (inert) and
+links it to the chat page. Screenshots land in .cache/artifacts/ (git-ignored)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.e2e.test_browser import (
+    ARTIFACTS,
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    WAIT_MS,
+    _console_error,
+    _require_browser,
+    sign_in,
+    staff_user,  # noqa: F401  (a fixture)
+)
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
+
+VIEWPORTS = {"laptop": (1280, 900), "phone": (390, 844)}
+LONG_INPUT = (
+    "Please explain, in a few careful sentences, why the sky looks blue at noon but red at dusk. " * 3
+)
+ANSWER = (
+    "Sunlight is **scattered** by the air: short (blue) wavelengths scatter most.\n\n"
+    "```python\nprint('rayleigh')\n```\n\n<img src=x onerror=\"window.__xss = 1\">"
+)
+OVERFLOW = "document.documentElement.scrollWidth - window.innerWidth"
+
+
+@pytest.fixture
+def chain(staff_user):  # noqa: F811
+    """Three turns of the staff member's, each with a long input and a Markdown answer."""
+    from tests.models_app.test_admin import _stored
+
+    rows, previous = [], ""
+    for n in range(1, 4):
+        public_id = f"resp_console{n}"
+        rows.append(_stored(staff_user, public_id, previous=previous, text_in=LONG_INPUT, text_out=ANSWER))
+        previous = public_id
+    return rows
+
+
+def test_the_chain_page_and_the_stored_responses_list_read_well(daphne_server, staff_user, chain):  # noqa: F811
+    """ADM-5, ADM-9: the chain page is as wide as the window at 390 px, its input and output are
+    at least 300 px wide there and 450 px at 1280 px (not one word per line); the list shows a
+    preview with the answer rendered as Markdown, where markup never runs, and a link that
+    reopens the conversation in the chat page."""
+    _require_browser()
+    from playwright.sync_api import sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    errors: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            for device, (width, height) in VIEWPORTS.items():
+                context = browser.new_context(
+                    base_url=daphne_server.url, viewport={"width": width, "height": height}
+                )
+                context.set_default_timeout(WAIT_MS)
+                context.on("weberror", lambda error: errors.append(str(error.error)))
+                context.on("console", lambda message: _console_error(message, errors))
+                page = context.new_page()
+                sign_in(page)
+                chain_page(page, device, width, chain[-1].pk)
+                stored_list(page, device, width)
+                context.close()
+        finally:
+            browser.close()
+    assert not errors, f"errors in the pages: {errors}"
+
+
+def chain_page(page, device: str, width: int, pk: int) -> None:
+    page.goto(f"/admin/models_app/storedresponse/{pk}/chain/")
+    assert page.evaluate(OVERFLOW) <= 0, f"the chain page scrolls sideways at {width} px"
+    assert page.locator(".mlxhost-chain-turn").count() == 3
+    widths = page.locator(".mlxhost-chain-io .mlxhost-text").evaluate_all(
+        "els => els.map(e => e.getBoundingClientRect().width)"
+    )
+    least = 300 if width < 500 else 450
+    assert len(widths) == 6 and min(widths) >= least, widths
+    page.screenshot(path=str(ARTIFACTS / f"chain-{device}.png"), full_page=True)
+
+
+def stored_list(page, device: str, width: int) -> None:
+    page.goto("/admin/models_app/storedresponse/")
+    assert page.evaluate(OVERFLOW) <= 0, f"the stored responses list scrolls sideways at {width} px"
+    row = page.locator("#result_list tbody tr", has_text="resp_console3")
+    assert row.locator(".mlxhost-preview-prompt").inner_text().startswith("Please explain")
+    answer = row.locator(".mlxhost-preview-answer")
+    assert answer.locator("strong").inner_text() == "scattered"  # Markdown, rendered
+    assert answer.locator("img, script").count() == 0 and page.evaluate("window.__xss") is None
+    page.screenshot(path=str(ARTIFACTS / f"stored-list-{device}.png"), full_page=True)
+    row.locator("a.mlxhost-continue").click()
+    page.wait_for_url(re.compile(r"/dashboard/chat/\?response=resp_console3$"))
+    page.locator("#chat-transcript li.chat-turn").nth(2).wait_for()  # the conversation, reopened
+    assert page.locator("#chat-transcript li.chat-turn").count() == 3
