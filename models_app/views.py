@@ -43,7 +43,7 @@ def staff_only(view: View) -> View:
             raise PermissionDenied
         if not request.user.is_authenticated and "application/json" in request.headers.get("Accept", ""):
             # A page's script, left open after a logout: a login page's HTML would read as success.
-            return JsonResponse({"message": SESSION_ENDED, "code": "session_ended"}, status=401)
+            return json_response({"message": SESSION_ENDED, "code": "session_ended"}, status=401)
         return guarded(request, *args, **kwargs)
 
     return wrapper
@@ -275,7 +275,7 @@ def chat_aliases(request: HttpRequest) -> HttpResponse:
         }
         for alias in selectors.aliases_for_chat()
     ]
-    return JsonResponse({"aliases": aliases})
+    return json_response({"aliases": aliases})
 
 
 def load_percent(progress: dict[str, Any]) -> int:

@@ -38,11 +38,6 @@ def node_sdk(server_url: str, api_key: str) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the engine to leave out alternatives whose logprob is not finite (helper 'agents'); "
-    "remove this mark when that is merged",
-)
 def test_logprobs_under_a_grammar_parse_in_the_openai_node_sdk(daphne_server, api_key, tiny_alias):
     results = node_sdk(daphne_server.url, api_key)
     assert {(r["case"], r["how"]) for r in results} == CASES
