@@ -335,7 +335,10 @@ class ResponsesConsumer(_TrackedConsumer):
             )
         response_id = new_response_id()
         try:  # a full lane refuses before the frame is validated (LANE-2)
-            await turn_refuse_if_full(body.get("model"))
+            caller = self.caller
+            await turn_refuse_if_full(
+                body.get("model"), caller.key if caller else None, owner_id=caller.owner_id if caller else 0
+            )
         except EngineError as exc:
             with request_log.recording(method="WS", path=self.scope["path"]):  # its log line (OPS-6)
                 await self.send_error(as_api_error(exc), response_id=response_id)

@@ -232,14 +232,14 @@ async def turn_start(
     return StartedTurn(request_id, alias.name, generation, hooks)
 
 
-async def turn_refuse_if_full(model: object) -> None:
+async def turn_refuse_if_full(model: object, key: KeyIdentity | None = None, *, owner_id: int = 0) -> None:
     """Refuse a turn for the alias named `model` when its lane has no room now (LANE-2).
 
     Surfaces call this before they validate the body: a request over a full lane's budget
     is refused at the cost of cached lookups, never a serializer run or a prompt render, so a
     burst's refusals stay fast. It takes no place; `turn_start` checks the lane again.
     Anything else (no such alias, an embedding model, nothing loaded yet) is left to the
-    full path, which answers it in order.
+    full path, which answers it in order. A refusal counts as `overloaded` for `key` (KEY-2).
 
     Raises:
         QueueFullError: the lane is over its budget.
@@ -253,7 +253,8 @@ async def turn_refuse_if_full(model: object) -> None:
     except ModelAlias.DoesNotExist:
         return
     if alias.model.kind == Model.Kind.CHAT:
-        engine.refuse_if_full(alias.name)
+        with overload_counted(key, owner_id=owner_id):
+            engine.refuse_if_full(alias.name)
 
 
 async def turn_count_tokens(turn: TurnRequest) -> int:

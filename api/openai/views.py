@@ -94,7 +94,8 @@ async def body_for_turn(request: HttpRequest) -> dict[str, Any]:
         QueueFullError, DrainingError: as `turn_refuse_if_full` does.
     """
     body = json_body(request)
-    await turn_refuse_if_full(body.get("model"))
+    caller = caller_of(request)
+    await turn_refuse_if_full(body.get("model"), caller.key, owner_id=caller.owner_id)
     return body
 
 
