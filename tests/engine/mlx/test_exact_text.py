@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from mlxhost.engine import ModelSpec, SamplingParams
+from mlxhost.engine import Message, ModelSpec, SamplingParams
 from mlxhost.engine.backends.base import StepEnd
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
 from mlxhost.engine.types import TokenLogprob
@@ -149,3 +149,40 @@ def test_a_batched_continuation_keeps_its_first_space(model, tiny_eos_id, arriva
         assert "".join(tokens) == text
         texts.append(text)
     assert texts[0].startswith(" ")  # the case the issue found: a space mlx-lm's detokenizer drops
+
+
+@pytest.fixture(scope="module")
+def demo(smollm2_folder: Path):
+    from mlxhost.engine.backends.mlx.backend import MlxBackend
+
+    loaded = MlxBackend().load(ModelSpec(2, str(smollm2_folder), "d" * 64), lambda *_: None)
+    yield loaded
+    loaded.close()
+
+
+def test_the_demo_model_continues_a_prefill_exactly(demo):
+    """SmolLM2 (real weights, its own tokenizer): Anthropic's example, the prefill "The capital of
+    France is" continued with its space, on the exclusive path and in a batch."""
+    messages = [
+        Message("user", "What is the capital of France?"),
+        Message("assistant", "The capital of France is"),
+    ]
+    ids = demo.render_chat(messages, continue_final=True)
+    decode = demo._tokenizer._tokenizer.decode
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
+    text, out, tokens = generated(demo.generate(ids, sampling, demo.new_cache()))
+    assert text == decode(ids + out)[len(decode(ids)) :]
+    assert text.startswith(" ") and "".join(tokens) == text
+    batch = demo.open_batch(2)
+    handle = batch.insert(ids, sampling, None, 0)
+    steps: list = []
+    while not steps or steps[-1].finish_reason is None:
+        steps += [s for s in batch.step() if s.handle == handle]
+    batch.close()
+    assert "".join(s.text for s in steps) == text
+    for cut_text in TEXTS:
+        cut_ids = demo.encode(cut_text)
+        for cut in range(1, len(cut_ids)):
+            prompt = decode(cut_ids[:cut])
+            if not prompt.endswith("\ufffd"):
+                assert prompt + "".join(segments(demo._tokenizer, cut_ids[:cut], cut_ids[cut:])) == cut_text
