@@ -62,7 +62,7 @@ class AnswerPlan:
     offer_natively: bool = False  # pass `tools` to the chat template
     forced: str | None = None  # "args": the function every answer calls
     single: bool = False  # at most one call: later ones are dropped
-    call_prefix: str = ""  # what a call starts with past "{" ("choice" with a format: CALL_MARK)
+    call_prefix: str = ""  # written before a call object (CALL_MARK beside a format; else none)
     param: str = "response_format"  # the request field an error in `grammar` names...
     # ...unless one of these parts (each a grammar alone, with its field) is to blame.
     parts: tuple[tuple[Grammar, str], ...] = ()

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.api.support import bearer, post_json, sse_payloads
+from tests.api.support import bearer, post_json, sse_events, sse_payloads
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
 
@@ -137,6 +137,13 @@ async def test_responses_and_messages_take_tools_with_a_format(tiny_alias, api_k
     assert body["status"] in ("completed", "incomplete"), body
     kinds = {item["type"] for item in body["output"]}
     assert kinds <= {"message", "function_call"}
+    forced = await responses(
+        api_key, tools=[RESPONSES_TOOL], tool_choice="required", text=responses_format(PERSON), stream=True
+    )
+    assert forced.status_code == 200, forced.content
+    events = [e for e in await sse_payloads(forced) if isinstance(e, dict)]
+    (done,) = [e for e in events if e.get("type") == "response.completed"]
+    assert [item["type"] for item in done["response"]["output"]] == ["function_call"]
     response = await messages(api_key, tools=[MESSAGES_TOOL], output_format=messages_format(PERSON))
     assert response.status_code == 200, response.content
     assert response.json()["stop_reason"] in ("tool_use", "end_turn", "max_tokens")
@@ -145,9 +152,11 @@ async def test_responses_and_messages_take_tools_with_a_format(tiny_alias, api_k
         tools=[MESSAGES_TOOL],
         tool_choice={"type": "any"},
         output_config={"format": messages_format(PERSON)},
+        stream=True,
     )
     assert forced.status_code == 200, forced.content
-    assert forced.json()["stop_reason"] == "tool_use"
+    deltas = [data for _, data in await sse_events(forced) if data.get("type") == "message_delta"]
+    assert deltas[-1]["delta"]["stop_reason"] == "tool_use"
 
 
 @pytest.mark.parametrize("schema", [pytest.param(RECURSIVE, id="recursive"), pytest.param(SELF, id="self")])
@@ -209,3 +218,22 @@ async def test_logprobs_under_a_format_are_finite_json(tiny_alias, api_key, mlx_
     body = json.loads(response.content, parse_constant=lambda name: pytest.fail(f"{name} in the body"))
     tokens = body["choices"][0]["logprobs"]["content"]
     assert tokens and any(len(t["top_logprobs"]) < 20 for t in tokens)
+
+
+async def test_a_schema_the_grammar_cannot_serve_is_a_400_error_frame_on_the_websocket(
+    tiny_alias, api_key, mlx_engine
+):
+    from tests.api.support import connect, frames_until, key_headers, ws_create
+
+    socket = await connect(key_headers(api_key))
+    try:
+        await ws_create(socket, input="x", text=responses_format(RECURSIVE))
+        (frame,) = await frames_until(socket, "error", "response.failed", "response.completed")
+        assert frame["type"] == "error" and frame["status"] == 400, frame
+        assert frame["error"]["param"] == "text.format"
+        await ws_create(socket, input="x", max_output_tokens=2)  # the socket goes on
+        assert (await frames_until(socket, "response.completed", "response.incomplete", "error"))[-1][
+            "type"
+        ] != "error"
+    finally:
+        await socket.disconnect()

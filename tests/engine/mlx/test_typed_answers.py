@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
@@ -193,3 +194,38 @@ async def test_top_logprobs_under_a_grammar_leave_out_masked_tokens(engines):
     assert logprobs
     assert all(math.isfinite(lp.logprob) and all(math.isfinite(t.logprob) for t in lp.top) for lp in logprobs)
     assert any(len(lp.top) < 20 for lp in logprobs)  # the first token ("{") has no alternative
+
+
+def test_a_grammar_that_fails_while_generating_ends_in_an_error_and_leaves_the_cache(tiny_vocabulary):
+    """An errored matcher would allow only EOS, ending the answer `stop` with broken JSON; the
+    processor raises instead (an error finish) and evicts the grammar, which is then refused."""
+    import mlx.core as mx
+
+    from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
+    from mlxhost.engine.types import Grammar
+
+    vocabulary = tiny_vocabulary
+    for schema in (SELF, RECURSIVE):  # fails at the first mask / at the first token
+        grammar = Grammar("json", json.dumps(schema))
+        forgotten: list[bool] = []
+        processor = GrammarProcessor(
+            vocabulary._compile(grammar), vocabulary.logits_size, partial(forgotten.append, True)
+        )
+        logits = mx.zeros((1, vocabulary.logits_size))
+        with pytest.raises(RuntimeError):
+            masked = processor(mx.array([1]), logits)
+            first = int(mx.argmax(masked).item())
+            processor(mx.array([1, first]), logits)
+        assert forgotten == [True]
+        with pytest.raises(InvalidRequestError):
+            vocabulary.check(grammar, "response_format")
+        assert (grammar.kind, grammar.source) not in vocabulary._compiled
+
+
+@pytest.fixture
+def tiny_vocabulary(tiny_model_dir):
+    from mlxhost.engine.backends.mlx.backend import MlxBackend
+
+    model = MlxBackend().load(ModelSpec(1, str(tiny_model_dir), "f" * 64), lambda *a: None)
+    yield model.vocabulary
+    model.close()
