@@ -106,7 +106,7 @@ def measure(root: Path, state: Path, folder: Path, models_root: Path, args: argp
     env = state_env(models_root, state)
     # Housekeeping (and the idle trim) looks often enough to act within the idle wait.
     env["MLXHOST_HOUSEKEEPING_INTERVAL_S"] = str(min(5.0, args.idle / 3))
-    key = register_alias(env, folder, max_output_tokens=4)
+    key = register_alias(env, folder, max_tokens=4, max_output_tokens=4)
     log = state / "daphne.log"
     proc, base = start_daphne(env, log, root)
     try:

@@ -246,3 +246,22 @@ async def test_a_runs_captured_logs_hold_no_key_and_no_prompt_text(tiny_alias, a
     )
     for needle in (api_key, api_key[:-4] + "abcd", api_key[5:21], secret):
         assert needle not in text, needle
+
+
+async def test_a_minted_request_id_makes_no_system_call(api_key, monkeypatch):
+    """Issue 25 §4: request ids are not secrets; minting one never calls os.urandom, which lets
+    go of the GIL (a loop waiting to take it back behind a generating worker lost ~1 ms a request)."""
+    import os
+    import random
+
+    from mlxhost import request_log
+
+    def refused(size: int) -> bytes:
+        raise AssertionError("os.urandom called")
+
+    monkeypatch.setattr(os, "urandom", refused)
+    monkeypatch.setattr(random, "_urandom", refused)  # what `secrets` reaches it through
+    ids = {request_log.current_request_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(MINTED.fullmatch(i) for i in ids)
+    response = await AsyncClient().get("/v1/models", headers={"Authorization": f"Bearer {api_key}"})
+    assert response.status_code == 200 and MINTED.fullmatch(response["x-request-id"])
