@@ -466,3 +466,10 @@ class DashboardConsumer(_TrackedConsumer):
         if self.revoked:
             return  # closed by a logout: not one more status frame
         await self.send(text_data=wire.dumps({"type": "status", "status": message["status"]}))
+
+
+class NoRouteConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channels ships no types
+    """Any WebSocket path without a route: the handshake is refused (daphne answers 403)."""
+
+    async def connect(self) -> None:
+        await self.close()

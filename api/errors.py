@@ -234,6 +234,14 @@ def unknown_route(request: HttpRequest, exception: Exception | None = None) -> H
     return error_response(error, dialect_of(request))
 
 
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """Django's `handler400` (a Host header outside ALLOWED_HOSTS, refused before any view):
+    under /v1/ the API's envelope, not Django's HTML page (API-4)."""
+    if not request.path.startswith("/v1/"):
+        return defaults.bad_request(request, exception)
+    return error_response(ApiError(400, "Bad request.", code="bad_request"), dialect_of(request))
+
+
 def page_not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """Django's `handler404`: unknown paths under /v1/ answer in the API's envelope, not HTML (API-4)."""
     if not request.path.startswith("/v1/"):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from django.urls import URLPattern, URLResolver, get_resolver, path
 from drf_spectacular.generators import SchemaGenerator
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.parsers import JSONParser
 from rest_framework.views import APIView
@@ -25,6 +25,7 @@ from api.anthropic.serializers import CountTokensInput, MessagesInput
 from api.auth import api_endpoint
 from api.openai.completions import CompletionInput
 from api.openai.embeddings import EmbeddingsInput
+from api.openai.input_items import DEFAULT_LIMIT, MAX_LIMIT
 from api.openai.responses_input import ResponsesInput
 from api.openai.serializers import ChatCompletionInput
 from mlxhost.wire import json_response
@@ -71,6 +72,7 @@ class Operation:
     request: type[serializers.Serializer[Any]] | None = None
     anthropic: bool = False
     ok: int = 200
+    parameters: tuple[OpenApiParameter, ...] = ()  # query parameters
 
     def responses(self) -> dict[int, Any]:
         error = ANTHROPIC_ERROR if self.anthropic else OPENAI_ERROR
@@ -78,6 +80,13 @@ class Operation:
         return {self.ok: ok, **{status: error for status in (400, 401, 404, 413, 429, 503)}}
 
 
+# What `api.openai.input_items.input_items_page` reads.
+INPUT_ITEMS_QUERY = (
+    OpenApiParameter("limit", int, description=f"1 to {MAX_LIMIT} (default {DEFAULT_LIMIT})"),
+    OpenApiParameter("order", str, enum=["asc", "desc"], description="desc (newest first) by default"),
+    OpenApiParameter("after", str, description="An item id: the page starts after it"),
+    OpenApiParameter("before", str, description="An item id: the page ends before it"),
+)
 # Keyed by the URL name in api/urls.py, then the HTTP method.
 OPERATIONS: dict[str, dict[str, Operation]] = {
     "chat-completions": {"post": Operation("Create a chat completion", ChatCompletionInput)},
@@ -89,7 +98,9 @@ OPERATIONS: dict[str, dict[str, Operation]] = {
         "delete": Operation("Delete a stored response"),
     },
     "responses-cancel": {"post": Operation("Cancel a response being generated")},
-    "responses-input-items": {"get": Operation("List a stored response's input items")},
+    "responses-input-items": {
+        "get": Operation("List a stored response's input items", parameters=INPUT_ITEMS_QUERY)
+    },
     "messages": {"post": Operation("Create a message (Anthropic)", MessagesInput, anthropic=True)},
     "messages-count-tokens": {
         "post": Operation("Count a message's tokens (Anthropic)", CountTokensInput, anthropic=True)
@@ -114,6 +125,7 @@ def _stand_in(name: str, operations: dict[str, Operation]) -> type[APIView]:
             operation_id=f"{name}-{method_name}".replace("-", "_"),
             summary=op.summary,
             request=op.request,
+            parameters=list(op.parameters),
             responses=op.responses(),
         )(handler)
 

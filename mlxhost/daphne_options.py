@@ -1,4 +1,5 @@
-"""Daphne's WebSocket close codes: oversized frames close with 1009, shutdown with 1001 (API-3, OPS-5)."""
+"""Daphne's WebSocket handshake and close codes: oversized frames close with 1009, shutdown with
+1001 (API-3, OPS-5), and a handshake with another method than GET is a 405 with `Allow`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def configure_daphne_websockets(*, max_frame_bytes: int) -> None:
       and the cap follows MLXHOST_WS_MAX_FRAME_BYTES instead of a command-line flag.
     - A consumer's close with 1001 (shutdown), 1008, 1009 or 1011 is sent as that code; daphne
       passed it to autobahn's `sendClose`, which raised, so no close frame went out (1006).
+    - A WebSocket upgrade sent with POST (or any method but GET) is refused by autobahn, below
+      Django, with a 405 that had no `Allow` header (RFC 9110 requires one): it says GET.
     """
     try:
         from daphne.ws_protocol import WebSocketFactory, WebSocketProtocol
@@ -27,6 +30,7 @@ def configure_daphne_websockets(*, max_frame_bytes: int) -> None:
         return
     set_options = WebSocketFactory.setProtocolOptions
     server_close = WebSocketProtocol.serverClose
+    fail_handshake = WebSocketProtocol.failHandshake
 
     def set_protocol_options(self: Any, *args: Any, **kwargs: Any) -> None:
         set_options(self, *args, **kwargs)
@@ -40,6 +44,17 @@ def configure_daphne_websockets(*, max_frame_bytes: int) -> None:
         else:
             server_close(self, code=code)
 
+    def fail_handshake_with_allow(
+        self: Any,
+        reason: str,
+        code: int = 400,
+        responseHeaders: Any = None,  # autobahn calls it by keyword
+    ) -> None:
+        if code == 405:  # the opening handshake is a GET (RFC 6455 §4.1)
+            responseHeaders = [*(responseHeaders or []), ("Allow", "GET")]
+        fail_handshake(self, reason, code, responseHeaders)
+
     WebSocketFactory.setProtocolOptions = set_protocol_options
+    WebSocketProtocol.failHandshake = fail_handshake_with_allow
     WebSocketProtocol.serverClose = close_with_protocol_codes
     WebSocketFactory._mlxhost_configured = True

@@ -11,7 +11,9 @@ admin.site.site_header = "mlxhost"
 admin.site.site_title = "mlxhost admin"
 admin.site.index_title = "Models, keys and stored responses"
 
-# Unknown /v1/ routes answer JSON in the API's envelope; other paths get Django's page.
+# Unknown /v1/ routes, and requests Django refuses before any view (a Host outside
+# ALLOWED_HOSTS), answer JSON in the API's envelope; other paths get Django's page.
+handler400 = "api.errors.bad_request"
 handler404 = "api.errors.page_not_found"
 
 urlpatterns = [

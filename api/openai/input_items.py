@@ -66,7 +66,8 @@ def _limit(query: QueryDict) -> int:
     raw = query.get("limit")
     if raw is None:
         return DEFAULT_LIMIT
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+    # ASCII only: "²".isdigit() is true, and int() refuses it.
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LIMIT:
         raise ApiError(
             400, f"limit must be an integer from 1 to {MAX_LIMIT}.", code="invalid_value", param="limit"
         )

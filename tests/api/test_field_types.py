@@ -483,6 +483,29 @@ async def test_every_field_with_every_json_type_over_the_websocket(walk_aliases,
     assert not failures, "\n".join(failures)
 
 
+QUERY = [
+    *[("limit", value) for value in ("\u00b2", "abc", "0", "101", "-1", "1.5", "", "1e2", "\u0661" * 4)],
+    *[("order", value) for value in ("x", "", "ASC", "asc\u0000")],
+    *[(name, value) for name in ("after", "before") for value in ("nope", "", "msg_" + "x" * 5000)],
+]
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_every_query_parameter_with_bad_values_is_a_400_naming_it(tiny_alias, api_key, mlx_engine):
+    """API-4: the query of GET /v1/responses/{id}/input_items; "²" passed `str.isdigit` and
+    then failed `int()`: a 500."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 1}
+    created = await AsyncClient().post(
+        "/v1/responses", data=json.dumps(body), content_type="application/json", headers=headers
+    )
+    url = f"/v1/responses/{created.json()['id']}/input_items"
+    for name, value in QUERY:
+        response = await AsyncClient().get(url, {name: value}, headers=headers)
+        assert response.status_code == 400, (name, value, response.content[:200])
+        assert response.json()["error"]["param"] == name
+
+
 JSON_VALUES = st.recursive(
     st.none()
     | st.booleans()

@@ -208,3 +208,20 @@ async def test_an_unknown_internal_error_is_a_500_with_a_request_id_and_no_trace
     assert error["message"] == f"Internal server error (request id {request_id})."
     assert "secret" not in response.content.decode()
     assert request_id in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("path", "dialect"),
+    [
+        pytest.param("/v1/models", "openai", id="openai"),
+        pytest.param("/v1/messages", "anthropic", id="anthropic"),
+    ],
+)
+async def test_a_host_that_is_not_allowed_is_a_json_400_under_v1(path, dialect):
+    """API-4: Django refuses a Host header outside ALLOWED_HOSTS before any view, with its HTML
+    400 page; under /v1/ the answer is the API's envelope."""
+    response = await AsyncClient().get(path, headers={"host": "evil.example"})
+    assert response["Content-Type"] == "application/json"
+    assert_envelope(response, 400, dialect, "bad_request")
+    page = await AsyncClient().get("/admin/", headers={"host": "evil.example"})
+    assert page.status_code == 400 and "application/json" not in page["Content-Type"]

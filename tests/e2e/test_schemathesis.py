@@ -73,9 +73,8 @@ def fuzz(
             response = case.call(headers=headers, timeout=120)
             statuses[response.status_code] += 1
             case.validate_response(response, checks=[not_a_server_error])
-            problem = body_problem(
-                response.status_code, response.headers.get("Content-Type"), response.content
-            )
+            content_type = (response.headers.get("content-type") or [None])[0]  # name -> values
+            problem = body_problem(response.status_code, content_type, response.content)
             assert problem is None, problem  # API-4: every answer is JSON, or SSE of JSON
         except Exception as exc:  # collected, so one run reports every operation's failures
             errors.append(f"{case.method} {case.formatted_path} body={body!r:.300}: {exc!s:.600}")

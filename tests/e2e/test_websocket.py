@@ -113,3 +113,43 @@ def test_a_frame_over_the_limit_closes_with_1009_through_daphne(daphne_server, a
         with pytest.raises(ConnectionClosed) as closed:
             socket.recv(timeout=30)
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+
+
+UPGRADE = (
+    "Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+    "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+)
+
+
+def raw_status(server, request: str) -> tuple[str, dict[str, str]]:
+    """The status line and headers daphne answers a raw `request` with."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as conn:
+        conn.sendall(request.replace("HOST", f"{url.hostname}:{url.port}").encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer and (chunk := conn.recv(65536)):
+            answer += chunk
+    status, *lines = answer.split(b"\r\n\r\n", 1)[0].decode().split("\r\n")
+    return status, {name.lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE"])
+def test_an_upgrade_with_another_method_than_get_is_a_405_that_allows_get(daphne_server, method):
+    """RFC 9110: the WebSocket handshake is refused below Django (autobahn) with a 405; it
+    carries `Allow: GET`."""
+    status, headers = raw_status(
+        daphne_server,
+        f"{method} /ws/v1/responses HTTP/1.1\r\nHost: HOST\r\n{UPGRADE}Content-Length: 0\r\n\r\n",
+    )
+    assert status.startswith("HTTP/1.1 405 ")
+    assert headers["allow"] == "GET"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/nothing"])
+def test_an_upgrade_to_a_path_without_a_socket_is_refused_not_a_500(daphne_server, path):
+    """API-4: Channels raised "No route found" (a 500 and a traceback); the handshake is refused."""
+    status, _ = raw_status(daphne_server, f"GET {path} HTTP/1.1\r\nHost: HOST\r\n{UPGRADE}\r\n")
+    assert status.startswith("HTTP/1.1 403 ")
