@@ -26,7 +26,7 @@ from api.openai.responses_input import ENGINE_NAMES, ResponsesInput
 from api.openai.views import validated
 from api.parsing import loads_object
 from api.sampling import sampling_overrides
-from mlxhost import request_log, wire
+from mlxhost import daphne_options, request_log, wire
 from mlxhost.engine import EngineError
 from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
@@ -206,6 +206,10 @@ async def close_open_sockets(timeout: float) -> int:
     for socket in sockets:
         with contextlib.suppress(Exception):  # a socket that is closing already
             await socket.close(code=CLOSE_GOING_AWAY)
+    # The reactor drops connections once the stop hooks return: let the close frames go out and
+    # the clients answer them first, or they see 1006 (issue 25).
+    if still := await daphne_options.wait_for_closes(timeout):
+        logger.warning("%d WebSocket(s) did not finish closing in %.0fs", still, timeout)
     tasks = {t for s in sockets if (t := getattr(s, "_app_task", None)) is not None and not t.done()}
     tasks.discard(asyncio.current_task())
     for task in tasks:

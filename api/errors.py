@@ -12,6 +12,7 @@ from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 
 from mlxhost import request_log, wire
+from mlxhost.daphne_options import REASON_PHRASES
 from mlxhost.engine import (
     DrainingError,
     DuplicateRequestError,
@@ -208,7 +209,10 @@ def error_response(error: ApiError, dialect: Dialect) -> HttpResponse:
     request_log.note_error(error.code or error.type)
     status = error_status(error, dialect)
     response = HttpResponse(
-        wire.dumps(error_body(error, dialect)), status=status, content_type="application/json"
+        wire.dumps(error_body(error, dialect)),
+        status=status,
+        content_type="application/json",
+        reason=REASON_PHRASES.get(status),  # 529: Django's log line reads "Overloaded" (issue 25)
     )
     if error.retry_after is not None:
         response["Retry-After"] = str(error.retry_after)

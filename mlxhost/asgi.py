@@ -16,7 +16,7 @@ from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from api.routing import websocket_urlpatterns  # noqa: E402
-from mlxhost.daphne_options import configure_daphne_websockets  # noqa: E402
+from mlxhost.daphne_options import configure_daphne_websockets, configure_status_phrases  # noqa: E402
 from mlxhost.runtime import control, persistence, status, usage  # noqa: E402, F401  (they register their hooks)
 from mlxhost.runtime.lifecycle import schedule_engine_start  # noqa: E402
 
@@ -29,6 +29,7 @@ application = ProtocolTypeRouter(
 
 # Daphne imports this module before it builds its WebSocket factory.
 configure_daphne_websockets(max_frame_bytes=settings.MLXHOST_WS_MAX_FRAME_BYTES)
+configure_status_phrases()  # 529's status line reads "Overloaded", not "Unknown Status"
 
 # Daphne installs its asyncio reactor before importing this module, so the engine starts on
 # the server's own loop as soon as it runs (pinned aliases load; /readyz reports progress).

@@ -1,13 +1,35 @@
-"""Daphne's WebSocket handshake and close codes: oversized frames close with 1009, shutdown with
-1001 (API-3, OPS-5), and a handshake with another method than GET is a 405 with `Allow`."""
+"""Daphne's WebSocket handshake and close codes (oversized frames close with 1009, shutdown with
+1001; API-3, OPS-5; a handshake with another method than GET is a 405 with `Allow`) and the reason
+phrases of the statuses the standard tables lack (529, Anthropic's overloaded)."""
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from typing import Any
+
+# Statuses neither Python's `http.HTTPStatus` (Django's reason phrases, its request log) nor
+# Twisted's `http.RESPONSES` (daphne's status line) knows: without a phrase they read
+# "Unknown Status Code" in the log and "529 Unknown Status" on the wire (issue 25).
+REASON_PHRASES = {529: "Overloaded"}
+
+
+def configure_status_phrases() -> None:
+    """Give daphne's status line a reason phrase for every status in REASON_PHRASES. Idempotent;
+    a no-op without Twisted (another ASGI server writes its own)."""
+    try:
+        from twisted.web import http
+    except ImportError:
+        return
+    for status, phrase in REASON_PHRASES.items():
+        http.RESPONSES.setdefault(status, phrase.encode())
+
 
 # Codes RFC 6455 lets a server send that autobahn's application API (`sendClose`) refuses:
 # it accepts only 1000 and 3000-4999, and raised on the consumers' 1001 and 1009.
 PROTOCOL_CLOSE_CODES = frozenset({1001, 1008, 1009, 1011})
+# Sockets a consumer closed, until their closing handshake ends (see `wait_for_closes`).
+_closing: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def configure_daphne_websockets(*, max_frame_bytes: int) -> None:
@@ -43,6 +65,7 @@ def configure_daphne_websockets(*, max_frame_bytes: int) -> None:
             self.sendCloseFrame(code=code, isReply=False)  # as daphne itself sends 1011
         else:
             server_close(self, code=code)
+        _closing.add(self)
 
     def fail_handshake_with_allow(
         self: Any,
@@ -58,3 +81,19 @@ def configure_daphne_websockets(*, max_frame_bytes: int) -> None:
     WebSocketProtocol.failHandshake = fail_handshake_with_allow
     WebSocketProtocol.serverClose = close_with_protocol_codes
     WebSocketFactory._mlxhost_configured = True
+
+
+async def wait_for_closes(timeout: float) -> int:
+    """Wait until every socket a consumer closed has finished its closing handshake, at most
+    `timeout` seconds; returns how many are still closing (0 without daphne).
+
+    At shutdown the reactor drops every connection as soon as the stop hooks return: a close frame
+    still in the write buffer then never left, and the client saw 1006 instead of 1001 (issue 25).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        closing = [p for p in list(_closing) if p.state != p.STATE_CLOSED]
+        if not closing or loop.time() >= deadline:
+            return len(closing)
+        await asyncio.sleep(0.02)  # the handshake runs on the reactor; poll its state

@@ -1,10 +1,13 @@
-"""The project's ASGI handler: API requests run their sync calls without a thread of their own."""
+"""The project's ASGI handler: API requests run their sync calls without a thread of their own,
+and a client that leaves during shutdown is no traceback."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import django
+from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler
 
 
@@ -31,6 +34,18 @@ class ApiASGIHandler(ASGIHandler):
             await self.handle(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+    async def listen_for_disconnect(self, receive: Any) -> None:
+        """Django's disconnect listener, ending quietly instead of raising.
+
+        `handle()` runs the view and the disconnect listener as tasks of its own and reads their
+        results; at shutdown daphne cancels `handle()` itself while a stream still runs (OPS-5), so
+        no one reads the listener's `RequestAborted` when the client then goes, and asyncio logged
+        "Task exception was never retrieved" with a traceback (issue 25). Returning is the same to
+        `handle()`: the listener finished, so the view is cancelled.
+        """
+        with contextlib.suppress(RequestAborted):
+            await super().listen_for_disconnect(receive)
 
 
 def get_asgi_application() -> ApiASGIHandler:

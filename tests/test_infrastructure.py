@@ -39,3 +39,49 @@ def test_database_url_selects_postgresql():
 def test_debug_is_off_by_default():
     if "DJANGO_DEBUG" not in os.environ:
         assert settings.DEBUG is False
+
+
+def test_daphne_writes_a_reason_phrase_for_529():
+    """Issue 25: the status line of an Anthropic overload reads `529 Overloaded`, not
+    `529 Unknown Status` (Twisted's table lacks 529; asgi.py adds it)."""
+    from twisted.web import http
+    from twisted.web.test.requesthelper import DummyChannel
+
+    import mlxhost.asgi  # noqa: F401  (configures daphne as the server would)
+
+    request = http.Request(DummyChannel(), False)
+    request.setResponseCode(529)
+    assert request.code_message == b"Overloaded"
+
+
+async def test_the_disconnect_listener_ends_without_an_exception_nobody_reads():
+    """OPS-5 (issue 25): when daphne cancels a request's task at shutdown, Django's disconnect
+    listener task is orphaned; it must end without an exception (asyncio logged "Task exception
+    was never retrieved … RequestAborted" with a traceback for each stream)."""
+    from mlxhost.handlers import ApiASGIHandler
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    assert await ApiASGIHandler().listen_for_disconnect(receive) is None
+
+
+async def test_shutdown_waits_for_each_closed_socket_to_finish_its_handshake():
+    """OPS-5 (issue 25): the close frames must leave before the reactor drops the connections;
+    `wait_for_closes` returns once every closed socket's handshake ended, or says how many did not."""
+    import asyncio
+
+    from mlxhost import daphne_options
+
+    class Protocol:  # autobahn's states
+        STATE_CLOSED, STATE_CLOSING = 0, 2
+
+        def __init__(self) -> None:
+            self.state = self.STATE_CLOSING
+
+    slow, fast = Protocol(), Protocol()
+    daphne_options._closing.update({slow, fast})
+    fast.state = fast.STATE_CLOSED
+    assert await daphne_options.wait_for_closes(0.05) == 1  # `slow` never answered
+    asyncio.get_running_loop().call_later(0.05, setattr, slow, "state", slow.STATE_CLOSED)
+    assert await daphne_options.wait_for_closes(10) == 0

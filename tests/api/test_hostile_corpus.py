@@ -10,6 +10,7 @@ shared sampler (issue 10: `top_k` >= vocabulary) fails its own case.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -136,6 +137,20 @@ async def healthy(key: str) -> None:
         headers={"Authorization": f"Bearer {key}"},
     )
     assert response.status_code == 200, response.content[:500]
+
+
+@pytest.fixture(autouse=True)
+def no_traceback_logged(caplog):
+    """API-4, OPS-6 (issue 25): a client error logs at most one line with the request id, never a
+    traceback: no record of any logger carries exception info (or stack) during a hostile case."""
+    caplog.set_level(logging.DEBUG)
+    yield
+    tracebacks = [
+        f"{r.name}: {r.getMessage()}"
+        for r in caplog.records
+        if r.exc_info or r.stack_info or "Traceback (most recent call last)" in r.getMessage()
+    ]
+    assert tracebacks == []
 
 
 @pytest.fixture

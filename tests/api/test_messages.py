@@ -187,9 +187,10 @@ async def test_count_tokens_matches_the_prompt_a_message_feeds(tiny_alias, api_k
 
 
 async def test_a_full_lane_is_529_overloaded_but_count_tokens_still_answers(
-    tiny_alias, api_key, mlx_engine, tiny_eos_id
+    tiny_alias, api_key, mlx_engine, tiny_eos_id, caplog
 ):
-    """LANE-2: over budget on the Anthropic surface is 529 overloaded_error with Retry-After."""
+    """LANE-2: over budget on the Anthropic surface is 529 overloaded_error with Retry-After; its
+    reason phrase is "Overloaded", so the log never says "Unknown Status Code" (issue 25)."""
     await set_lane(tiny_alias, concurrency=1, queue_depth=0)
     no_eos = {str(tiny_eos_id): -100}
     holder = StreamReader(await post_chat(api_key, stream=True, max_tokens=100_000, logit_bias=no_eos))
@@ -202,8 +203,10 @@ async def test_a_full_lane_is_529_overloaded_but_count_tokens_still_answers(
         "error": {"type": "overloaded_error", "message": refused.json()["error"]["message"]},
     }
     assert int(refused["Retry-After"]) >= 1
+    assert refused.reason_phrase == "Overloaded"
     streaming = await post(message_body(stream=True), api_key)
     assert streaming.status_code == 529
+    assert "Unknown Status" not in caplog.text and "Overloaded: /v1/messages" in caplog.text
     counted = await post({"model": "tiny", "messages": HELLO}, api_key, url=COUNT_URL)
     assert counted.status_code == 200  # a count is not a generation: no lane permit
     await holder.hang_up()

@@ -141,6 +141,10 @@ def test_sigterm_drains_ends_every_stream_and_exits_zero(server, tiny_alias, api
 
     assert server.process.wait(timeout=EXIT_WITHIN_S) == 0, server.output()
     assert "engine stopped" in server.output()
+    # Issue 25: a stream that outlives daphne's cancel of its request task leaves no orphaned
+    # RequestAborted behind, and the log holds no traceback at all.
+    assert "Task exception was never retrieved" not in server.output(), server.output()
+    assert "Traceback" not in server.output(), server.output()
 
 
 def test_sigterm_ends_a_running_websocket_turn_with_its_terminal_event(
@@ -148,12 +152,15 @@ def test_sigterm_ends_a_running_websocket_turn_with_its_terminal_event(
 ):
     """OPS-5, API-3: a WebSocket turn still generating when SIGTERM arrives (it never ends by
     itself) gets its terminal event after the drain's grace period: `response.incomplete`, reason
-    `draining`, never `completed`; the socket then closes with 1001, and the process exits 0."""
+    `draining`, never `completed`; the socket then closes with 1001, as does an idle one, and the
+    process exits 0."""
     from websockets.exceptions import ConnectionClosed
     from websockets.sync.client import connect
 
     url = server.url.replace("http://", "ws://") + "/ws/v1/responses"
-    with connect(url, additional_headers={"Authorization": f"Bearer {api_key}"}) as socket:
+    auth = {"Authorization": f"Bearer {api_key}"}
+    # A second socket that never starts a turn must hear 1001 too, never 1006 (issue 25).
+    with connect(url, additional_headers=auth) as idle, connect(url, additional_headers=auth) as socket:
         socket.send(
             json.dumps(
                 {
@@ -180,6 +187,9 @@ def test_sigterm_ends_a_running_websocket_turn_with_its_terminal_event(
             while True:  # nothing but the close may follow the terminal event
                 extra = json.loads(socket.recv(timeout=STREAM_END_WITHIN_S))
                 assert extra["type"] not in ("response.output_text.delta",), extra
-        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001  # going away
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001, server.output()
+        with pytest.raises(ConnectionClosed) as idle_closed:
+            idle.recv(timeout=STREAM_END_WITHIN_S)
+        assert idle_closed.value.rcvd is not None and idle_closed.value.rcvd.code == 1001, server.output()
 
     assert server.process.wait(timeout=EXIT_WITHIN_S) == 0, server.output()
