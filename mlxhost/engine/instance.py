@@ -56,6 +56,7 @@ class Instance:
         self.spec = spec
         self.state: State = "unloaded"
         self.last_error: str | None = None
+        self.reloading = False  # an in-place reload runs: requests wait in the lane for it
         self.progress = LoadProgress()
         self.last_used = clock()
         self._backend = backend
@@ -146,9 +147,13 @@ class Instance:
         Raises:
             ModelLoadError: the load failed (the reason is kept in `last_error`).
         """
-        async with self.lane.exclusive(abort_after=drain_timeout_s):
-            await self.free()
-            await self._load_held()
+        self.reloading = True
+        try:
+            async with self.lane.exclusive(abort_after=drain_timeout_s):
+                await self.free()
+                await self._load_held()
+        finally:
+            self.reloading = False
 
     async def free(self) -> None:
         """Free the model and its warm sessions now; the caller guarantees the lane is empty.
@@ -197,6 +202,7 @@ class Instance:
             "kind": self.spec.kind,
             "state": self.state,
             "last_error": self.last_error,
+            "reloading": self.reloading,
             "lane": self.lane.probe().as_dict(),
             "tokens_generated": stats.tokens_generated,
             "requests_finished": stats.requests_finished,
