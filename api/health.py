@@ -16,8 +16,10 @@ from models_app import control, selectors
 if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse
 
-# A model in one of these states can take a request now: `unloaded` loads on it (OPS-3).
-SERVING_STATES = frozenset({"ok", "degraded", "unloaded"})
+# A model in one of these states can take a request now: `unloaded` loads on it (OPS-3), and
+# during an in-place reload requests wait in its lane for the new load (LANE-4): a host must not
+# leave its balancer then, which would cut the requests waiting there.
+SERVING_STATES = frozenset({"ok", "degraded", "unloaded", "reloading"})
 # Every model in one of these: nothing to report.
 HEALTHY_STATES = frozenset({"ok", "unloaded"})
 
@@ -75,7 +77,8 @@ async def readyz(request: HttpRequest) -> HttpResponse:
     snapshots: list[dict[str, Any]] = engine.snapshot() if engine else []  # on the loop: it owns them
     instances = [{**snap, "status": instance_status(snap)} for snap in snapshots]
     models = model_states(
-        await sync_to_async(_served_models)(), {i["instance_id"]: i["status"] for i in instances}
+        await sync_to_async(_served_models)(),
+        {i["instance_id"]: "reloading" if i.get("reloading") else i["status"] for i in instances},
     )
     ready, status = readiness(models, started=engine is not None)
     body: dict[str, Any] = {"status": status, "states": dict(Counter(m["state"] for m in models))}

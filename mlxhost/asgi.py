@@ -18,10 +18,13 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 from api.routing import websocket_urlpatterns  # noqa: E402
 from mlxhost.daphne_options import configure_daphne_websockets, configure_status_phrases  # noqa: E402
 from mlxhost.runtime import control, persistence, status, usage  # noqa: E402, F401  (they register their hooks)
-from mlxhost.runtime.lifecycle import schedule_engine_start  # noqa: E402
+from mlxhost.runtime.lifecycle import ServeThroughShutdown, schedule_engine_start  # noqa: E402
 
 # Daphne serves no static files itself; the admin's CSS and the dashboard's JS come from here.
-http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.MLXHOST_SERVE_STATIC else django_asgi_app
+# A client that leaves while the server drains still cancels its turn (lifecycle.py).
+http_app = ServeThroughShutdown(
+    ASGIStaticFilesHandler(django_asgi_app) if settings.MLXHOST_SERVE_STATIC else django_asgi_app
+)
 # WebSocket consumers check Origin and credentials themselves (API-5): API-key clients send no Origin.
 application = ProtocolTypeRouter(
     {"http": http_app, "websocket": AuthMiddlewareStack(URLRouter(websocket_urlpatterns))}

@@ -17,6 +17,7 @@ method `WS`. The fields also ride on the record as `request_fields`, for a JSON 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
@@ -216,6 +217,9 @@ class RequestLogMiddleware(DualMiddleware):
         token = _current.set(record)  # reset below: the test client runs requests in one context
         try:
             response = await get_response(request)
+        except asyncio.CancelledError:
+            record.write()  # the client left before the answer: its line all the same (OPS-6)
+            raise
         finally:
             _current.reset(token)
         return _finish(record, response)

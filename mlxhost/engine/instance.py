@@ -73,6 +73,7 @@ class Instance:
         # (LANE-1): otherwise N-1 admitted requests would wait inside the worker, unseen by the
         # queue positions, the queue timeout and `active`.
         self.can_batch: bool | None = None
+        self.reloading = False  # an in-place reload runs: requests wait in the lane for it
         self.progress = LoadProgress()
         self.last_used = clock()
         self._backend = backend
@@ -171,9 +172,13 @@ class Instance:
         Raises:
             ModelLoadError: the load failed (the reason is kept in `last_error`).
         """
-        async with self.lane.exclusive(abort_after=drain_timeout_s):
-            await self.free()
-            await self._load_held()
+        self.reloading = True
+        try:
+            async with self.lane.exclusive(abort_after=drain_timeout_s):
+                await self.free()
+                await self._load_held()
+        finally:
+            self.reloading = False
 
     async def free(self) -> None:
         """Free the model and its warm sessions now; the caller guarantees the lane is empty.
@@ -222,6 +227,7 @@ class Instance:
             "kind": self.spec.kind,
             "state": self.state,
             "last_error": self.last_error,
+            "reloading": self.reloading,
             "lane": self.lane.probe().as_dict(),
             # The capacity the model's settings ask for; `lane.capacity` is what is served (LANE-1).
             "configured_capacity": self.spec.lane.capacity,

@@ -207,3 +207,35 @@ def _drain_before_shutdown() -> Any:
                 logger.exception("shutdown hook %s failed", getattr(hook, "__qualname__", hook))
         _stop_task = asyncio.ensure_future(engine_stop())
     return Deferred.fromFuture(_stop_task)
+
+
+class ServeThroughShutdown:
+    """ASGI middleware for HTTP: when daphne cancels every request at shutdown, keep Django's
+    handler running, so a client that leaves during the drain still cancels its turn (Django's
+    disconnect listener, LANE-6) instead of the host generating for nobody until the drain
+    timeout; the drain ends whatever else still runs (OPS-5). Any other cancel (daphne's
+    `application_close_timeout`, other servers) goes through as before."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
+        self.app = app
+
+    async def __call__(
+        self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
+    ) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        task = asyncio.ensure_future(self.app(scope, receive, send))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if _stop_task is None:  # not the shutdown (it starts before daphne cancels)
+                task.cancel()
+            task.add_done_callback(_report_unexpected)
+            raise
+
+
+def _report_unexpected(task: asyncio.Future[None]) -> None:
+    # The handler outlived its caller: nobody else will look at how it ended.
+    if not task.cancelled() and (error := task.exception()) is not None:
+        logger.error("a request failed during shutdown", exc_info=error)

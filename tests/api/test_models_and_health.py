@@ -196,6 +196,7 @@ async def test_readyz_with_nothing_to_load_is_ready(mlx_engine):
         pytest.param(["error", "unloaded"], (True, "degraded"), id="failed-and-on-demand"),
         pytest.param(["degraded"], (True, "degraded"), id="saturated-still-serves"),
         pytest.param(["loading"], (False, "unavailable"), id="only-loading"),
+        pytest.param(["reloading"], (True, "degraded"), id="only-reloading-requests-wait"),
         pytest.param(["error", "loading"], (False, "unavailable"), id="none-can-serve"),
     ],
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -193,3 +194,70 @@ def test_sigterm_ends_a_running_websocket_turn_with_its_terminal_event(
         assert idle_closed.value.rcvd is not None and idle_closed.value.rcvd.code == 1001, server.output()
 
     assert server.process.wait(timeout=EXIT_WITHIN_S) == 0, server.output()
+
+
+PATIENT_SHUTDOWN_S = 120  # far longer than the test: a turn still running at exit was not cancelled
+
+
+@pytest.fixture
+def patient_server(django_db_setup, django_db_blocker, tmp_path) -> Iterator[Server]:
+    """A daphne whose drain would wait PATIENT_SHUTDOWN_S for running turns."""
+    with django_db_blocker.unblock():
+        url = database_url()
+    with running_daphne(url, tmp_path, MLXHOST_SHUTDOWN_TIMEOUT_S=str(PATIENT_SHUTDOWN_S)) as server:
+        yield server
+
+
+def raw_post(server: Server, headers: dict[str, str], body: dict) -> socket.socket:
+    """POST `body` on a socket of its own, left open: closing it is the client leaving."""
+    payload = json.dumps(body).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    head = [
+        "POST /v1/chat/completions HTTP/1.1",
+        f"Host: {host}:{port}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(payload)}",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
+    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + payload)
+    return sock
+
+
+def test_clients_that_leave_during_the_drain_cancel_their_turns(
+    patient_server, tiny_alias, api_key, tiny_eos_id
+):
+    """Issue 25 (Ctrl-C under load): once SIGTERM has started the drain, a streamed and a plain
+    turn whose clients then hang up are cancelled as any client's leaving cancels (LANE-6), not
+    generated for nobody until the drain timeout: each request's log line says `cancelled`,
+    and the process exits 0 with the drain timeout far from spent."""
+    from models_app import services
+
+    model = tiny_alias.model
+    model.concurrency = 2
+    services.model_save(model=model)
+    server = patient_server
+    headers = {"Authorization": f"Bearer {api_key}"}
+    body = {
+        "model": "tiny",
+        "messages": HELLO,
+        "max_tokens": 1_000_000,
+        "logit_bias": {str(tiny_eos_id): -100},
+    }
+    wait_until(lambda: lane(server, headers).get("capacity") == 2 or lane(server, headers) == {}, timeout=30)
+    streamed = raw_post(server, headers, {**body, "stream": True})
+    assert b"200 OK" in streamed.recv(4096)  # the stream's headers: it runs
+    plain = raw_post(server, headers, body)
+    wait_until(
+        lambda: lane(server, headers).get("active") == 2, timeout=60, interval=0.05, what="both turns to run"
+    )
+
+    server.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: "draining the engine" in server.output(), timeout=60, interval=0.05, what="the drain")
+    streamed.close()
+    plain.close()
+
+    assert server.process.wait(timeout=PATIENT_SHUTDOWN_S / 2) == 0, server.output()
+    lines = [line for line in server.output().splitlines() if "path=/v1/chat/completions" in line]
+    assert len(lines) == 2 and all("outcome=cancelled" in line for line in lines), lines
+    assert "Traceback" not in server.output()

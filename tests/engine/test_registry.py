@@ -286,10 +286,12 @@ async def test_a_reload_of_the_same_weights_keeps_arrivals_waiting_in_the_lane(e
     await until(lambda: lane_of(engine)["writers"] == 1, what="the reload to wait as a writer")
     arrival = await engine.submit(request("arrival", binding="a", spec_=X, max_tokens=2))
     assert (lane_of(engine)["queued"], lane_of(engine)["draining"]) == (1, False)
+    assert engine.snapshot()[0]["reloading"]  # /readyz keeps the host in its balancer meanwhile
     ungate(backend)
     events = [event async for event in stream]
     assert events[-1].finish_reason == "length"  # finished, not aborted
     await asyncio.wait_for(reload, 5)
+    assert not engine.snapshot()[0]["reloading"]
     assert backend.loads == [1, 1]
     assert (await collect(arrival))[-1].finish_reason == "length"
 

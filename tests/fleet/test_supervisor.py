@@ -4,18 +4,18 @@ as a whole cannot serve. No PostgreSQL or daphne: the real fleet's version is in
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
 import sys
 import threading
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import pytest
 
-from deploy.fleet import GIVE_UP_AFTER, Fleet, Proc
+from deploy.fleet import GIVE_UP_AFTER, Fleet, Proc, free_port
 from tests.support import wait_until
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 pytestmark = [pytest.mark.fleet, pytest.mark.timeout(120)]
 
@@ -102,3 +102,28 @@ def test_the_run_fails_only_once_no_engine_host_stays_up(tmp_path):
     assert run.code == 1
     assert len(run.said(r"h02 started again")) == GIVE_UP_AFTER
     assert run.said(r"cannot serve: h01, h02 stay down")
+
+
+def test_make_fleet_names_a_port_in_use_before_starting_anything(tmp_path):
+    """The fleet's ports are fixed (proxy, admin-only process, hosts at admin + n): one already
+    taken is named, with the make variables that move them, before any database work or process
+    starts; the run exits non-zero."""
+    root = Path(__file__).resolve().parents[2]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        admin = taken.getsockname()[1] - 1  # host 1 would listen on the taken port
+        run = subprocess.run(
+            [
+                *(sys.executable, "deploy/fleet.py", "--port", str(free_port())),
+                *("--admin-port", str(admin), "--folder", str(tmp_path / "fleet")),
+            ],
+            cwd=root,
+            env={**os.environ, "DATABASE_URL": "postgres://nobody@127.0.0.1:1/none"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert run.returncode == 1
+    assert f"port {admin + 1} is in use" in run.stderr and "FLEET_ADMIN_PORT" in run.stderr
+    assert not (tmp_path / "fleet").exists()  # nothing prepared, nothing started
