@@ -101,3 +101,73 @@ def stored_list(page, device: str, width: int) -> None:
     page.wait_for_url(re.compile(r"/dashboard/chat/\?response=resp_console3$"))
     page.locator("#chat-transcript li.chat-turn").nth(2).wait_for()  # the conversation, reopened
     assert page.locator("#chat-transcript li.chat-turn").count() == 3
+
+
+@pytest.fixture
+def one_day_of_usage(staff_user):  # noqa: F811
+    from django.utils import timezone
+
+    from models_app import services
+    from models_app.models import UsageDay
+
+    key, _ = services.apikey_create(owner=staff_user, name="new")
+    UsageDay.objects.create(
+        day=timezone.now().date(),
+        owner=staff_user,
+        key=key,
+        requests=3,
+        prompt_tokens=12_345,
+        cached_tokens=4_000,
+        output_tokens=2_100,
+    )
+    return key
+
+
+CHART = """() => { const box = document.querySelector('#mlxhost-usage-chart-section .mlxhost-usage-chart, .mlxhost-usage-chart');
+  const u = box.mlxhostChart; const t = u.data[0][0];
+  return { x: u.valToPos(t, 'x') / u.over.clientWidth,
+           labels: u.axes.map(a => a.label),
+           ticks: u.axes.flatMap(a => a._values || []) }; }"""  # uPlot draws its axes on a canvas
+
+
+def test_one_day_of_usage_is_a_readable_chart(daphne_server, staff_user, one_day_of_usage):  # noqa: F811
+    """KEY-3: with one day of data the usage chart spans a week ending on it: the day's bars sit at
+    its date, inside the plot (not at the left edge), under labelled axes (day in UTC, tokens) whose
+    values are short ("12k")."""
+    _require_browser()
+    from django.utils import timezone
+    from playwright.sync_api import sync_playwright
+
+    today = timezone.now().date()
+    errors: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            for device, (width, height) in VIEWPORTS.items():
+                context = browser.new_context(
+                    base_url=daphne_server.url, viewport={"width": width, "height": height}
+                )
+                context.set_default_timeout(WAIT_MS)
+                context.on("weberror", lambda error: errors.append(str(error.error)))
+                context.on("console", lambda message: _console_error(message, errors))
+                page = context.new_page()
+                sign_in(page)
+                for url in (
+                    "/admin/models_app/usageday/",
+                    f"/admin/models_app/apikey/{one_day_of_usage.pk}/change/",
+                ):
+                    page.goto(url)
+                    page.locator(".mlxhost-usage-chart .uplot").wait_for()
+                    chart = page.evaluate(CHART)
+                    assert 0.5 < chart["x"] < 0.99, chart  # in the plot, not on its left edge
+                    assert "day (UTC)" in chart["labels"] and "tokens" in chart["labels"], chart
+                    assert f"{today.month}/{today.day}" in chart["ticks"], chart
+                    assert any(tick.endswith("k") for tick in chart["ticks"]), chart
+                    assert page.evaluate(OVERFLOW) <= 0
+                    page.locator(".mlxhost-usage-chart").first.screenshot(
+                        path=str(ARTIFACTS / f"usage-one-day-{device}-{url.split('/')[3]}.png")
+                    )
+                context.close()
+        finally:
+            browser.close()
+    assert not errors, f"errors in the pages: {errors}"
