@@ -16,7 +16,7 @@ from django.urls import reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_safe
 
-from models_app import control, selectors, services, transcripts
+from models_app import control, selectors, services, status_history, transcripts
 
 if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse
@@ -85,6 +85,8 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         # The playground chats: embedding models (API-13) are listed above, not offered there.
         "chat_aliases": [alias for alias in aliases if alias.model.kind == alias.model.Kind.CHAT],
         "statuses": statuses,
+        # The charts' last hour, so a dashboard opened after an incident shows it (ADM-2).
+        "history": status_history.history_of(boot_ids=[status["boot_id"] for status in statuses]),
         "rows": instance_rows(statuses),
         "actions": control.action_views(statuses),
         "no_instance_label": control.LIVE_LABELS["unloaded"],
