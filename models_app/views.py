@@ -255,7 +255,7 @@ def chat(request: HttpRequest) -> HttpResponse:
         "history": history,
         "missing_id": public_id if public_id and history is None else "",
         "recent": transcripts.conversations_recent(owner_id=owner_id),
-        "current_id": history["id"] if history else "",
+        "current_root": history["root"] if history else "",
     }
     response = render(request, "chat/index.html", context, status=404 if context["missing_id"] else 200)
     response["Content-Security-Policy"] = content_security_policy(request)
