@@ -173,7 +173,9 @@ def response_transcript(*, response: StoredResponse) -> Transcript:
 
 def _user_text(response: StoredResponse) -> str:
     turns = _own_turns(response.request or {})
-    return "\n".join(_content_text(turn.get("content")) for turn in turns if turn.get("role", "user") == "user")
+    return "\n".join(
+        _content_text(turn.get("content")) for turn in turns if turn.get("role", "user") == "user"
+    )
 
 
 def _content_text(content: object) -> str:
@@ -265,7 +267,9 @@ def conversations_recent(*, owner_id: int, limit: int = RECENT_CONVERSATIONS) ->
             }
     openings = {
         row.public_id: _user_text(row)
-        for row in StoredResponse.objects.filter(public_id__in=list(conversations)).only("public_id", "request")
+        for row in StoredResponse.objects.filter(public_id__in=list(conversations)).only(
+            "public_id", "request"
+        )
     }
     for root_id, entry in conversations.items():
         entry["label"] = _label(openings.get(root_id, ""), alias=entry["alias"], when=entry["created_at"])

@@ -234,7 +234,9 @@ def test_a_dashboard_opened_later_shows_the_last_hour_and_a_phone_picks_a_chart(
                 except Exception:
                     page.screenshot(path=str(ARTIFACTS / "dashboard-history-failed.png"), full_page=True)
                     grid = page.evaluate("document.getElementById('charts-grid').outerHTML.slice(0, 400)")
-                    raise AssertionError(f"no chart card: {grid} {page.inner_text('#ws-state')}; {errors}") from None
+                    raise AssertionError(
+                        f"no chart card: {grid} {page.inner_text('#ws-state')}; {errors}"
+                    ) from None
                 assert int(card.get_attribute("data-points")) >= held  # the history, then live points
                 visible = page.locator(".chart-card .chart:visible")
                 if device == "phone":

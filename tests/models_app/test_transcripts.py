@@ -201,7 +201,9 @@ def test_chat_history_keeps_turns_whose_rows_expired_as_earlier_messages(user, c
     ]
 
 
-def test_recent_conversations_are_one_entry_per_conversation_with_its_branches(user, chain, django_user_model):
+def test_recent_conversations_are_one_entry_per_conversation_with_its_branches(
+    user, chain, django_user_model
+):
     """ADM-4: the list shows each conversation once (not once per branch a regenerate or a stop
     left), linking its newest tip, labelled by its opening words, with its turns and branches."""
     bob = django_user_model.objects.create_user(username="bob", password="pw-bob-123")
