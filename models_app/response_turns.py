@@ -328,6 +328,8 @@ class ResponseHooks(TurnHooks):
                 "max_output_tokens": data.get("max_tokens"),
                 "temperature": data.get("temperature"),
                 "top_p": data.get("top_p"),
+                # The server's figures for the turn, so the chat page shows them after a reload.
+                "timings": _timings(done),
             },
             output=output_items(self.response_id, result.text, status, done, namespaced=self.namespaced),
             output_text=result.text,
@@ -336,6 +338,18 @@ class ResponseHooks(TurnHooks):
             retention_s=data.get("retention_s") or 0,
             created_at=float(self.created_at),
         )
+
+
+def _timings(done: Done | None) -> dict[str, float] | None:
+    if done is None:
+        return None
+    t = done.timings
+    return {
+        "queue_ms": round(t.queue_ms, 1),
+        "ttft_ms": round(t.ttft_ms, 1),
+        "prefill_tps": round(t.prefill_tps, 1),
+        "decode_tps": round(t.decode_tps, 1),
+    }
 
 
 @dataclass

@@ -173,7 +173,18 @@ def response_transcript(*, response: StoredResponse) -> Transcript:
 
 def _user_text(response: StoredResponse) -> str:
     turns = _own_turns(response.request or {})
-    return "\n".join(str(turn.get("content") or "") for turn in turns if turn.get("role") == "user")
+    return "\n".join(
+        _content_text(turn.get("content")) for turn in turns if turn.get("role", "user") == "user"
+    )
+
+
+def _content_text(content: object) -> str:
+    """A message's text: a string, or the text of its parts (Responses' input_text and the like)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(part.get("text") or "") for part in content if isinstance(part, Mapping))
+    return ""
 
 
 def chat_history(*, owner_id: int, public_id: str) -> dict[str, Any] | None:
@@ -196,6 +207,7 @@ def chat_history(*, owner_id: int, public_id: str) -> dict[str, Any] | None:
     )
     return {
         "id": tip.public_id,
+        "root": oldest.public_id,
         "alias": tip.alias_name,
         "continuable": tip.status in CONTINUABLE,
         "instructions": (tip.request or {}).get("instructions") or "",
@@ -209,25 +221,66 @@ def chat_history(*, owner_id: int, public_id: str) -> dict[str, Any] | None:
                 "status": row.status,
                 "status_text": status_text(row),
                 "usage": usage_numbers(row),
+                "timings": (row.request or {}).get("timings"),
             }
             for row in chain.turns
         ],
     }
 
 
+RECENT_ROWS = 1000  # the owner's newest rows a sidebar groups into conversations
+
+
 def conversations_recent(*, owner_id: int, limit: int = RECENT_CONVERSATIONS) -> list[dict[str, Any]]:
-    """The owner's latest conversation tips (stored responses nothing continues yet), newest first,
-    each labelled by its last user input."""
-    rows = StoredResponse.objects.filter(owner_id=owner_id)
-    continued = rows.exclude(previous_response_id="").values("previous_response_id")
-    tips = rows.exclude(public_id__in=continued).order_by("-created_at")[:limit]
-    return [
-        {
-            "id": row.public_id,
-            "alias": row.alias_name,
-            "label": _user_text(row)[:80] or row.public_id,
-            "created_at": row.created_at,
-            "status": row.status,
-        }
-        for row in tips
-    ]
+    """The owner's latest conversations, newest first: one entry per conversation (its root), not
+    one per branch a stop or a regenerate left, linking its newest tip and labelled by its
+    opening words (never a raw id), with how many turns and branches it has (ADM-4).
+
+    Two queries: the newest RECENT_ROWS rows' links, grouped in memory, then the roots' inputs."""
+    rows = list(
+        StoredResponse.objects.filter(owner_id=owner_id)
+        .order_by("-created_at")
+        .values("public_id", "previous_response_id", "created_at", "status", "alias_name")[:RECENT_ROWS]
+    )
+    by_id = {row["public_id"]: row for row in rows}
+    continued = {row["previous_response_id"] for row in rows if row["previous_response_id"]}
+    conversations: dict[str, dict[str, Any]] = {}
+    for tip in rows:  # newest first: a conversation's first tip seen is its newest
+        if tip["public_id"] in continued:
+            continue
+        root, depth = tip, 1
+        while root["previous_response_id"] in by_id and depth < len(rows):
+            root, depth = by_id[root["previous_response_id"]], depth + 1
+        entry = conversations.get(root["public_id"])
+        if entry is not None:
+            entry["branches"] += 1
+            continue
+        if len(conversations) < limit:
+            conversations[root["public_id"]] = {
+                "id": tip["public_id"],
+                "root": root["public_id"],
+                "alias": tip["alias_name"],
+                "created_at": tip["created_at"],
+                "status": tip["status"],
+                "turns": depth,
+                "branches": 1,
+            }
+    openings = {
+        row.public_id: _user_text(row)
+        for row in StoredResponse.objects.filter(public_id__in=list(conversations)).only(
+            "public_id", "request"
+        )
+    }
+    for root_id, entry in conversations.items():
+        entry["label"] = _label(openings.get(root_id, ""), alias=entry["alias"], when=entry["created_at"])
+    return list(conversations.values())
+
+
+def _label(text: str, *, alias: str, when: Any) -> str:
+    words = " ".join(text.split())
+    if not words:
+        return f"Chat with {alias}, {when:%Y-%m-%d %H:%M}"
+    return words if len(words) <= LABEL_CHARS else words[: LABEL_CHARS - 1].rstrip() + "\u2026"
+
+
+LABEL_CHARS = 60

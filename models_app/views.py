@@ -17,7 +17,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_safe
 
 from mlxhost.wire import json_response
-from models_app import control, selectors, services, transcripts
+from models_app import control, selectors, services, status_history, transcripts
 
 if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse
@@ -86,6 +86,8 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         # The playground chats: embedding models (API-13) are listed above, not offered there.
         "chat_aliases": [alias for alias in aliases if alias.model.kind == alias.model.Kind.CHAT],
         "statuses": statuses,
+        # The charts' last hour, so a dashboard opened after an incident shows it (ADM-2).
+        "history": status_history.history_of(boot_ids=[status["boot_id"] for status in statuses]),
         "rows": instance_rows(statuses),
         "actions": control.action_views(statuses),
         "no_instance_label": control.LIVE_LABELS["unloaded"],
@@ -254,7 +256,7 @@ def chat(request: HttpRequest) -> HttpResponse:
         "history": history,
         "missing_id": public_id if public_id and history is None else "",
         "recent": transcripts.conversations_recent(owner_id=owner_id),
-        "current_id": history["id"] if history else "",
+        "current_root": history["root"] if history else "",
     }
     response = render(request, "chat/index.html", context, status=404 if context["missing_id"] else 200)
     response["Content-Security-Policy"] = content_security_policy(request)

@@ -374,6 +374,9 @@ class Instance:
             model.dispose_cache(kv)
 
     def _on_progress(self, done: int, total: int, unit: str = "bytes", phase: str = "") -> None:
+        if not total:  # a phase with nothing to count (the build) keeps what was read, for the record
+            last = self.progress
+            done, total, unit = last.done, last.total, last.unit
         self.progress = LoadProgress(done, total, unit, phase or PHASE_OF_UNIT.get(unit, "read"))
 
     async def _on_worker(self, fn: Callable[[], None]) -> None:

@@ -24,7 +24,7 @@ from django.conf import settings
 
 from mlxhost.runtime import lifecycle
 from mlxhost.runtime.control import Actions, actions_for, is_alias
-from models_app import control
+from models_app import control, status_history
 
 if TYPE_CHECKING:
     from mlxhost.engine import Engine
@@ -191,7 +191,7 @@ async def run_status_publisher(engine: Engine, actions: Actions) -> None:
     while True:
         status = builder.build()
         try:
-            await sync_to_async(control.status_publish)(status)
+            await sync_to_async(_publish)(status)
             if layer is not None:
                 await layer.group_send(
                     control.DASHBOARD_GROUP, {"type": control.DASHBOARD_STATUS, "status": status}
@@ -202,6 +202,11 @@ async def run_status_publisher(engine: Engine, actions: Actions) -> None:
                 logger.warning("could not publish the engine status", exc_info=True)
             failing = True
         await _next_report(actions)
+
+
+def _publish(status: dict[str, Any]) -> None:
+    control.status_publish(status)
+    status_history.history_record(status)  # the charts' last hour (ADM-2)
 
 
 async def _next_report(actions: Actions) -> None:

@@ -167,6 +167,7 @@
   Chat.prototype.restore = function (history) {
     if (!history) return;
     var self = this;
+    this.rootId = history.root;
     if (history.alias && this.model.querySelector('option[value="' + CSS.escape(history.alias) + '"]')) {
       this.model.value = history.alias;
     }
@@ -178,6 +179,7 @@
       turn.id = row.id;
       turn.text = row.output;
       turn.usage = { input: row.usage.input, cached: row.usage.cached, output: row.usage.output };
+      turn.timings = row.timings || null; // kept with the row: the figures survive a reload
       self.paint(turn);
       self.settle(turn, row.status, null, row.status === "completed" ? null : row.status_text); // the server's words
     });
@@ -201,6 +203,7 @@
   Chat.prototype.newConversation = function () {
     if (this.current) return;
     this.turns = [];
+    this.rootId = null; // the next turn starts a conversation of its own
     this.transcript.replaceChildren();
     var missing = document.getElementById("chat-missing");
     if (missing) missing.remove();
@@ -329,6 +332,7 @@
     if (response.status === "failed") words = "Failed: " + ((response.error || {}).message || "the model stopped");
     this.settle(turn, response.status, reason, words);
     this.current = null;
+    if (CONTINUABLE[response.status]) this.showInSidebar(turn);
     this.showConversation();
     this.buttons();
   };
@@ -417,8 +421,68 @@
   Chat.prototype.paint = function (turn) {
     var near = this.nearBottom();
     turn.answer.replaceChildren(this.markdown.render(turn.text));
+    this.codeButtons(turn.answer);
     turn.answer.classList.toggle("chat-blank", turn.text !== "" && !turn.text.trim()); // says so, in CSS
     this.scrollDown(near);
+  };
+
+  // Each code block gets a copy button of its own (its text as written, not the whole reply).
+  Chat.prototype.codeButtons = function (root) {
+    var el = this.lib.el;
+    root.querySelectorAll("pre").forEach(function (pre) {
+      var button = el("button", { type: "button", className: "button chat-code-copy", text: "Copy code" });
+      button.addEventListener("click", function () {
+        var done = function (ok) {
+          button.textContent = ok ? "Copied" : "Copy failed";
+          setTimeout(function () {
+            button.textContent = "Copy code";
+          }, COPIED_MS);
+        };
+        if (!navigator.clipboard || !navigator.clipboard.writeText) return done(false);
+        navigator.clipboard.writeText(pre.textContent).then(
+          function () {
+            done(true);
+          },
+          function () {
+            done(false);
+          }
+        );
+      });
+      var box = el("div", { className: "chat-code" });
+      pre.replaceWith(box);
+      box.append(button, pre);
+    });
+  };
+
+  // The sidebar follows the conversation: one entry per conversation (by its first turn), moved
+  // to the top and pointed at the newest turn when a turn ends.
+  Chat.prototype.showInSidebar = function (turn) {
+    var el = this.lib.el;
+    var list = document.getElementById("chat-recent");
+    if (!list || !turn.id) return;
+    if (!this.rootId) this.rootId = turn.id;
+    var item = list.querySelector('li[data-root="' + CSS.escape(this.rootId) + '"]');
+    var first = this.turns[0];
+    if (!item) {
+      var label = (first ? first.input : turn.input).replace(/\s+/g, " ").trim();
+      if (label.length > 60) label = label.slice(0, 59).trim() + "\u2026";
+      item = el("li", { "data-root": this.rootId }, [el("a", { text: label || "Chat with " + turn.model }), " ", el("span", { className: "quiet chat-recent-meta" })]);
+    }
+    item.querySelector("a").setAttribute("href", "?response=" + encodeURIComponent(turn.id));
+    var count = this.turns.filter(function (t) {
+      return t.id && CONTINUABLE[t.status];
+    }).length;
+    item.querySelector(".chat-recent-meta").textContent = turn.model + " \u00b7 " + count + (count === 1 ? " turn" : " turns") + " \u00b7 just now";
+    list.querySelectorAll("li.quiet").forEach(function (node) {
+      node.remove(); // "None stored yet."
+    });
+    list.querySelectorAll("li.chat-current").forEach(function (node) {
+      node.classList.remove("chat-current");
+      node.removeAttribute("aria-current");
+    });
+    item.classList.add("chat-current");
+    item.setAttribute("aria-current", "page");
+    list.prepend(item);
   };
 
   Chat.prototype.settle = function (turn, status, reason, words) {

@@ -5,7 +5,8 @@
   "use strict";
 
   var DASH = "\u2014"; // an em dash: no value (yet)
-  var HISTORY_POINTS = 300; // five minutes at one report a second
+  var HISTORY_S = 3600; // the charts' window: the last hour (the server keeps it too, status_history.py)
+  var NARROW = "(max-width: 700px)"; // a phone: one kind of chart at a time, for every instance
   var ENGINE_STALE_MS = 15000; // matches STATUS_TTL_S: an engine silent this long is gone
   var BACKOFF_MIN_MS = 500;
   var BACKOFF_MAX_MS = 15000;
@@ -242,6 +243,14 @@
     var self = this;
     var initial = document.getElementById("initial-status");
     var statuses = initial ? JSON.parse(initial.textContent) : [];
+    var history = document.getElementById("status-history");
+    var samples = history ? JSON.parse(history.textContent) : {};
+    Object.keys(samples).forEach(function (bootId) {
+      samples[bootId].forEach(function (sampled) {
+        self.addPoints(bootId, sampled.at, sampled.instances);
+      });
+    });
+    this.pickCharts();
     statuses.forEach(function (status) {
       self.update(status, false);
     });
@@ -270,8 +279,16 @@
     // The server only renders engines that reported lately; count from now, whatever the clocks say.
     this.engines.set(status.boot_id, { status: status, seen: Date.now() });
     if (!live) return;
-    status.instances.forEach(function (view) {
-      var key = status.boot_id + ":" + view.instance_id;
+    this.addPoints(status.boot_id, status.at, status.instances).forEach(function (pair) {
+      pair[0].view = pair[1]; // a full view: the chart card's title comes from it
+    });
+  };
+
+  // One point per instance at `at` (a live report, or a sample of the server's history).
+  Dashboard.prototype.addPoints = function (bootId, at, views) {
+    var self = this;
+    return views.map(function (view) {
+      var key = bootId + ":" + view.instance_id;
       var data = self.series.get(key);
       if (!data) {
         data = { t: [], charts: null, card: null };
@@ -280,18 +297,36 @@
         });
         self.series.set(key, data);
       }
-      data.view = view;
       // A reconnect replays the last report: keep x strictly increasing for uPlot.
-      if (data.t.length && data.t[data.t.length - 1] >= status.at) return;
-      data.t.push(status.at);
+      if (data.t.length && data.t[data.t.length - 1] >= at) return [data, view];
+      data.t.push(at);
       var point = sample(view);
       SAMPLE_FIELDS.forEach(function (name) {
         data[name].push(point[name]);
       });
-      ["t"].concat(SAMPLE_FIELDS).forEach(function (name) {
-        if (data[name].length > HISTORY_POINTS) data[name].shift();
-      });
+      while (data.t.length && data.t[0] < at - HISTORY_S) {
+        ["t"].concat(SAMPLE_FIELDS).forEach(function (name) {
+          data[name].shift();
+        });
+      }
+      return [data, view];
     });
+  };
+
+  // On a phone the charts of every instance would make a page thousands of pixels tall: show one
+  // kind at a time (the user picks which); a wider screen shows every chart, and may pick too.
+  Dashboard.prototype.pickCharts = function () {
+    var self = this;
+    var picker = document.getElementById("chart-pick");
+    if (!picker) return;
+    document.getElementById("chart-pick-row").hidden = false;
+    if (window.matchMedia && window.matchMedia(NARROW).matches) picker.value = "0";
+    var show = function () {
+      self.grid.dataset.show = picker.value;
+      self.resizeCharts(); // a chart shown again takes its box's width
+    };
+    picker.addEventListener("change", show);
+    show();
   };
 
   Dashboard.prototype.render = function () {
@@ -481,7 +516,7 @@
   }
 
   var COUNT_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000];
-  var TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600]; // seconds between time labels
+  var TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800]; // seconds between time labels
 
   // Each chart: its title (with the unit), y-axis label and format, and the series it draws.
   var CHARTS = [
@@ -604,8 +639,8 @@
       }
       if (!data.view) return; // first paint only: wait for live points
       if (!data.card) {
-        var boxes = CHARTS.map(function (spec) {
-          return el("figure", { className: "chart", "data-unit": spec.unit }, [el("figcaption", { text: spec.title })]);
+        var boxes = CHARTS.map(function (spec, i) {
+          return el("figure", { className: "chart", "data-unit": spec.unit, "data-chart": String(i) }, [el("figcaption", { text: spec.title })]);
         });
         data.title = el("h3", {});
         data.card = el("div", { className: "chart-card", "data-key": key }, [data.title, el("div", { className: "charts-grid" }, boxes)]);

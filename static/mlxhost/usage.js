@@ -14,36 +14,65 @@
     };
   }
 
+  // 1234567 -> "1.2M": token counts on the axis stay short.
+  function compact(value) {
+    var abs = Math.abs(value);
+    if (abs >= 1e9) return (value / 1e9).toFixed(abs >= 1e10 ? 0 : 1) + "G";
+    if (abs >= 1e6) return (value / 1e6).toFixed(abs >= 1e7 ? 0 : 1) + "M";
+    if (abs >= 1e3) return (value / 1e3).toFixed(abs >= 1e4 ? 0 : 1) + "k";
+    return String(Math.round(value));
+  }
+
+  // At least a week wide, most of a day of room at each end: one day of data is a bar with its date
+  // under it in a week of context, not three dots on the left edge.
+  var MIN_DAYS = 7;
+
+  function xRange(t) {
+    if (!t.length) return [0, DAY];
+    var last = t[t.length - 1];
+    var first = Math.min(t[0], last - (MIN_DAYS - 1) * DAY);
+    return [first - DAY * 0.75, last + DAY];
+  }
+
+  function bars(align) {
+    var paths = window.uPlot.paths && window.uPlot.paths.bars;
+    return paths ? paths({ size: [0.3, 18], align: align, gap: 1 }) : undefined;
+  }
+
   function draw(box) {
     var source = document.getElementById(box.getAttribute("data-chart-data"));
     if (!source || !window.uPlot) return;
     var data = JSON.parse(source.textContent);
     var c = colors();
     var axis = { stroke: c.fg, grid: { stroke: c.grid, width: 1 }, ticks: { stroke: c.grid } };
-    var point = { show: true, size: 6 };
+    var range = xRange(data.t);
     var chart = new window.uPlot(
       {
         width: Math.max(200, box.clientWidth),
-        height: 180,
+        height: 200,
         // Days are UTC days: label them so in every browser's time zone.
         tzDate: function (ts) { return window.uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"); },
-        scales: { x: { time: true }, y: { range: function (_u, _min, max) { return [0, Math.max(1, max)]; } } },
+        scales: {
+          x: { time: true, range: function () { return range; } },
+          y: { range: function (_u, _min, max) { return [0, Math.max(1, max * 1.1)]; } },
+        },
         // Ticks on whole days (or weeks, months when many), never at noon.
         axes: [
-          Object.assign({ incrs: [DAY, 2 * DAY, 7 * DAY, 14 * DAY, 28 * DAY], values: "{M}/{D}" }, axis),
-          Object.assign({ size: 60 }, axis),
+          Object.assign({ incrs: [DAY, 2 * DAY, 7 * DAY, 14 * DAY, 28 * DAY], values: "{M}/{D}", label: "day (UTC)", labelSize: 20 }, axis),
+          Object.assign({ size: 56, label: "tokens", labelSize: 20, values: function (_u, ticks) { return ticks.map(compact); } }, axis),
         ],
         cursor: { drag: { x: false, y: false } },
         series: [
-          { value: "{YYYY}-{MM}-{DD}" },
-          { label: "prompt", stroke: "#417690", width: 2, points: point },
-          { label: "cached", stroke: "#79aec8", width: 2, dash: [4, 4], points: point },
-          { label: "output", stroke: "#ba2121", width: 2, points: point },
+          { label: "day", value: "{YYYY}-{MM}-{DD}" },
+          { label: "prompt tokens", stroke: "#417690", fill: "rgba(65,118,144,0.55)", width: 1, paths: bars(-1), points: { show: false } },
+          { label: "of which cached", stroke: "#79aec8", width: 2, dash: [4, 4], points: { show: true, size: 7 } },
+          { label: "output tokens", stroke: "#ba2121", fill: "rgba(186,33,33,0.55)", width: 1, paths: bars(1), points: { show: false } },
         ],
       },
       [data.t, data.prompt, data.cached, data.output],
       box
     );
+    box.mlxhostChart = chart; // for the browser tests
     window.addEventListener("resize", function () {
       var width = box.clientWidth;
       if (width > 0) chart.setSize({ width: width, height: chart.height });

@@ -101,3 +101,156 @@ def stored_list(page, device: str, width: int) -> None:
     page.wait_for_url(re.compile(r"/dashboard/chat/\?response=resp_console3$"))
     page.locator("#chat-transcript li.chat-turn").nth(2).wait_for()  # the conversation, reopened
     assert page.locator("#chat-transcript li.chat-turn").count() == 3
+
+
+@pytest.fixture
+def one_day_of_usage(staff_user):  # noqa: F811
+    from django.utils import timezone
+
+    from models_app import services
+    from models_app.models import UsageDay
+
+    key, _ = services.apikey_create(owner=staff_user, name="new")
+    UsageDay.objects.create(
+        day=timezone.now().date(),
+        owner=staff_user,
+        key=key,
+        requests=3,
+        prompt_tokens=12_345,
+        cached_tokens=4_000,
+        output_tokens=2_100,
+    )
+    return key
+
+
+CHART = """() => { const box = document.querySelector('#mlxhost-usage-chart-section .mlxhost-usage-chart, .mlxhost-usage-chart');
+  const u = box.mlxhostChart; const t = u.data[0][0];
+  return { x: u.valToPos(t, 'x') / u.over.clientWidth,
+           labels: u.axes.map(a => a.label),
+           ticks: u.axes.flatMap(a => a._values || []) }; }"""  # uPlot draws its axes on a canvas
+
+
+def test_one_day_of_usage_is_a_readable_chart(daphne_server, staff_user, one_day_of_usage):  # noqa: F811
+    """KEY-3: with one day of data the usage chart spans a week ending on it: the day's bars sit at
+    its date, inside the plot (not at the left edge), under labelled axes (day in UTC, tokens) whose
+    values are short ("12k")."""
+    _require_browser()
+    from django.utils import timezone
+    from playwright.sync_api import sync_playwright
+
+    today = timezone.now().date()
+    errors: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            for device, (width, height) in VIEWPORTS.items():
+                context = browser.new_context(
+                    base_url=daphne_server.url, viewport={"width": width, "height": height}
+                )
+                context.set_default_timeout(WAIT_MS)
+                context.on("weberror", lambda error: errors.append(str(error.error)))
+                context.on("console", lambda message: _console_error(message, errors))
+                page = context.new_page()
+                sign_in(page)
+                for url in (
+                    "/admin/models_app/usageday/",
+                    f"/admin/models_app/apikey/{one_day_of_usage.pk}/change/",
+                ):
+                    page.goto(url)
+                    page.locator(".mlxhost-usage-chart .uplot").wait_for()
+                    chart = page.evaluate(CHART)
+                    assert 0.5 < chart["x"] < 0.99, chart  # in the plot, not on its left edge
+                    assert "day (UTC)" in chart["labels"] and "tokens" in chart["labels"], chart
+                    assert f"{today.month}/{today.day}" in chart["ticks"], chart
+                    assert any(tick.endswith("k") for tick in chart["ticks"]), chart
+                    assert page.evaluate(OVERFLOW) <= 0
+                    page.locator(".mlxhost-usage-chart").first.screenshot(
+                        path=str(ARTIFACTS / f"usage-one-day-{device}-{url.split('/')[3]}.png")
+                    )
+                context.close()
+        finally:
+            browser.close()
+    assert not errors, f"errors in the pages: {errors}"
+
+
+@pytest.fixture
+def pinned_tiny(tiny_model_dir):
+    """A tiny model, for the dashboard to chart once it is loaded."""
+    from tests.support import register_alias
+
+    return register_alias(name="tiny-pinned", folder="tiny-llama", temperature=0.0)
+
+
+HISTORY_ISLAND = re.compile(r'<script id="status-history" type="application/json">(.*?)</script>', re.S)
+
+
+def server_samples(page) -> int:
+    """How many chart samples the server holds for its engines (read as a new page would get them)."""
+    import json
+
+    island = HISTORY_ISLAND.search(page.request.get("/dashboard/").text())
+    history = json.loads(island.group(1)) if island else {}
+    return max((sum(1 for s in samples if s["instances"]) for samples in history.values()), default=0)
+
+
+def test_a_dashboard_opened_later_shows_the_last_hour_and_a_phone_picks_a_chart(
+    daphne_server,
+    staff_user,  # noqa: F811
+    pinned_tiny,
+):
+    """ADM-2: the server keeps the charts' samples, so a dashboard opened later starts with them
+    (not one point); on a phone one kind of chart shows for every instance, picked from a list."""
+    _require_browser()
+    from playwright.sync_api import sync_playwright
+
+    errors: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            for device, (width, height) in VIEWPORTS.items():
+                context = browser.new_context(
+                    base_url=daphne_server.url, viewport={"width": width, "height": height}
+                )
+                context.set_default_timeout(WAIT_MS)
+                context.on("weberror", lambda error: errors.append(str(error.error)))
+                context.on("console", lambda message: _console_error(message, errors))
+                page = context.new_page()
+                sign_in(page)
+                if device == "laptop":  # load it: the daphne process started before the row existed
+                    page.goto("/dashboard/models/")
+                    row = page.locator(f'#models-body tr[data-model="{pinned_tiny.model.name}"]')
+                    row.locator("button[value=load]:enabled").click()
+                    row.locator(".badge-resident").wait_for()
+                deadline = 30
+                while server_samples(page) < 3 and deadline:  # a sample every 5 s
+                    page.wait_for_timeout(1000)
+                    deadline -= 1
+                held = server_samples(page)
+                assert held >= 3, held
+                page.goto("/dashboard/")
+                card = page.locator(".chart-card").first
+                try:
+                    card.wait_for(timeout=15_000)
+                except Exception:
+                    page.screenshot(path=str(ARTIFACTS / "dashboard-history-failed.png"), full_page=True)
+                    grid = page.evaluate("document.getElementById('charts-grid').outerHTML.slice(0, 400)")
+                    raise AssertionError(
+                        f"no chart card: {grid} {page.inner_text('#ws-state')}; {errors}"
+                    ) from None
+                assert int(card.get_attribute("data-points")) >= held  # the history, then live points
+                visible = page.locator(".chart-card .chart:visible")
+                if device == "phone":
+                    assert page.input_value("#chart-pick") == "0"
+                    assert visible.count() == page.locator(".chart-card").count()  # one per instance
+                    page.select_option("#chart-pick", "3")
+                    assert page.locator('.chart-card .chart[data-chart="3"]').first.is_visible()
+                    page.select_option("#chart-pick", "0")
+                else:
+                    assert page.input_value("#chart-pick") == "all"
+                    assert visible.count() == 5 * page.locator(".chart-card").count()
+                assert page.evaluate(OVERFLOW) <= 0
+                page.screenshot(path=str(ARTIFACTS / f"dashboard-history-{device}.png"), full_page=True)
+                context.close()
+        finally:
+            browser.close()
+    assert not errors, f"errors in the pages: {errors}"

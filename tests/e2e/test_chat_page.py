@@ -174,6 +174,10 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
     legend = page.locator('#chat-legend [data-figure="queue"] dd').text_content()
     assert first.locator('.chat-figures [data-figure="queue"]').get_attribute("title") == legend
     assert page.url.endswith(f"?response={first_id}")
+    sidebar = page.locator("#chat-recent li[data-root]")
+    sidebar.first.wait_for()  # live: the conversation joins the sidebar as its first turn ends
+    assert sidebar.count() == 1 and sidebar.first.locator("a").inner_text() == "Hello there"
+    assert sidebar.first.locator("a").get_attribute("href") == f"?response={first_id}"
 
     # 2. A reply that reaches max_output_tokens says so in words; it continues the first.
     settings(page, temperature="0", max_output_tokens="3")
@@ -210,6 +214,9 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
     assert stopped.locator(".chat-status").inner_text() == "Stopped"
     assert 0 < int(figure(stopped, "tokens").split(" / ")[1].split(" ")[0]) < 4000
     assert page.is_enabled("#chat-send") and page.is_disabled("#chat-stop")
+    stopped_id = stopped.get_attribute("data-response-id")
+    assert sidebar.count() == 1  # one conversation, however many branches
+    assert sidebar.first.locator("a").get_attribute("href") == f"?response={stopped_id}"
     no_sideways_overflow(page, width)
     send_in_view(page, height)
     # 5. Copy puts the reply's text on the clipboard.
@@ -225,8 +232,8 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
         page.screenshot(path=str(SCREENSHOTS / "chat-phone.png"))
 
     # 6. The server holds the conversation: a reload reopens it from the stored rows.
-    stopped_id = stopped.get_attribute("data-response-id")
     stored(stopped_id)
+    first_figures = [figure(first, name) for name in ("queue", "ttft")]
     page.reload()
     page.wait_for_selector('#chat-socket[data-state="open"]')
     turns = page.locator(TURN)
@@ -238,6 +245,12 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
     ]
     assert turns.nth(2).locator(".chat-status").inner_text() == "Stopped"
     assert page.locator("#chat-recent .chat-current a").get_attribute("href") == f"?response={stopped_id}"
+    # The sidebar: one conversation, by its opening words, with its branches (the cut-off reply
+    # that was regenerated is one); the turn's figures came back with it.
+    assert sidebar.count() == 1
+    assert sidebar.first.locator("a").inner_text() == "Hello there"
+    assert "3 turns · 2 branches" in sidebar.first.inner_text()
+    assert [figure(turns.nth(0), name) for name in ("queue", "ttft")] == first_figures
     no_sideways_overflow(page, width)
     send_in_view(page, height)
     if width > 800:
@@ -385,6 +398,15 @@ def test_markup_in_a_reply_is_shown_as_text_and_never_runs(daphne_server, staff_
     )
     assert reply.locator("strong").inner_text() == "bold"
     assert reply.locator("pre code.language-python").count() == 1
+    # Code reads at full contrast and a reading size, and copies on its own.
+    size, color, body = reply.locator("pre code").evaluate(
+        "c => [parseFloat(getComputedStyle(c).fontSize), getComputedStyle(c).color,"
+        " getComputedStyle(document.body).color]"
+    )
+    assert size >= 13 and color == body, (size, color, body)
+    reply.locator(".chat-code-copy").click()
+    reply.locator(".chat-code-copy", has_text="Copied").wait_for()
+    assert page.evaluate("navigator.clipboard.readText()").startswith("print('a very long line")
     assert reply.locator(".md-table td.md-right").inner_text() == "<b>2</b>"
     assert reply.locator("ul > li > ul > li").inner_text() == "nested"
     assert page.evaluate("window.__xss") is None

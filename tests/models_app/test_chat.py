@@ -123,7 +123,8 @@ def test_a_stored_conversation_reopens_by_its_last_id(staff_client, staff, tiny_
     assert [t["id"] for t in history["turns"]] == ["resp_a", "resp_b"]
     assert history["turns"][1]["input"] == "second <question>"  # data, escaped in the island
     assert "second <question>" not in page
-    assert 'aria-current="page"><a href="?response=resp_b">second &lt;question&gt;</a>' in page
+    # The sidebar: the conversation once, by its opening words, linking its newest turn.
+    assert 'aria-current="page" data-root="resp_a"><a href="?response=resp_b">first question</a>' in page
     assert "Continues" in page
 
 

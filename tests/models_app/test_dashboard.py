@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import re
 import time
 
@@ -201,3 +203,42 @@ def test_vendored_chart_library_is_served(staff_client):
 
     assert finders.find("vendor/uplot/uPlot.iife.min.js")
     assert finders.find("vendor/uplot/LICENSE")
+
+
+@pytest.fixture
+def fresh_history(monkeypatch):
+    from models_app import status_history
+
+    monkeypatch.setattr(status_history, "_last_sample_at", {})
+    return status_history
+
+
+def test_the_server_keeps_an_hour_of_chart_samples(fresh_history):
+    """ADM-2: the publisher keeps one sample per engine every 5 s (not each report), an hour of
+    them, with only what the charts draw; older ones are dropped."""
+    history = fresh_history
+    start = time.time() - 2 * history.HISTORY_S
+    for second in range(2 * history.HISTORY_S):  # two hours of reports, one a second
+        history.history_record({**engine_status(), "at": start + second})
+    kept = history.history_of(boot_ids=["boot-1", "boot-gone"], now=start + 2 * history.HISTORY_S)
+    assert kept["boot-gone"] == []
+    samples = kept["boot-1"]
+    assert len(samples) == history.HISTORY_SAMPLES  # the last hour, every 5 s
+    assert [b["at"] - a["at"] for a, b in itertools.pairwise(samples)] == [5.0] * (len(samples) - 1)
+    assert samples[-1]["at"] == start + 2 * history.HISTORY_S - 5
+    assert set(samples[0]["instances"][0]) == set(history.SAMPLE_FIELDS)
+
+
+def test_a_dashboard_opened_later_gets_the_last_hour(staff_client, tiny_enabled, fresh_history):
+    """ADM-2: the page carries the server's samples of every reporting engine, so charts opened
+    after an incident show it."""
+    now = time.time()
+    for ago in (600, 300, 5):
+        fresh_history.history_record({**engine_status(queued=ago // 100), "at": now - ago})
+    control.status_publish(engine_status())
+    page = staff_client.get(URL).content.decode()
+    island = re.search(r'<script id="status-history" type="application/json">(.*?)</script>', page, re.S)
+    assert island is not None
+    history = json.loads(island.group(1))
+    assert [round(now - sample["at"]) for sample in history["boot-1"]] == [600, 300, 5]
+    assert [sample["instances"][0]["queued"] for sample in history["boot-1"]] == [6, 3, 0]

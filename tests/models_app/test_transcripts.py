@@ -201,14 +201,20 @@ def test_chat_history_keeps_turns_whose_rows_expired_as_earlier_messages(user, c
     ]
 
 
-def test_recent_conversations_are_the_owners_tips_newest_first(user, chain, django_user_model):
-    """ADM-4: the list shows each conversation once, by its last turn; a regenerated branch is its own tip."""
+def test_recent_conversations_are_one_entry_per_conversation_with_its_branches(
+    user, chain, django_user_model
+):
+    """ADM-4: the list shows each conversation once (not once per branch a regenerate or a stop
+    left), linking its newest tip, labelled by its opening words, with its turns and branches."""
     bob = django_user_model.objects.create_user(username="bob", password="pw-bob-123")
     stored(bob, "resp_bob", said="bob's")
     branch = stored(user, "resp_branch", previous="resp_one", said="Other question")
     StoredResponse.objects.filter(pk=branch.pk).update(created_at=timezone.now() + timedelta(seconds=5))
+    lone = stored(user, "resp_lone", said="")  # no text to label it by
+    StoredResponse.objects.filter(pk=lone.pk).update(created_at=timezone.now() - timedelta(days=1))
     recent = transcripts.conversations_recent(owner_id=user.pk)
-    assert [(r["id"], r["label"]) for r in recent] == [
-        ("resp_branch", "Other question"),
-        ("resp_three", "And okapis?"),
+    assert [(r["id"], r["root"], r["label"], r["turns"], r["branches"]) for r in recent] == [
+        ("resp_branch", "resp_one", "Tell me about zebras", 2, 2),
+        ("resp_lone", "resp_lone", recent[1]["label"], 1, 1),
     ]
+    assert recent[1]["label"].startswith("Chat with tiny, ") and "resp_" not in recent[1]["label"]
