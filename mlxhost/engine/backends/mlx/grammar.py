@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 
-from mlxhost.engine.errors import InvalidRequestError
+from mlxhost.engine.errors import GrammarFailedError, InvalidRequestError
 from mlxhost.engine.structure import template_tools
 from mlxhost.engine.types import TokenLogprob, TopLogprob
 
@@ -176,13 +176,13 @@ class GrammarProcessor:
         matcher = self._matcher
         if self._started and not matcher.consume_token(cast("int", tokens[-1].item())):
             self._forget()
-            raise RuntimeError(f"the sampled token broke the grammar: {_short(matcher.get_error())}")
+            raise GrammarFailedError(f"the sampled token broke the grammar: {_short(matcher.get_error())}")
         self._started = True
         llguidance.numpy.fill_next_token_bitmask(matcher, self._bits)
         if matcher.is_error():
             # An errored matcher allows only EOS: that would end the answer "stop", unfinished.
             self._forget()
-            raise RuntimeError(f"the grammar failed: {_short(matcher.get_error())}")
+            raise GrammarFailedError(f"the grammar failed: {_short(matcher.get_error())}")
         mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._size].view(np.bool_)
         return mx.where(mx.array(mask), logits, mx.array(-float("inf"), dtype=logits.dtype))
 
