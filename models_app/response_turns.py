@@ -271,14 +271,8 @@ class ResponseHooks(TurnHooks):
             turn.sampling,
             messages=self.messages(),
             cache=cache,
-            tools=self.data["tools"].tools if self.data.get("tools") else (),
-            tool_choice=replace(
-                self.data.get("tool_choice") or ToolChoice(),
-                single=self.data.get("parallel_tool_calls") is False,
-            ),
-            json_format=self.data.get("json_format"),
-            format_param="text.format",
             effort=(self.data.get("reasoning") or {}).get("effort"),
+            **_structure(self.data),
         )
 
     def refused(self) -> None:
@@ -360,6 +354,18 @@ class StartedResponse:
     instructions: str | None
 
 
+def _structure(data: dict[str, Any]) -> dict[str, Any]:
+    """The tools, tool choice and JSON format of a validated Responses body, as TurnRequest fields."""
+    return {
+        "tools": data["tools"].tools if data.get("tools") else (),
+        "tool_choice": replace(
+            data.get("tool_choice") or ToolChoice(), single=data.get("parallel_tool_calls") is False
+        ),
+        "json_format": data.get("json_format"),
+        "format_param": "text.format",
+    }
+
+
 async def response_start(
     data: dict[str, Any],
     owner_id: int,
@@ -380,7 +386,9 @@ async def response_start(
     """
     response_id = response_id or new_response_id()
     hooks = ResponseHooks(data, owner_id, response_id)
-    turn = TurnRequest(model=data["model"], owner_id=owner_id, sampling=sampling, key=key)
+    # The tools and format ride along from the start: their grammars are checked before the
+    # permit (`turn_start`), the chain only adds messages.
+    turn = TurnRequest(model=data["model"], owner_id=owner_id, sampling=sampling, key=key, **_structure(data))
     started = await turn_start(turn, request_id=response_id, hooks=hooks, on_queued=on_queued)
     hooks.created_at = started.created_at
     return StartedResponse(started, hooks.instructions)

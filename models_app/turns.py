@@ -201,6 +201,9 @@ async def turn_start(
     await key_admit(key, owner_id=owner_id)
     alias = chat_alias(await lookups.alias_resolve(turn.model))
     engine = await engine_for(alias.name)
+    # Grammars first, holding nothing: a slow schema never takes a place in the lane (API-7).
+    if turn.tools or turn.json_format is not None:
+        await engine.check_answer(generation_request(alias, turn, request_id, engine))
     with overload_counted(key, owner_id=owner_id):
         permit = engine.reserve(request_id, alias.name)
     try:

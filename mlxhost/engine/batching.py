@@ -123,6 +123,9 @@ class BatchScheduler:
             sequence = self._sequences.pop(step.handle)
             if step.cache is not None:
                 self.model.dispose_cache(step.cache.kv)
+            # One line with the request id: a grammar refusing the text is that request's own
+            # failure (a traceback, for a bug, was logged where it was caught).
+            logger.warning("generation %s failed: %s", sequence.job.generation.request_id, step.reason)
             self._fail(sequence.job)
             return
         self._stats.consecutive_faults = 0

@@ -398,6 +398,23 @@ class Engine:
         instance.touch()
         return Permit(self, instance, ticket, key)
 
+    async def check_answer(self, request: GenerationRequest) -> None:
+        """Compile and walk `request`'s grammars (its JSON format, its tools' schemas) before it
+        takes a lane permit, so a schema that is slow to refuse holds no place in the lane
+        (API-7). Needs the loaded model's vocabulary: when it is not loaded, `submit` checks
+        them after the load, under the permit. A grammar that passes is cached, and `submit`
+        finds it there.
+
+        Raises:
+            InvalidRequestError: a grammar cannot be served (naming its field).
+        """
+        if not request.tools and request.json_format is None:
+            return
+        instance = self.registry.bound(request.binding)
+        model = instance.model if instance is not None else None
+        if model is not None:
+            await self.tokenizers.run(prompts.check_answer, model, request)
+
     async def submit(self, request: GenerationRequest, permit: Permit | None = None) -> Generation:
         """Admit `request`: reserve (or take `permit`), load if needed, render and count the
         prompt, enter the lane. A given permit is consumed, also when this raises.

@@ -98,6 +98,13 @@ class RequestTooLargeError(EngineError):
         self.budget_bytes = budget_bytes
 
 
+class GrammarFailedError(EngineError):
+    """A request's grammar refused the text while generating: that request's failure, logged as
+    one line with its id (never a traceback), and never counted as a fault of the model."""
+
+    code = "generation_failed"
+
+
 class GenerationFailedError(EngineError):
     """The worker thread raised while generating; the message is safe to show a client."""
 

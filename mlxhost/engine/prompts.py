@@ -57,6 +57,18 @@ def render(model: LoadedModel, request: GenerationRequest) -> Rendered:
     return Rendered(prompt_ids, plan)
 
 
+def check_answer(model: LoadedModel, request: GenerationRequest) -> None:
+    """Plan `request`'s answer and check its grammars, rendering nothing (see `check_plan`).
+
+    Raises:
+        InvalidRequestError: as `render` does for the tools, tool choice and JSON format.
+    """
+    if request.prompt is None:
+        check_plan(
+            model, plan_answer(request, native_tools=model.knows_tools, tool_markers=model.tool_markers)
+        )
+
+
 def check_plan(model: LoadedModel, plan: AnswerPlan) -> None:
     """Compile the plan's grammar and walk its first steps (cached per model and grammar).
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from mlxhost.engine.backends.base import StepEnd
 from mlxhost.engine.batching import BatchScheduler
 from mlxhost.engine.embeddings import EmbedJob, PassStats, run_jobs
-from mlxhost.engine.errors import ModelLoadError
+from mlxhost.engine.errors import GrammarFailedError, ModelLoadError
 from mlxhost.engine.jobs import (
     CallJob,
     GenerateJob,
@@ -351,6 +351,13 @@ class InstanceWorker:
         result = JobResult("error")
         try:
             result = self._generate_tokens(job)
+        except GrammarFailedError as exc:  # the request's own grammar: one line, not a fault of the model
+            logger.warning("generation %s failed: %s", generation.request_id, exc)
+            self.stats.requests_failed += 1
+            generation.post_threadsafe(
+                Failed(code="generation_failed", message="The model failed while generating.")
+            )
+            result = JobResult("error", kv=job.unused_kv(), touched=True)
         except Exception as exc:
             logger.exception("generation %s failed", generation.request_id)
             self.stats.requests_failed += 1

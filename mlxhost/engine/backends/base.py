@@ -59,6 +59,7 @@ class BatchStep:
     finish_reason: str | None = None
     cache: SequenceCache | None = None
     failed: bool = False  # this sequence's own sampler or logits processor raised; it alone ends
+    reason: str = ""  # with `failed`: what raised, one line, for the log
     logprob: TokenLogprob | None = None  # with `token_id`, when the request asked for logprobs
 
 

@@ -15,6 +15,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from mlxhost.engine.backends.base import BatchStep, SequenceCache
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
 from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
+from mlxhost.engine.errors import GrammarFailedError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -77,22 +78,30 @@ class _Guard:
 
     An exception there belongs to the requests using it, not to the batch: the guard records
     it and stands in (greedy pick, logits unchanged) so the step completes for everyone, and
-    the batch then ends only the faulted sequences.
+    the batch then ends only the faulted sequences. A grammar refusing the text is the
+    request's own failure, told by the scheduler in one line with its id; anything else is a
+    bug, logged here with its traceback.
     """
 
-    __slots__ = ("faulted",)
+    __slots__ = ("faulted", "reason")
 
     def __init__(self) -> None:
         self.faulted = False
+        self.reason = ""  # one line: what failed
+
+    def _record(self, what: str, error: Exception) -> None:
+        if not isinstance(error, GrammarFailedError):
+            logger.exception("a sequence's %s failed", what)
+        self.faulted = True
+        self.reason = str(error) or type(error).__name__
 
     def sampler(self, sample: Callable[[mx.array], mx.array]) -> Callable[[mx.array], mx.array]:
         def guarded(logprobs: mx.array) -> mx.array:
             if not self.faulted:
                 try:
                     return sample(logprobs)
-                except Exception:
-                    logger.exception("a sequence's sampler failed")
-                    self.faulted = True
+                except Exception as error:
+                    self._record("sampler", error)
             return mx.argmax(logprobs, axis=-1)
 
         return guarded
@@ -102,12 +111,15 @@ class _Guard:
             if not self.faulted:
                 try:
                     return process(tokens, logits)
-                except Exception:
-                    logger.exception("a sequence's logits processor failed")
-                    self.faulted = True
+                except Exception as error:
+                    self._record("logits processor", error)
             return logits
 
         return guarded
+
+
+def _reason(guards: Sequence[_Guard]) -> str:
+    return next((g.reason for g in guards if g.faulted), "")
 
 
 def with_context(processor: Any, context: Sequence[int]) -> Callable[[mx.array, mx.array], mx.array]:
@@ -254,7 +266,8 @@ class MlxBatch:
             ended = SequenceCache(cache, tuple(prompt_ids))
             if guard.faulted or sampler_guard.faulted:
                 reseed_global_random()  # as `_end_faulted` does: a raising sampler spoils it
-                self._first[handle] = BatchStep(handle, "", None, "error", ended, failed=True)
+                reason = _reason((guard, sampler_guard))
+                self._first[handle] = BatchStep(handle, "", None, "error", ended, failed=True, reason=reason)
             elif token in self._eos:
                 self._first[handle] = BatchStep(handle, "", None, "stop", ended)
             else:
@@ -334,7 +347,13 @@ class MlxBatch:
             if guard.faulted:
                 del self._samplers[key]  # later requests get a fresh sampler
         reseed_global_random()
-        return [BatchStep(h, "", None, "error", self.remove(h), failed=True) for h in sorted(handles)]
+        steps = []
+        for handle in sorted(handles):
+            reason = _reason(self._guards.get(handle, ()))
+            steps.append(
+                BatchStep(handle, "", None, "error", self.remove(handle), failed=True, reason=reason)
+            )
+        return steps
 
     def remove(self, handle: int) -> SequenceCache:
         first = self._first.pop(handle, None)

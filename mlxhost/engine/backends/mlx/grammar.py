@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 
-from mlxhost.engine.errors import InvalidRequestError
+from mlxhost.engine.errors import GrammarFailedError, InvalidRequestError
 from mlxhost.engine.structure import template_tools
 from mlxhost.engine.types import TokenLogprob, TopLogprob
 
@@ -38,10 +38,14 @@ REFUSED_GRAMMARS = 256  # per model: refusals remembered, so a repeated bad sche
 WALK_STEPS = 8
 # Bounds on one grammar's size and on the work of one mask, so a hostile schema is refused or
 # cut off, never a hang (llguidance's fuel; its defaults are 500k symbols and 200k fuel a step).
+# The first mask gets no more fuel than a later step: with llguidance's 1M, the pattern
+# `^a{1000}{1000}$` burned 5.7 s of CPU in its regex builder before it was refused; with 200k,
+# 1.6 s (tiny llama, 2 busy cores). Schemas with 1000-value enums, 40 nested arrays, date-times
+# and `a{100}{100}` compile as before.
 LIMITS: dict[str, Any] = {
     "max_grammar_size": 200_000,
     "step_lexer_fuel": 200_000,
-    "initial_lexer_fuel": 1_000_000,
+    "initial_lexer_fuel": 200_000,
 }
 # Compact JSON: a free run of whitespace would let a model wander in blank space until max_tokens.
 JSON_OPTIONS: Any = {"whitespace_flexible": False}
@@ -176,13 +180,13 @@ class GrammarProcessor:
         matcher = self._matcher
         if self._started and not matcher.consume_token(cast("int", tokens[-1].item())):
             self._forget()
-            raise RuntimeError(f"the sampled token broke the grammar: {_short(matcher.get_error())}")
+            raise GrammarFailedError(f"the sampled token broke the grammar: {_short(matcher.get_error())}")
         self._started = True
         llguidance.numpy.fill_next_token_bitmask(matcher, self._bits)
         if matcher.is_error():
             # An errored matcher allows only EOS: that would end the answer "stop", unfinished.
             self._forget()
-            raise RuntimeError(f"the grammar failed: {_short(matcher.get_error())}")
+            raise GrammarFailedError(f"the grammar failed: {_short(matcher.get_error())}")
         mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self._size].view(np.bool_)
         return mx.where(mx.array(mask), logits, mx.array(-float("inf"), dtype=logits.dtype))
 
