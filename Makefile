@@ -115,8 +115,10 @@ api-key: install
 	$(PY) manage.py mlxhost_bootstrap --new-key --port $(PORT)
 
 # Celery worker + beat against Redis: REDIS_URL=redis://127.0.0.1:6379/0 make worker
+# Beat keeps its schedule under var/ (ignored), not in the working directory.
 worker: install
-	$(VENV)/bin/celery -A mlxhost.celery worker --beat --loglevel INFO
+	mkdir -p var
+	$(VENV)/bin/celery -A mlxhost.celery worker --beat --schedule var/celerybeat-schedule --loglevel INFO
 
 # Throughput at 1-8 streams (raw mlx-lm vs mlx_lm.server vs mlxhost), then multi-user chat on a shared
 # system prompt (mlxhost vs mlx_lm.server); see benchmarks/README.md. Both append to benchmarks/RESULTS.md
