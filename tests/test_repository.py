@@ -1,8 +1,10 @@
-"""The repository holds sources only (issue 26, item 7): no generated file is tracked, and every
-place that starts Celery beat points its schedule under var/ (ignored) instead of the working directory."""
+"""The repository (issue 26, item 7): no generated file is tracked, every place that starts Celery
+beat points its schedule under var/ (ignored) instead of the working directory, and one helper
+(`scripts/deb_package.sh`) installs the Makefile's Debian packages when root."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from fnmatch import fnmatch
@@ -96,3 +98,76 @@ def test_every_launcher_that_starts_beat_names_its_schedule() -> None:
     assert not bare, (
         f"Celery beat started without --schedule (it would write to the working directory): {bare}"
     )
+
+
+DEB_TARGETS = ("openblas", "chromium", "haproxy")
+
+
+def stubs(tmp_path: Path, *, uid: int = 0, apt_ok: bool = True) -> dict[str, str]:
+    """An environment whose `id`, `uname` and `apt-get` are stand-ins; apt-get logs its arguments
+    to `apt.log` and succeeds unless `apt_ok` is false."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    scripts = {
+        "id": f"echo {uid}",
+        "uname": "echo Linux",
+        "apt-get": f'echo "$*" >> {tmp_path / "apt.log"}; exit {0 if apt_ok else 1}',
+    }
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def make(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    return subprocess.run(["make", "-s", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def deb_package(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    script = ROOT / "scripts" / "deb_package.sh"
+    return subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True)
+
+
+def test_the_package_targets_use_the_one_helper() -> None:
+    dry = make(dict(os.environ), "-n", *DEB_TARGETS)
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.count("scripts/deb_package.sh") == len(DEB_TARGETS)
+    recipes = [line for line in (ROOT / "Makefile").read_text().splitlines() if line.startswith("\t")]
+    assert not [line for line in recipes if "apt-get" in line]
+
+
+def test_the_package_targets_do_nothing_when_the_packages_are_there(tmp_path: Path) -> None:
+    env = stubs(tmp_path)
+    (tmp_path / "libopenblas.so.0").write_text("")
+    (tmp_path / "bin" / "haproxy").write_text("#!/bin/sh\n")
+    (tmp_path / "bin" / "haproxy").chmod(0o755)
+    there = f"OPENBLAS={tmp_path / 'libopenblas.so.0'}", f"CHROMIUM={tmp_path / 'bin' / 'haproxy'}"
+    done = make(env, *DEB_TARGETS, *there)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+    assert not (tmp_path / "apt.log").exists()
+
+
+def test_a_missing_package_is_installed_as_root(tmp_path: Path) -> None:
+    gone = f"OPENBLAS={tmp_path / 'none.so'}", f"CHROMIUM={tmp_path / 'none'}"
+    done = make(stubs(tmp_path), "openblas", "chromium", *gone)
+    assert done.returncode == 0, done.stderr
+    assert "Installing libopenblas0-pthread (" in done.stdout and "Installing chromium (" in done.stdout
+    calls = (tmp_path / "apt.log").read_text().splitlines()
+    assert calls == [
+        "update -qq",
+        "install -y -qq libopenblas0-pthread",
+        "update -qq",
+        "install -y -qq chromium",
+    ]
+
+
+@pytest.mark.parametrize(("uid", "apt_ok"), [(1000, True), (0, False)], ids=["not root", "apt-get fails"])
+def test_a_package_that_stays_missing_warns_or_fails(tmp_path: Path, uid: int, apt_ok: bool) -> None:
+    env = stubs(tmp_path, uid=uid, apt_ok=apt_ok)
+    warned = make(env, "openblas", f"OPENBLAS={tmp_path / 'none.so'}")
+    assert warned.returncode == 0 and "WARNING: " in warned.stdout and "reference BLAS" in warned.stdout
+    failed = deb_package(env, "haproxy", "the fleet's load balancer")
+    assert failed.returncode == 1 and "apt-get install haproxy" in failed.stderr
+    assert (tmp_path / "apt.log").exists() == (uid == 0)
