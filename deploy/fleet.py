@@ -164,8 +164,8 @@ class Fleet:
             self.procs[f"h{n:02d}"] = self._daphne(f"h{n:02d}", port, host_env)
         worker = [py, "-m", "celery", "-A", "mlxhost.celery", "worker", "--pool=solo", "--loglevel=INFO"]
         worker += ["--without-gossip", "--without-mingle", "--without-heartbeat"]
-        if self.beat:  # its schedule file with the logs, not in the checkout
-            worker += ["--beat", f"--schedule={self.folder / 'celerybeat-schedule'}"]
+        if self.beat:  # beat's schedule with the fleet's other state, never in the working directory
+            worker += ["--beat", "--schedule", str(self.folder / "celerybeat-schedule")]
         self.procs["worker"] = Proc("worker", worker, base, self.folder / "worker.log")
         proxy_port = self.port or free_port()
         addresses = {
