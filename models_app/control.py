@@ -176,7 +176,7 @@ def status_publish(payload: dict[str, Any]) -> None:
     boot_id = payload["boot_id"]
     cache.set(STATUS_KEY.format(boot_id=boot_id), payload, STATUS_TTL_S)
     now = time.time()
-    redis = redis_client()
+    redis = _redis_client()
     if redis is not None:
         # Several engines publish at once: one field each in a Redis hash, never a read-modify-write
         # of a shared value, which would drop another engine for a second (issue 15).
@@ -191,7 +191,7 @@ def status_publish(payload: dict[str, Any]) -> None:
 def _status_index() -> dict[str, float]:
     """Boot id -> when it last published, for the engines of the last STATUS_TTL_S seconds."""
     now = time.time()
-    redis = redis_client()
+    redis = _redis_client()
     if redis is None:
         index: dict[str, float] = cache.get(STATUS_INDEX_KEY) or {}
         return {key: at for key, at in index.items() if now - at < STATUS_TTL_S}
@@ -204,7 +204,7 @@ def _status_index() -> dict[str, float]:
     return {boot_id: at for boot_id, at in found.items() if boot_id not in stale}
 
 
-def redis_client() -> Any:
+def _redis_client() -> Any:
     """The raw client of the Redis cache, or None when the cache is not Redis."""
     from django.core.cache import caches
     from django.core.cache.backends.redis import RedisCache

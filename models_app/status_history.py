@@ -48,7 +48,7 @@ def history_record(status: dict[str, Any]) -> None:
         "instances": [{f: view.get(f) for f in SAMPLE_FIELDS} for view in status["instances"]],
     }
     key = HISTORY_KEY.format(boot_id=boot_id)
-    redis = control.redis_client()
+    redis = control._redis_client()
     if redis is not None:
         full = cache.make_key(key)
         pipe = redis.pipeline()
@@ -65,7 +65,7 @@ def history_record(status: dict[str, Any]) -> None:
 def history_of(*, boot_ids: list[str], now: float | None = None) -> dict[str, list[dict[str, Any]]]:
     """The samples of the last HISTORY_S seconds of each engine in `boot_ids`, oldest first."""
     since = (time.time() if now is None else now) - HISTORY_S
-    redis = control.redis_client()
+    redis = control._redis_client()
     found: dict[str, list[dict[str, Any]]] = {}
     for boot_id in boot_ids:
         key = HISTORY_KEY.format(boot_id=boot_id)
