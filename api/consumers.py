@@ -476,4 +476,4 @@ class NoRouteConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channels
     """Any WebSocket path without a route: the handshake is refused (daphne answers 403)."""
 
     async def connect(self) -> None:
-        await self.close()
+        await self.close(code=CLOSE_FORBIDDEN)
