@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from asgiref.sync import sync_to_async
+from autobahn.exception import Disconnected
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -378,6 +379,8 @@ class ResponsesConsumer(_TrackedConsumer):
                     if shape.done is not None:  # an extension of the socket's frames (ADM-4)
                         event["timings"] = timings_body(shape.done.timings)
                 await self.send_json(event)
+                if self.closed:
+                    return  # the client is gone: the generation stops below
         finally:
             # A send that failed (the socket closed) leaves the event generator unfinished; its
             # generation must stop now, not when the generator is collected (LANE-6).
@@ -386,7 +389,10 @@ class ResponsesConsumer(_TrackedConsumer):
 
     async def send_json(self, payload: dict[str, Any]) -> None:
         if not self.closed:
-            await self.send(text_data=json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+            try:
+                await self.send(text_data=json.dumps(payload, separators=(",", ":"), ensure_ascii=False))
+            except Disconnected:  # the client left before its disconnect reached us (issue 25)
+                self.closed = True
 
     async def send_error(self, error: ApiError, response_id: str | None = None) -> None:
         request_log.note_error(error.code or error.type)  # a turn's refusal, in its log line
@@ -418,6 +424,14 @@ def _frame(text: str | None) -> dict[str, Any]:
     return loads_object(text, what="frame")
 
 
+class UnknownRouteConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channels ships no types
+    """A WebSocket path no route serves: refused at the handshake (daphne answers 403). Channels
+    raised "No route found", which daphne logged with a traceback (issue 25)."""
+
+    async def connect(self) -> None:
+        await self.close()
+
+
 class DashboardConsumer(_TrackedConsumer):
     """`/ws/dashboard`: staff only; pushes every engine's status as it is published (ADM-2)."""
 
@@ -430,7 +444,8 @@ class DashboardConsumer(_TrackedConsumer):
         await self.watch_credentials(user_id=user.pk)
         await self.accept()
         for status in await sync_to_async(control.engine_statuses)():
-            await self.send(text_data=json.dumps({"type": "status", "status": status}))
+            with contextlib.suppress(Disconnected):  # the page closed already
+                await self.send(text_data=json.dumps({"type": "status", "status": status}))
 
     async def disconnect(self, code: int) -> None:
         await self.channel_layer.group_discard(control.DASHBOARD_GROUP, self.channel_name)
@@ -445,4 +460,5 @@ class DashboardConsumer(_TrackedConsumer):
     async def dashboard_status(self, message: dict[str, Any]) -> None:
         if self.revoked:
             return  # closed by a logout: not one more status frame
-        await self.send(text_data=json.dumps({"type": "status", "status": message["status"]}))
+        with contextlib.suppress(Disconnected):  # the page closed before its disconnect arrived
+            await self.send(text_data=json.dumps({"type": "status", "status": message["status"]}))
