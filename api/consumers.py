@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from asgiref.sync import sync_to_async
+from autobahn.exception import Disconnected
 from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
@@ -399,6 +400,8 @@ class ResponsesConsumer(_TrackedConsumer):
                     if shape.done is not None:  # an extension of the socket's frames (ADM-4)
                         event["timings"] = timings_body(shape.done.timings)
                 await self.send_json(event)
+                if self.closed:
+                    return  # the client is gone: the generation stops below
         except wire.NotJSONError as exc:  # a NaN in the answer: the turn's error, not an unreadable frame
             self.turns.pop(response_id, None)
             await self.send_error(as_api_error(exc), response_id=response_id)
@@ -410,7 +413,10 @@ class ResponsesConsumer(_TrackedConsumer):
 
     async def send_json(self, payload: dict[str, Any]) -> None:
         if not self.closed:
-            await self.send(text_data=wire.dumps(payload))
+            try:
+                await self.send(text_data=wire.dumps(payload))
+            except Disconnected:  # the client left before its disconnect reached us (issue 25)
+                self.closed = True
 
     async def send_error(self, error: ApiError, response_id: str | None = None) -> None:
         request_log.note_error(error.code or error.type)  # a turn's refusal, in its log line
@@ -454,7 +460,8 @@ class DashboardConsumer(_TrackedConsumer):
         await self.watch_credentials(user_id=user.pk)
         await self.accept()
         for status in await sync_to_async(control.engine_statuses)():
-            await self.send(text_data=wire.dumps({"type": "status", "status": status}))
+            with contextlib.suppress(Disconnected):  # the page closed already
+                await self.send(text_data=wire.dumps({"type": "status", "status": status}))
 
     async def disconnect(self, code: int) -> None:
         await self.channel_layer.group_discard(control.DASHBOARD_GROUP, self.channel_name)
@@ -469,7 +476,8 @@ class DashboardConsumer(_TrackedConsumer):
     async def dashboard_status(self, message: dict[str, Any]) -> None:
         if self.revoked:
             return  # closed by a logout: not one more status frame
-        await self.send(text_data=wire.dumps({"type": "status", "status": message["status"]}))
+        with contextlib.suppress(Disconnected):  # the page closed before its disconnect arrived
+            await self.send(text_data=wire.dumps({"type": "status", "status": message["status"]}))
 
 
 class NoRouteConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channels ships no types

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from mlxhost.engine import Done, Failed
-from mlxhost.log_filters import PROBE_PATHS
+from mlxhost.log_filters import PROBE_PATHS, ClientErrorsOneLine
 from mlxhost.middleware import DualMiddleware
 
 if TYPE_CHECKING:
@@ -167,6 +167,15 @@ def current_request_id() -> str:
     """The running request's id, or a fresh `req_…` outside one (a 500 names it to the client)."""
     record = _current.get()
     return record.request_id if record is not None else mint_request_id()
+
+
+def running_request_id() -> str | None:
+    """The running request's id; None outside one (a log filter names it, never mints one)."""
+    record = _current.get()
+    return record.request_id if record is not None else None
+
+
+ClientErrorsOneLine.request_id = staticmethod(running_request_id)  # its lines name the request
 
 
 def note_error(code: str | None) -> None:

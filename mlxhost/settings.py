@@ -261,9 +261,16 @@ LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "filters": {"quiet_probes": {"()": "mlxhost.log_filters.QuietProbes"}},
+    "filters": {
+        "quiet_probes": {"()": "mlxhost.log_filters.QuietProbes"},
+        "client_errors": {"()": "mlxhost.log_filters.ClientErrorsOneLine"},
+    },
     "handlers": {
-        "console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["quiet_probes"]}
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "plain",
+            "filters": ["quiet_probes", "client_errors"],
+        }
     },
     "root": {"handlers": ["console"], "level": env.str("MLXHOST_LOG_LEVEL", default="INFO")},
     "loggers": {"django.request": {"level": "ERROR"}},

@@ -85,3 +85,26 @@ async def test_shutdown_waits_for_each_closed_socket_to_finish_its_handshake():
     assert await daphne_options.wait_for_closes(0.05) == 1  # `slow` never answered
     asyncio.get_running_loop().call_later(0.05, setattr, slow, "state", slow.STATE_CLOSED)
     assert await daphne_options.wait_for_closes(10) == 0
+
+
+def test_a_client_error_is_logged_as_one_line_with_its_request_id():
+    """API-4, OPS-6 (issue 25): Django logs a bad Host (a SuspiciousOperation) with its whole
+    traceback; the console's filter leaves one line naming the request id."""
+    import logging
+    import sys
+
+    from mlxhost import request_log
+    from mlxhost.log_filters import ClientErrorsOneLine
+
+    try:
+        raise ValueError("bad host")
+    except ValueError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord(
+        "django.security.DisallowedHost", logging.ERROR, __file__, 1, "Invalid HTTP_HOST %r", ("x",), exc_info
+    )
+    with request_log.recording(method="GET", path="/v1/models"):
+        request_id = request_log.running_request_id()
+        assert ClientErrorsOneLine().filter(record)
+    line = logging.Formatter().format(record)
+    assert line == f"Invalid HTTP_HOST 'x' (request id {request_id})"
