@@ -9,6 +9,7 @@ error in its envelope rather than a body no client can read.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from django.core.serializers.json import DjangoJSONEncoder
@@ -32,6 +33,23 @@ def dumps(data: Any) -> str:
         return json.dumps(data, cls=DjangoJSONEncoder, **STRICT)
     except ValueError as exc:  # "Out of range float values are not JSON compliant"
         raise NotJSONError(str(exc)) from exc
+
+
+def finite(data: Any) -> Any:
+    """`data` with every NaN and ±Infinity float (in dicts, lists and tuples) as None."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: finite(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [finite(value) for value in data]
+    return data
+
+
+def page_dumps(data: Any) -> str:
+    """`data` as strict JSON for a page's script data: a value JSON cannot carry is written as
+    null (a chart shows a gap, a cell a dash), so one odd number never breaks the whole page."""
+    return dumps(finite(data))
 
 
 def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> JsonResponse:

@@ -617,6 +617,8 @@ class Engine:
         prompt_ids = rendered.prompt_ids
         if rendered.plan.grammar is not None:
             sampling = replace(sampling, grammar=rendered.plan.grammar)
+        if not rendered.plan.free_text:  # all JSON: its grammar ends it, never a stop string (API-7)
+            sampling = replace(sampling, stop=())
         sampling = limits.fitted(
             sampling,
             len(prompt_ids),

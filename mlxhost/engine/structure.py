@@ -66,6 +66,10 @@ class AnswerPlan:
     param: str = "response_format"  # the request field an error in `grammar` names...
     # ...unless one of these parts (each a grammar alone, with its field) is to blame.
     parts: tuple[tuple[Grammar, str], ...] = ()
+    # The answer may be plain text (no grammar, or tools-only `auto`): only then do text stop
+    # strings end it. An answer that is all JSON (a format, a forced call) ends where its
+    # grammar does, so a stop string can never cut it into invalid JSON (API-7).
+    free_text: bool = True
 
 
 def plan_answer(
@@ -97,21 +101,31 @@ def _plan(request: GenerationRequest, *, native_tools: bool, markers: tuple[str,
         return _tools_plan(tools, choice.name, choice.mode, native_tools)
     answer = Grammar("json", request.json_format or ANY_OBJECT)
     if not tools:
-        return AnswerPlan("json", answer, param=request.format_param)
+        return AnswerPlan("json", answer, param=request.format_param, free_text=False)
     prefix = "" if native_tools else CALL_MARK  # the prompt's note and past calls say it too
     parts = ((answer, request.format_param), *_tool_parts(tools))
     forced = choice.mode == "required" or choice.name is not None
     if forced and request.messages and request.messages[-1].role == "tool":
         # The call was made and answered: this turn gives the typed answer.
-        return AnswerPlan("json", answer, tools, native_tools, call_prefix=prefix, param=request.format_param)
+        return AnswerPlan(
+            "json",
+            answer,
+            tools,
+            native_tools,
+            call_prefix=prefix,
+            param=request.format_param,
+            free_text=False,
+        )
     if forced:
         return replace(_tools_plan(tools, choice.name, choice.mode, native_tools), call_prefix=prefix)
     if native_tools and markers is not None:
         grammar = Grammar("lark", _native_choice_grammar(tools, answer, markers, request.tool_choice.single))
-        return AnswerPlan("native", grammar, tools, True, param="tools", parts=parts)
+        return AnswerPlan("native", grammar, tools, True, param="tools", parts=parts, free_text=False)
     # A native format a grammar cannot write (not JSON between markers): the note's format.
     grammar = Grammar("lark", _marked_choice_grammar(tools, answer))
-    return AnswerPlan("choice", grammar, tools, call_prefix=CALL_MARK, param="tools", parts=parts)
+    return AnswerPlan(
+        "choice", grammar, tools, call_prefix=CALL_MARK, param="tools", parts=parts, free_text=False
+    )
 
 
 def _tools_plan(tools: tuple[Tool, ...], name: str | None, mode: str, native_tools: bool) -> AnswerPlan:
@@ -121,10 +135,12 @@ def _tools_plan(tools: tuple[Tool, ...], name: str | None, mode: str, native_too
     if name is not None or (mode == "required" and len(tools) == 1):
         tool = by_name[name] if name is not None else tools[0]
         grammar = Grammar("json", arguments_schema(tool))
-        return AnswerPlan("args", grammar, tools, native_tools, tool.name, param=_tool_param(tool, tools))
+        param = _tool_param(tool, tools)
+        return AnswerPlan("args", grammar, tools, native_tools, tool.name, param=param, free_text=False)
     if mode == "required":
         grammar = Grammar("json", _call_schema(tools))
-        return AnswerPlan("call", grammar, tools, native_tools, param="tools", parts=_tool_parts(tools))
+        parts = _tool_parts(tools)
+        return AnswerPlan("call", grammar, tools, native_tools, param="tools", parts=parts, free_text=False)
     if native_tools:
         return AnswerPlan("native", None, tools, True)
     grammar = Grammar("lark", _choice_grammar(tools))

@@ -252,13 +252,15 @@ async def test_single_keeps_only_the_first_native_call(engine, backend):
     assert len(events[-1].tool_calls) == 2
 
 
-async def test_a_stop_string_that_cuts_forced_arguments_is_not_a_call(engine, backend):
+async def test_a_stop_string_inside_forced_arguments_does_not_cut_the_call(engine, backend):
+    """API-7: a forced call is all JSON, so a stop string does not end it (was: cut, no call)."""
     choice = ToolChoice("auto", "get_weather")
     sampling = replace(request().sampling, max_tokens=64, stop=("Os",))
     events = await run(
         engine, backend, ['{"city": "', "Oslo", '"}'], tools=(WEATHER,), tool_choice=choice, sampling=sampling
     )
-    assert events[-1].finish_reason == "stop" and events[-1].tool_calls == ()
+    assert events[-1].finish_reason == "tool_calls"
+    assert [(c.name, c.arguments) for c in events[-1].tool_calls] == [("get_weather", '{"city": "Oslo"}')]
 
 
 async def test_a_template_that_refuses_a_later_system_message_gets_it_as_a_user_note(engine, backend):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import replace
 
 import pytest
 
-from mlxhost.engine import Done, Failed
+from mlxhost.engine import Delta, Done, Failed
 from mlxhost.engine.backends.mlx import batch as mlx_batch
 from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
 from mlxhost.engine.errors import GrammarFailedError
@@ -53,3 +54,26 @@ async def test_a_grammar_failing_mid_answer_logs_one_line_with_the_request_id(
     assert lines == ["generation typed-1 failed: the sampled token broke the grammar: test"]
     assert engine.get(1)._worker.stats.faults == 0
     assert isinstance((await collect(await engine.submit(replace(plain, request_id="after"))))[-1], Done)
+
+
+@pytest.mark.parametrize("capacity", [1, 3], ids=["exclusive", "batched"])
+async def test_stop_strings_never_cut_a_json_answer(engines, capacity):
+    """API-7: stops that any JSON object contains (`{`, `"`, `:`) do not end a JSON answer: it
+    is valid JSON for the schema, or cut by max_tokens (was: `stop` with the empty text)."""
+    engine, spec = await engines(capacity)
+    requests = [
+        replace(
+            chat(spec, f"j{i}", [("user", "describe a thing")], max_tokens=60, stop=("{", '"', ":"), **s),
+            json_format=SCHEMA,
+        )
+        for i, s in enumerate([{}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 2}])
+    ]
+    for events in await run_together(engine, requests):
+        done = events[-1]
+        assert isinstance(done, Done) and done.finish_reason in ("stop", "length"), done
+        if done.finish_reason == "stop":
+            assert done.stop_sequence is None
+            assert set(json.loads("".join(e.text for e in events if isinstance(e, Delta)))) == {
+                "name",
+                "tags",
+            }
