@@ -14,7 +14,7 @@ CHROMIUM := /usr/bin/chromium
 DEB_PACKAGE := bash scripts/deb_package.sh
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: precommit typecheck fix run test test-celery test-slow test-chaos test-agents test-fleet fleet haproxy agent-clis ai-sdk install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean bench-embeddings
+.PHONY: precommit typecheck fix run test test-celery test-chaos test-agents test-fleet fleet haproxy agent-clis ai-sdk install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean bench-embeddings
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
@@ -27,17 +27,13 @@ test: install-dev openblas chromium ai-sdk
 test-celery: install-dev
 	$(PY) -m pytest -m celery
 
-# Load suites, excluded from `make test` (see README).
-test-slow: install-dev openblas
-	$(PY) -m pytest -m slow
-
 # The reliability suite excluded from `make test`: SIGKILL rounds and schemathesis (docs/RELIABILITY.md).
 # With REDIS_URL and DATABASE_URL set it runs against Redis, a Celery worker and PostgreSQL.
 test-chaos: install-dev openblas
 	$(PY) -m pytest -m chaos
 
 # Two engine hosts, an admin-only process, a Celery worker and HAProxy on this machine, sharing
-# PostgreSQL and Redis (DATABASE_URL, REDIS_URL; defaults in deploy/fleet.py). README "Running a fleet".
+# PostgreSQL and Redis (DATABASE_URL, REDIS_URL; defaults in deploy/fleet.py). docs/fleet.md.
 fleet: install openblas haproxy
 	$(PY) deploy/fleet.py --port $(PORT) --admin-port $(FLEET_ADMIN_PORT)
 

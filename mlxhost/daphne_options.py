@@ -33,7 +33,7 @@ _closing: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def configure_daphne_websockets(*, max_frame_bytes: int) -> None:
-    """Make daphne send the close codes the README documents. Idempotent; a no-op without daphne.
+    """Make daphne send the close codes docs/api.md documents. Idempotent; a no-op without daphne.
 
     - A frame over `max_frame_bytes` closes with 1009. Daphne caps messages at its own
       `--websocket-max-message-size` (1 MiB) and autobahn then dropped the TCP connection

@@ -1,4 +1,4 @@
-"""Django settings for mlxhost, read from the environment (see .env.example and the README)."""
+"""Django settings for mlxhost, read from the environment (see .env.example and docs/configuration.md)."""
 
 from __future__ import annotations
 

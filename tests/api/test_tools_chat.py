@@ -181,7 +181,7 @@ async def test_a_tool_result_continues_the_conversation(tiny_alias, api_key, mlx
 
 
 async def test_auto_on_a_model_without_tools_is_text_or_a_valid_call(tiny_alias, api_key, mlx_engine):
-    """The README's design: auto on a model without tool support answers text (never starting with
+    """docs/api.md's design: auto on a model without tool support answers text (never starting with
     "{") or one valid call, whatever it samples."""
     for seed in range(4):
         response = await post(api_key, tools=[WEATHER], temperature=1.0, seed=seed, max_tokens=120)

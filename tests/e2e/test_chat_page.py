@@ -5,7 +5,7 @@ cut-off one says so, the last reply is regenerated on the same parent, a reload 
 conversation from the server, and at 390 px nothing overflows sideways and Send stays in view.
 Model output with markup is inert (a mocked socket feeds it). Screenshots go to .cache/artifacts/
 (git-ignored), or to MLXHOST_SCREENSHOTS_DIR: `MLXHOST_SCREENSHOTS_DIR=docs/screenshots` refreshes
-the README's.
+docs/console.md's.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The live Models page and the dashboard's charts in headless Chromium against a real daphne, at
 1280x900 and on a 390x844 phone (ADM-2, ADM-7, ADM-9, OPS-4).
 
-Screenshots land in .cache/artifacts/; with MLXHOST_UPDATE_SCREENSHOTS=1 the README's copies in
+Screenshots land in .cache/artifacts/; with MLXHOST_UPDATE_SCREENSHOTS=1 docs/console.md's copies in
 docs/screenshots/ are rewritten too.
 """
 

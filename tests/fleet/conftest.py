@@ -41,7 +41,7 @@ def fleet(django_db_setup, django_db_blocker, tmp_path_factory) -> Iterator[Flee
     ]
     if missing:
         pytest.fail(
-            f"the fleet tests need {', '.join(missing)}; `make test-fleet` with the README's settings"
+            f"the fleet tests need {', '.join(missing)}; `make test-fleet` with docs/fleet.md's settings"
         )
     queue = f"mlxhost-fleet-{uuid.uuid4().hex[:12]}"
     env = daphne_env(url, REDIS_URL=redis_url, MLXHOST_CELERY_QUEUE=queue, MLXHOST_SSE_KEEPALIVE_S="1")
