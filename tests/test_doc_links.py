@@ -1,6 +1,7 @@
 """Every relative link in the README and `docs/*.md` resolves (issue 26, item 7): the file exists,
 and a `#fragment` names a heading (GitHub's anchor for it) or an explicit `id`/`name` in the page
-it points to. Links inside code blocks and code spans are not links."""
+it points to. Links inside code blocks and code spans are not links. The README is a front page:
+at most 250 lines, and it links every page in `docs/`."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ REFERENCE = re.compile(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$", re.M)
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 HTML_ID = re.compile(r"""<[^>]+\s(?:id|name)=["']([^"']+)["']""")
 EXTERNAL = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)  # http:, https:, mailto:
+FRONT_PAGE_LINES = 250
 
 
 def pages() -> list[Path]:
@@ -95,4 +97,43 @@ def test_a_missing_file_or_heading_is_reported(tmp_path: Path) -> None:
         "missing.md",
         "other.md#nowhere",
         "#set-up-once",
+    ]
+
+
+def front_page_problems(readme: Path, docs: list[Path]) -> list[str]:
+    """Why `readme` is not a front page: longer than FRONT_PAGE_LINES, or a page of `docs` it
+    does not link."""
+    text = readme.read_text()
+    problems = []
+    if (n := len(text.splitlines())) > FRONT_PAGE_LINES:
+        problems.append(f"{shown(readme)} is {n} lines (at most {FRONT_PAGE_LINES})")
+    linked = {
+        (readme.parent / unquote(target.partition("#")[0])).resolve()
+        for target in links(text)
+        if not EXTERNAL.match(target) and target.partition("#")[0]
+    }
+    problems += [
+        f"{shown(readme)} does not link {shown(page)}" for page in docs if page.resolve() not in linked
+    ]
+    return problems
+
+
+def test_the_readme_is_a_front_page_that_links_every_doc() -> None:
+    docs = sorted((ROOT / "docs").glob("*.md"))
+    assert len(docs) >= 8, "docs/*.md finds no pages"
+    assert front_page_problems(ROOT / "README.md", docs) == []
+
+
+def test_a_long_readme_or_an_unlinked_doc_is_reported(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    linked, unlinked, anchored = (tmp_path / "docs" / name for name in ("a.md", "b.md", "c.md"))
+    for page in (linked, unlinked, anchored):
+        page.write_text("# Page\n")
+    readme = tmp_path / "README.md"
+    body = "[a](docs/a.md) [c](docs/c.md#page) `[b](docs/b.md)`\n"
+    readme.write_text(body + "line\n" * (FRONT_PAGE_LINES - 1))
+    assert front_page_problems(readme, [linked, unlinked, anchored]) == [f"{readme} does not link {unlinked}"]
+    readme.write_text(body + "line\n" * FRONT_PAGE_LINES)
+    assert front_page_problems(readme, [linked, anchored]) == [
+        f"{readme} is {FRONT_PAGE_LINES + 1} lines (at most {FRONT_PAGE_LINES})"
     ]
