@@ -45,6 +45,7 @@ _closing: set[asyncio.Future[None]] = set()  # closes started by a timer, kept u
 # Close codes: 4401/4403 mirror HTTP 401/403; 1009 is the protocol's "message too big".
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_FORBIDDEN = 4403
+CLOSE_NOT_FOUND = 4404  # a path no route serves
 CLOSE_TOO_BIG = 1009
 CLOSE_GOING_AWAY = 1001  # the server shuts down
 AUTH_FRAME_TIMEOUT_S = 10.0
@@ -429,7 +430,7 @@ class UnknownRouteConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # cha
     raised "No route found", which daphne logged with a traceback (issue 25)."""
 
     async def connect(self) -> None:
-        await self.close()
+        await self.close(code=CLOSE_NOT_FOUND)
 
 
 class DashboardConsumer(_TrackedConsumer):
