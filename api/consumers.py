@@ -46,6 +46,7 @@ _closing: set[asyncio.Future[None]] = set()  # closes started by a timer, kept u
 # Close codes: 4401/4403 mirror HTTP 401/403; 1009 is the protocol's "message too big".
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_FORBIDDEN = 4403
+CLOSE_NOT_FOUND = 4404  # a path no route serves
 CLOSE_TOO_BIG = 1009
 CLOSE_GOING_AWAY = 1001  # the server shuts down
 AUTH_FRAME_TIMEOUT_S = 10.0
@@ -481,7 +482,8 @@ class DashboardConsumer(_TrackedConsumer):
 
 
 class NoRouteConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channels ships no types
-    """Any WebSocket path without a route: the handshake is refused (daphne answers 403)."""
+    """Any WebSocket path without a route: the handshake is refused (daphne answers 403). Channels
+    raised "No route found", which daphne logged with a traceback (issue 25)."""
 
     async def connect(self) -> None:
-        await self.close(code=CLOSE_FORBIDDEN)
+        await self.close(code=CLOSE_NOT_FOUND)

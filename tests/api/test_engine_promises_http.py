@@ -148,6 +148,27 @@ async def test_an_aborted_stream_ends_with_a_finish_reason_then_the_error_and_do
     assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] >= 1
 
 
+async def test_after_the_drain_every_surface_says_draining(tiny_alias, api_key, draining_engine):
+    """LANE-7, OPS-5 (issue 25): once shutdown has drained the engine, a request that still
+    arrives hears what the drain said: 503 `draining` with Retry-After on OpenAI's surfaces, 529
+    `overloaded_error` on Anthropic's; never 503 `engine_closed` or `api_error`."""
+    assert (await post_chat(api_key, max_tokens=1)).status_code == 200  # bound and loaded
+    await draining_engine.shutdown()
+    hello = [{"role": "user", "content": "Hi"}]
+    for path, body in [
+        ("/v1/chat/completions", {"messages": hello}),
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/responses", {"input": "Hi"}),
+    ]:
+        refused = await post(api_key, path, {"model": "tiny", **body})
+        assert (refused.status_code, refused.json()["error"]["code"]) == (503, "draining"), path
+        assert int(refused["Retry-After"]) >= 1
+    for path, body in [("/v1/messages", {"max_tokens": 2}), ("/v1/messages/count_tokens", {})]:
+        refused = await post(api_key, path, {"model": "tiny", "messages": hello, **body})
+        assert refused.status_code == 529, path
+        assert refused.json()["error"]["type"] == "overloaded_error", path
+
+
 @pytest.fixture
 def changing_folder(tiny_model_dir):
     """A tiny model folder of this test's own, whose weights the test rewrites."""

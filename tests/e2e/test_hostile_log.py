@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -76,11 +75,14 @@ def websocket_cases(server: Server, api_key: str) -> None:
                 ws.recv(timeout=10)
         except (ConnectionClosed, InvalidStatus, TimeoutError):
             pass
-    with connect(base + "/ws/v1/responses", additional_headers=auth) as ws:
+    # max_size=None: some frames echo a huge request back (a 100,000-entry logit_bias).
+    with connect(base + "/ws/v1/responses", additional_headers=auth, max_size=None) as ws:
         for _name, frame in WS_FRAMES:
             ws.send(frame)
-        ws.send(json.dumps({"type": "response.create", "model": "tiny", "input": "hi", "max_output_tokens": 200}))
-        time.sleep(0)  # the socket is closed with turns running: they are cancelled
+        ws.send(
+            json.dumps({"type": "response.create", "model": "tiny", "input": "hi", "max_output_tokens": 200})
+        )
+        # Leaving the block closes the socket with turns running: they are cancelled.
     with connect(base + "/ws/v1/responses", additional_headers=auth) as ws:
         ws.send("x" * (2 << 20))  # over the frame limit: closed with 1009
         with pytest.raises(ConnectionClosed):
