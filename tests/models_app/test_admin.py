@@ -620,3 +620,11 @@ def test_the_stored_responses_list_says_what_the_chain_link_opens(admin_client, 
     page = admin_client.get("/admin/models_app/storedresponse/").content.decode()
     assert "follow back" not in page
     assert ">first turn</a>" in page and ">earlier turns</a>" in page
+
+
+def test_the_admin_header_has_no_view_site_link_back_to_itself(admin_client):
+    """A new user's walk: "View site" went to "/", which redirects to this admin; the header's own
+    links (dashboard, models, chat) are the site."""
+    page = admin_client.get("/admin/").content.decode()
+    assert "View site" not in page
+    assert 'href="/dashboard/chat/"' in page
