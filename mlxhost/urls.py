@@ -9,6 +9,8 @@ from django.views.generic import RedirectView
 
 admin.site.site_header = "mlxhost"
 admin.site.site_title = "mlxhost admin"
+# No "View site" link: "/" is this admin; the header links the dashboard, models and chat pages.
+admin.site.site_url = None
 admin.site.index_title = "Models, keys and stored responses"
 
 # Unknown /v1/ routes, and requests Django refuses before any view (a Host outside

@@ -490,7 +490,7 @@ class StoredResponseAdmin(_StoredResponseAdminBase):
     @admin.display(description="chain")
     def chain_link(self, obj: StoredResponse) -> SafeString:
         url = reverse("admin:models_app_storedresponse_chain", args=(quote(obj.pk),))
-        label = "follow back" if obj.previous_response_id else "root"
+        label = "earlier turns" if obj.previous_response_id else "first turn"
         return format_html('<a href="{}">{}</a>', url, label)
 
     def get_list_display(

@@ -33,6 +33,14 @@ async def test_an_unknown_v1_route_is_a_json_404_in_the_callers_envelope(setting
     assert "application/json" not in page["Content-Type"]
 
 
+@pytest.mark.parametrize("method", ["get", "post"])
+async def test_a_bare_v1_is_a_json_404_not_a_redirect(method):
+    """A new user's walk: `POST /v1` (a base URL posted to as it is) was APPEND_SLASH's empty 301."""
+    response = await getattr(AsyncClient(), method)("/v1")
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "unknown_route"
+
+
 @pytest.mark.parametrize(("path", "method"), [("/v1/models", "post"), ("/v1/responses", "get")])
 async def test_a_known_route_with_a_wrong_method_is_a_json_405(api_key, path, method):
     """API-4: the envelope, not an HTML page."""

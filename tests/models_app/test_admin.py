@@ -611,3 +611,20 @@ def test_the_stored_responses_list_previews_each_turn_and_links_the_chat(admin_c
     detail = admin_client.get(f"/admin/models_app/storedresponse/{mine.pk}/change/").content.decode()
     assert 'href="/dashboard/chat/?response=resp_mine" id="mlxhost-continue"' in detail
     assert 'chat-md" data-markdown>It is **4**.' in detail
+
+
+def test_the_stored_responses_list_says_what_the_chain_link_opens(admin_client, user):
+    """A new user's walk: the chain column read "follow back" / "root"; it now names what the link shows."""
+    _stored(user, "resp_first", text_in="q1", text_out="a1")
+    _stored(user, "resp_next", previous="resp_first", text_in="q2", text_out="a2")
+    page = admin_client.get("/admin/models_app/storedresponse/").content.decode()
+    assert "follow back" not in page
+    assert ">first turn</a>" in page and ">earlier turns</a>" in page
+
+
+def test_the_admin_header_has_no_view_site_link_back_to_itself(admin_client):
+    """A new user's walk: "View site" went to "/", which redirects to this admin; the header's own
+    links (dashboard, models, chat) are the site."""
+    page = admin_client.get("/admin/").content.decode()
+    assert "View site" not in page
+    assert 'href="/dashboard/chat/"' in page

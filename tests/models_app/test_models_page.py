@@ -252,6 +252,18 @@ def test_an_unload_asks_first_naming_every_alias_it_takes_down(
     assert sent == [{"type": "models.action", "model": "tiny", "action": "unload", "by": "admin"}]
 
 
+def test_the_unload_question_says_the_next_request_loads_it_again(admin_client, shared):
+    """A new user's walk: both unload questions read "new ones are refused until it loads again (the
+    next request for it loads it)", refused and loaded at once; an unloaded model loads on demand."""
+    pages = [
+        admin_client.get("/dashboard/models/").content.decode(),
+        admin_client.get(f"/dashboard/models/{shared.pk}/unload/").content.decode(),
+    ]
+    for page in pages:
+        assert "refused until it loads again" not in page
+        assert "refused while it drains" in page and "the next request for it loads it again" in page
+
+
 def test_an_offsite_next_is_ignored(admin_client, shared, sent, django_capture_on_commit_callbacks):
     """API-5: `next` never sends the browser to another site."""
     with django_capture_on_commit_callbacks(execute=True):

@@ -202,6 +202,23 @@ def test_bootstrap_hints_name_the_database_they_ran_on(capsys, monkeypatch, url,
     assert "s3cret" not in out
 
 
+def test_bootstrap_banner_names_the_chat_page_and_the_anthropic_base_url(capsys, monkeypatch):
+    """A new user's walk: the banner gave the OpenAI base URL only, and no way to the chat page."""
+    monkeypatch.delenv("MLXHOST_BOOTSTRAP_API_KEY", raising=False)
+    call_command("mlxhost_bootstrap", port="9000")
+    out = capsys.readouterr().out
+    assert "  Chat:      http://127.0.0.1:9000/dashboard/chat/\n" in out
+    assert "  Anthropic: base_url=http://127.0.0.1:9000   model=smollm2\n" in out
+
+
+def test_django_axes_start_banner_is_not_logged_at_info():
+    """`make run` printed "AXES: BEGIN version ..." once per manage.py command (four times)."""
+    import logging
+
+    assert not logging.getLogger("axes.apps").isEnabledFor(logging.INFO)
+    assert logging.getLogger("axes.handlers.database").isEnabledFor(logging.WARNING)
+
+
 def test_bootstrap_honours_environment(monkeypatch, capsys, django_user_model):
     monkeypatch.setenv("MLXHOST_BOOTSTRAP_API_KEY", "ci-key-0123456789abcdef")
     monkeypatch.setenv("DJANGO_SUPERUSER_USERNAME", "ops")

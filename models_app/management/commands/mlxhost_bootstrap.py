@@ -57,11 +57,13 @@ class Command(BaseCommand):
         lines = [
             "",
             "=" * 72,
-            f"  Admin:    {base}/admin/",
-            f"  Login:    {user.get_username()} / {password}",
-            f"  API key:  {key_text}",
-            f"  OpenAI:   base_url={base}/v1   model=smollm2",
-            f"  Embed:    POST {base}/v1/embeddings   model=minilm",
+            f"  Admin:     {base}/admin/",
+            f"  Login:     {user.get_username()} / {password}",
+            f"  API key:   {key_text}",
+            f"  Chat:      {base}/dashboard/chat/",
+            f"  OpenAI:    base_url={base}/v1   model=smollm2",
+            f"  Anthropic: base_url={base}   model=smollm2",
+            f"  Embed:     POST {base}/v1/embeddings   model=minilm",
             "=" * 72,
             "",
         ]
