@@ -259,9 +259,12 @@ async def test_a_minted_request_id_makes_no_system_call(api_key, monkeypatch):
     def refused(size: int) -> bytes:
         raise AssertionError("os.urandom called")
 
-    monkeypatch.setattr(os, "urandom", refused)
-    monkeypatch.setattr(random, "_urandom", refused)  # what `secrets` reaches it through
-    ids = {request_log.current_request_id() for _ in range(1000)}
+    # Undone before the test ends: fixtures' teardown (the database, the engine) may draw
+    # random bytes, which is no request id's doing.
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "urandom", refused)
+        patched.setattr(random, "_urandom", refused)  # what `secrets` reaches it through
+        ids = {request_log.current_request_id() for _ in range(1000)}
+        response = await AsyncClient().get("/v1/models", headers={"Authorization": f"Bearer {api_key}"})
     assert len(ids) == 1000 and all(MINTED.fullmatch(i) for i in ids)
-    response = await AsyncClient().get("/v1/models", headers={"Authorization": f"Bearer {api_key}"})
     assert response.status_code == 200 and MINTED.fullmatch(response["x-request-id"])
