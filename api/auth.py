@@ -67,12 +67,16 @@ def caller_of(request: HttpRequest) -> Caller:
     return caller
 
 
-def presented_key(request: HttpRequest) -> str:
-    """The key from `Authorization: Bearer …` or `x-api-key`; never from the query string."""
-    header = request.headers.get("Authorization", "")
+def presented_key(headers: Mapping[str, str]) -> str:
+    """The key from `Authorization: Bearer …` or `x-api-key`; never from the query string.
+
+    `headers` is a request's (`request.headers`, any case) or a WebSocket handshake's
+    (`api.ws.auth.headers_of`, lower-case names).
+    """
+    header = headers.get("authorization", "")
     if header[:7].lower() == "bearer ":
         return header[7:].strip()
-    return request.headers.get("x-api-key", "").strip()
+    return headers.get("x-api-key", "").strip()
 
 
 def _authenticate_sync(raw_key: str, digest: str, generation: int) -> KeyIdentity | None:
@@ -112,7 +116,7 @@ async def authenticate(request: HttpRequest) -> KeyIdentity:
     Raises:
         ApiError: 401 when the key is missing, unknown or revoked.
     """
-    key = await authenticate_raw(presented_key(request))
+    key = await authenticate_raw(presented_key(request.headers))
     if key is None:
         raise ApiError(401, INVALID_KEY_MESSAGE, "authentication_error", "invalid_api_key")
     return key
@@ -120,8 +124,8 @@ async def authenticate(request: HttpRequest) -> KeyIdentity:
 
 async def may_see_internals(request: HttpRequest) -> bool:
     """True for a valid API key or a logged-in staff member (probe details, dashboard data)."""
-    if presented_key(request):
-        return await authenticate_raw(presented_key(request)) is not None
+    if presented_key(request.headers):
+        return await authenticate_raw(presented_key(request.headers)) is not None
     user = await request.auser()
     return bool(user.is_active and user.is_staff)
 

@@ -1,7 +1,7 @@
 """The serving process's runtime: the engine's lifecycle, its settings, control and live status.
 
 The API layer gets the engine here (`get_engine()`, `engine_if_started()`); `lifecycle` holds
-the start and stop hooks that `persistence`, `control`, `status` and `api.consumers` register.
+the start and stop hooks that `persistence`, `control`, `status` and `api.ws.tracking` register.
 """
 
 from __future__ import annotations

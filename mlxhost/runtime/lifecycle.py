@@ -3,7 +3,7 @@
 The lifecycle knows nothing of what runs beside the engine. Each part registers itself:
 `mlxhost.runtime.persistence` (write-behind store), `mlxhost.runtime.usage` (usage tallies),
 `mlxhost.runtime.control` (reconcile, the control listener), `mlxhost.runtime.status` (the
-status publisher), and `api.consumers` (socket shutdown). Start hooks run in registration order once the server's loop runs; stop hooks run
+status publisher), and `api.ws.tracking` (socket shutdown). Start hooks run in registration order once the server's loop runs; stop hooks run
 after the drain, by stage and then in registration order (OPS-5).
 """
 

@@ -69,12 +69,12 @@ async def test_start_hooks_run_in_order_and_stop_hooks_after_the_drain_by_stage(
 def test_the_runtime_modules_register_their_hooks():
     """Importing the runtime's parts and the consumers registers persistence, control, status and
     socket shutdown; the lifecycle itself imports none of them."""
-    import api.consumers
+    import api.ws.tracking
     from mlxhost.runtime import control, persistence, status
 
     starts = set(lifecycle._start_hooks)
     assert {persistence.start_persistence, control.start_control, status.start_status_publisher} <= starts
     stops = dict((hook, stage) for stage, hook in lifecycle._stop_hooks)
     assert stops[persistence.flush_persistence] == lifecycle.StopStage.FLUSH
-    assert stops[api.consumers._close_sockets_at_stop] == lifecycle.StopStage.CLOSE
-    assert api.consumers.pin_open_sockets in lifecycle._shutdown_hooks
+    assert stops[api.ws.tracking._close_sockets_at_stop] == lifecycle.StopStage.CLOSE
+    assert api.ws.tracking.pin_open_sockets in lifecycle._shutdown_hooks

@@ -1,238 +1,46 @@
-"""WebSocket surfaces: `/ws/v1/responses` (API-3) and the dashboard's live status (ADM-2).
+"""`/ws/v1/responses` (API-3): `response.create` / `response.cancel` frames in, Responses events out.
 
-Consumers stay thin: a Responses turn runs through the very service of `POST /v1/responses`
+The consumer stays thin: a turn runs through the very service of `POST /v1/responses`
 (`models_app.response_turns`), and the frames are the same event objects as its SSE stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import logging
-import weakref
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs
 
-from asgiref.sync import sync_to_async
 from autobahn.exception import Disconnected
-from channels.db import database_sync_to_async
-from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
-from api.auth import Caller, authenticate_raw, in_wire_names
+from api.auth import Caller, authenticate_raw, in_wire_names, presented_key
 from api.errors import ApiError, as_api_error, error_body
 from api.openai.responses import response_events, response_shape
 from api.openai.responses_input import ENGINE_NAMES, ResponsesInput
 from api.openai.views import validated
 from api.parsing import loads_object
 from api.sampling import sampling_overrides
-from mlxhost import daphne_options, request_log, wire
+from api.ws import CLOSE_FORBIDDEN, CLOSE_TOO_BIG, CLOSE_UNAUTHENTICATED
+from api.ws.auth import headers_of, origin_allowed, session_user
+from api.ws.tracking import TrackedConsumer
+from mlxhost import request_log, wire
 from mlxhost.engine import EngineError
-from mlxhost.runtime import get_engine, lifecycle
-from models_app import control, selectors
+from mlxhost.runtime import get_engine
 from models_app.response_ids import new_response_id
 from models_app.response_turns import response_start
 from models_app.turns import turn_refuse_if_full
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from mlxhost.engine import Timings
 
-logger = logging.getLogger(__name__)
 _closing: set[asyncio.Future[None]] = set()  # closes started by a timer, kept until done
-
-# Close codes: 4401/4403 mirror HTTP 401/403; 1009 is the protocol's "message too big".
-CLOSE_UNAUTHENTICATED = 4401
-CLOSE_FORBIDDEN = 4403
-CLOSE_NOT_FOUND = 4404  # a path no route serves
-CLOSE_TOO_BIG = 1009
-CLOSE_GOING_AWAY = 1001  # the server shuts down
 AUTH_FRAME_TIMEOUT_S = 10.0
 # Admission refusals a client should retry later: the frame's error type is `overloaded` (LANE-2).
 OVERLOADED_CODES = frozenset({"queue_full", "draining"})
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 
-def _header(scope: dict[str, Any], name: bytes) -> str:
-    for key, value in scope.get("headers", []):
-        if key == name:
-            text: str = value.decode("latin1")
-            return text
-    return ""
-
-
-def origin_allowed(scope: dict[str, Any]) -> bool:
-    """True when the handshake has no Origin (not a browser) or one of this site.
-
-    "This site" is the Host the browser connected to, or an origin listed in
-    MLXHOST_WS_ALLOWED_ORIGINS (for a proxy that rewrites Host).
-    """
-    origin = _header(scope, b"origin")
-    if not origin:
-        return True
-    allowed = {o.rstrip("/") for o in settings.MLXHOST_WS_ALLOWED_ORIGINS}
-    if origin.rstrip("/") in allowed:
-        return True
-    return urlsplit(origin).netloc.lower() == _header(scope, b"host").lower()
-
-
-def presented_key(scope: dict[str, Any]) -> str:
-    """The API key from `Authorization: Bearer` or `x-api-key`; never from the query string."""
-    header = _header(scope, b"authorization")
-    if header[:7].lower() == "bearer ":
-        return header[7:].strip()
-    return _header(scope, b"x-api-key").strip()
-
-
-def session_user(scope: dict[str, Any]) -> Any | None:
-    """The logged-in, active user of a browser handshake from this site, else None.
-
-    A session cookie counts only with an Origin header: a browser always sends one, and
-    `origin_allowed` has checked it is ours (no cross-site WebSocket hijacking).
-    """
-    user = scope.get("user")
-    if user is None or not user.is_authenticated or not user.is_active or not _header(scope, b"origin"):
-        return None
-    return user
-
-
-class _TrackedConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channels ships no types: Any
-    """A consumer whose accepted sockets the shutdown closes (see `close_open_sockets`)."""
-
-    revoked = False  # its key or login ended: closed with 4401, and it serves nothing more
-    _credential_check: Callable[[], bool] | None = None
-
-    async def accept(self, subprotocol: str | None = None, headers: Any = None) -> None:
-        await super().accept(subprotocol, headers)
-        self._app_task = asyncio.current_task()  # the ASGI instance that runs this consumer
-        _open_sockets.add(self)
-
-    async def dispatch(self, message: dict[str, Any]) -> None:
-        """Channels' dispatch, minus its hop to the sync thread before each incoming frame (to
-        close stale database connections): in a burst those hops queued on asgiref's one sync
-        thread ahead of every refusal (issue 25 §4). A frame's database work, the credential
-        check, goes through `database_sync_to_async`, which closes them itself on that thread."""
-        if message["type"] == "websocket.receive":
-            await self.websocket_receive(message)
-        else:
-            await super().dispatch(message)
-
-    async def websocket_disconnect(self, message: dict[str, Any]) -> None:
-        _open_sockets.discard(self)
-        await self._unwatch_credentials()
-        await super().websocket_disconnect(message)
-
-    async def watch_credentials(self, *, key_id: int | None = None, user_id: int | None = None) -> None:
-        """Close this socket with 4401 once its key is revoked or its login ends (API-5).
-
-        The revoke and the logout push a message to the credential's group; a periodic
-        re-check (MLXHOST_WS_AUTH_RECHECK_S) catches what sends none, such as an expired session.
-        """
-        session_key = getattr(self.scope.get("session"), "session_key", None)
-        if key_id is not None:
-            group, check = (
-                control.apikey_group(key_id),
-                functools.partial(selectors.apikey_is_live, key_id=key_id),
-            )
-        elif user_id is not None and session_key:
-            group = control.session_group(session_key)
-            check = functools.partial(selectors.session_is_live, session_key=session_key, user_id=user_id)
-        else:
-            return
-        self._credential_group, self._credential_check = group, check
-        await self.channel_layer.group_add(group, self.channel_name)
-        self._recheck = asyncio.get_running_loop().create_task(self._recheck_credentials())
-
-    async def credentials_live(self) -> bool:
-        """False once the watched key or login has ended (or the socket was told so); True when
-        none is watched. Every frame asks first, so a socket whose close message never came (no
-        shared channel layer) still cannot start a turn after a logout (API-5)."""
-        if self.revoked:
-            return False
-        check = self._credential_check
-        return check is None or bool(await database_sync_to_async(check)())
-
-    async def _recheck_credentials(self) -> None:
-        while True:
-            await asyncio.sleep(settings.MLXHOST_WS_AUTH_RECHECK_S)
-            try:
-                live = await self.credentials_live()
-            except Exception:  # the database is away for a moment: the next round asks again
-                logger.warning("could not re-check a socket's credentials", exc_info=True)
-                continue
-            if not live:
-                await self.credentials_revoked({})
-                return
-
-    async def credentials_revoked(self, message: dict[str, Any]) -> None:
-        """The `credentials.revoked` group message: the key was revoked or the login ended."""
-        if self.revoked:
-            return  # the push and a re-check can both get here
-        self.revoked = True
-        await self.close(code=CLOSE_UNAUTHENTICATED)
-
-    async def _unwatch_credentials(self) -> None:
-        if (task := getattr(self, "_recheck", None)) is not None:
-            task.cancel()
-        if (group := getattr(self, "_credential_group", None)) is not None:
-            await self.channel_layer.group_discard(group, self.channel_name)
-
-
-_open_sockets: weakref.WeakSet[_TrackedConsumer] = weakref.WeakSet()
-_pinned_sockets: list[_TrackedConsumer] = []
-
-
-def pin_open_sockets() -> None:
-    """Hold every open socket until `close_open_sockets` runs (called as shutdown begins).
-
-    Daphne cancels each consumer's ASGI task as shutdown begins; a consumer that then has
-    no running turn is only weakly referenced and vanished before its 1001 went out, so the
-    client saw 1006.
-    """
-    _pinned_sockets[:] = list(_open_sockets)
-
-
-async def close_open_sockets(timeout: float) -> int:
-    """Close every open socket with 1001, then end each consumer's ASGI task (OPS-5).
-
-    Runs at shutdown after the drain ended every turn. A consumer still waiting for frames
-    when the event loop stops would be finalized with the interpreter, which crashed the
-    process at exit (SIGSEGV in a half-torn-down asyncio.Queue). The client's close reply
-    may never come while the server stops, so each task is cancelled and awaited (at most
-    `timeout`). Returns how many sockets were open.
-    """
-    sockets = list({*_pinned_sockets, *_open_sockets})
-    _pinned_sockets.clear()
-    for socket in sockets:
-        with contextlib.suppress(Exception):  # a socket that is closing already
-            await socket.close(code=CLOSE_GOING_AWAY)
-    # The reactor drops connections once the stop hooks return: let the close frames go out and
-    # the clients answer them first, or they see 1006 (issue 25).
-    if still := await daphne_options.wait_for_closes(timeout):
-        logger.warning("%d WebSocket(s) did not finish closing in %.0fs", still, timeout)
-    tasks = {t for s in sockets if (t := getattr(s, "_app_task", None)) is not None and not t.done()}
-    tasks.discard(asyncio.current_task())
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=timeout)
-    _open_sockets.clear()
-    return len(sockets)
-
-
-async def _close_sockets_at_stop() -> None:
-    if closed := await close_open_sockets(lifecycle.STOP_GRACE_S):
-        logger.info("closed %d open WebSocket(s)", closed)
-
-
-# Shutdown (OPS-5): hold the sockets as it begins, close them after the drain and the flush.
-lifecycle.on_shutdown_begin(pin_open_sockets)
-lifecycle.on_stop(_close_sockets_at_stop, stage=lifecycle.StopStage.CLOSE)
-
-
-class ResponsesConsumer(_TrackedConsumer):
+class ResponsesConsumer(TrackedConsumer):
     """`/ws/v1/responses`: `response.create` / `response.cancel` frames in, Responses events out.
 
     Auth: an API key header, the Django session of a page of this site, or, when the URL says
@@ -249,7 +57,7 @@ class ResponsesConsumer(_TrackedConsumer):
         if not origin_allowed(self.scope):
             await self.close(code=CLOSE_FORBIDDEN)
             return
-        raw_key = presented_key(self.scope)
+        raw_key = presented_key(headers_of(self.scope))
         if raw_key:
             key = await authenticate_raw(raw_key)
             if key is None:
@@ -447,43 +255,3 @@ def _frame(text: str | None) -> dict[str, Any]:
     if text is None:
         raise ApiError(400, "Send JSON text frames, not binary ones.", code="invalid_frame")
     return loads_object(text, what="frame")
-
-
-class DashboardConsumer(_TrackedConsumer):
-    """`/ws/dashboard`: staff only; pushes every engine's status as it is published (ADM-2)."""
-
-    async def connect(self) -> None:
-        user = session_user(self.scope) if origin_allowed(self.scope) else None
-        if user is None or not user.is_staff:
-            await self.close(code=CLOSE_FORBIDDEN if user is not None else CLOSE_UNAUTHENTICATED)
-            return
-        await self.channel_layer.group_add(control.DASHBOARD_GROUP, self.channel_name)
-        await self.watch_credentials(user_id=user.pk)
-        await self.accept()
-        for status in await sync_to_async(control.engine_statuses)():
-            with contextlib.suppress(Disconnected):  # the page closed already
-                await self.send(text_data=wire.dumps({"type": "status", "status": status}))
-
-    async def disconnect(self, code: int) -> None:
-        await self.channel_layer.group_discard(control.DASHBOARD_GROUP, self.channel_name)
-
-    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
-        pass  # the dashboard only listens; actions go through the admin's forms (CSRF)
-
-    async def credentials_revoked(self, message: dict[str, Any]) -> None:
-        await super().credentials_revoked(message)
-        await self.channel_layer.group_discard(control.DASHBOARD_GROUP, self.channel_name)
-
-    async def dashboard_status(self, message: dict[str, Any]) -> None:
-        if self.revoked:
-            return  # closed by a logout: not one more status frame
-        with contextlib.suppress(Disconnected):  # the page closed before its disconnect arrived
-            await self.send(text_data=wire.dumps({"type": "status", "status": message["status"]}))
-
-
-class NoRouteConsumer(AsyncWebsocketConsumer):  # type: ignore[misc]  # channels ships no types
-    """Any WebSocket path without a route: the handshake is refused (daphne answers 403). Channels
-    raised "No route found", which daphne logged with a traceback (issue 25)."""
-
-    async def connect(self) -> None:
-        await self.close(code=CLOSE_NOT_FOUND)
