@@ -34,7 +34,8 @@ PUBLIC = {
 PUBLIC_PATHS = {"/", "/favicon.ico"}  # the favicon redirect: to a static file, nothing behind it
 REFUSED = {401, 403, 405}
 SAMPLE = {"int": "1", "str": "x", "slug": "x", "uuid": "00000000-0000-0000-0000-000000000000", "path": "1"}
-GROUP = re.compile(r"\(\?P<(\w+)>((?:[^()]|\([^()]*\))*)\)")
+# A named group, or a plain one such as the catch-all's `(/|$)`.
+GROUP = re.compile(r"\((?:\?P<(\w+)>)?((?:[^()]|\([^()]*\))*)\)")
 
 
 def _route_sample(route: str) -> str:
@@ -44,7 +45,7 @@ def _route_sample(route: str) -> str:
 def _regex_sample(regex: str) -> str:
     def group(match: re.Match) -> str:
         inner = match.group(2)
-        for candidate in ("x", "1", *inner.split("|")):
+        for candidate in ("x", "1", "/", *inner.split("|")):
             if re.fullmatch(inner, candidate):
                 return candidate
         raise AssertionError(f"no sample value for {match.group(0)} in {regex}")
