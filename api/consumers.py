@@ -28,7 +28,7 @@ from api.openai.views import validated
 from api.parsing import loads_object
 from api.sampling import sampling_overrides
 from mlxhost import daphne_options, request_log, wire
-from mlxhost.engine import EngineError
+from mlxhost.engine import OVERLOADED_CODES, EngineError
 from mlxhost.runtime import get_engine, lifecycle
 from models_app import control, selectors
 from models_app.response_ids import new_response_id
@@ -50,8 +50,6 @@ CLOSE_NOT_FOUND = 4404  # a path no route serves
 CLOSE_TOO_BIG = 1009
 CLOSE_GOING_AWAY = 1001  # the server shuts down
 AUTH_FRAME_TIMEOUT_S = 10.0
-# Admission refusals a client should retry later: the frame's error type is `overloaded` (LANE-2).
-OVERLOADED_CODES = frozenset({"queue_full", "draining"})
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 

@@ -7,6 +7,7 @@ from mlxhost.engine.disk import remove_saved
 from mlxhost.engine.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
 from mlxhost.engine.engine import Engine, Permit, instance_id_of_name, is_internal_name
 from mlxhost.engine.errors import (
+    OVERLOADED_CODES,
     DrainingError,
     DuplicateRequestError,
     EmbeddingFailedError,
@@ -66,6 +67,7 @@ from mlxhost.engine.weights import (
 
 __all__ = [
     "MAX_EMBEDDING_INPUTS",
+    "OVERLOADED_CODES",
     "Delta",
     "Done",
     "DrainingError",
