@@ -4,13 +4,21 @@ and read from there, so the copies cannot drift apart."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from api import errors as api_errors
+from api.sampling import SAMPLING_KEYS, SamplingInput
+from mlxhost.engine import ALIAS_SAMPLING_FIELDS, SAMPLING_KNOBS, SamplingParams
 from mlxhost.engine import errors as engine_errors
+from mlxhost.engine.limits import _RANGES
 from mlxhost.engine.stats import REJECTIONS
+from models_app import admin as models_admin
+from models_app import selectors
+from models_app.forms import ALIAS_FORM_FIELDS
+from models_app.models import ModelAlias
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,3 +73,30 @@ def test_the_overloaded_codes_are_defined_once() -> None:
     for path in ("api/consumers.py", "api/errors.py", "mlxhost/engine/stats.py"):
         text = (ROOT / path).read_text()
         assert '"queue_full"' not in text, f"{path} spells a refusal code instead of importing it"
+
+
+SAMPLING_LITERAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def test_the_sampling_knobs_are_the_dataclass_fields() -> None:
+    fields = [f.name for f in dataclasses.fields(SamplingParams)]
+    assert [name for name in fields if name != "grammar"] == list(SAMPLING_KNOBS) == list(SAMPLING_KEYS)
+    # What the shared serializer validates is every knob; `logprobs` each surface sets its way.
+    assert set(SamplingInput().fields) - {"model"} == set(SAMPLING_KNOBS) - {"logprobs"}
+    assert {name for name, _, _ in _RANGES} <= set(SAMPLING_KNOBS)
+
+
+def test_the_alias_sampling_defaults_are_listed_once() -> None:
+    assert set(ALIAS_SAMPLING_FIELDS) <= set(SAMPLING_KNOBS)
+    columns = {f.name for f in ModelAlias._meta.get_fields()}
+    assert set(ALIAS_SAMPLING_FIELDS) <= columns
+    # The merge covers every knob once: an alias default, a request-only knob, or shaped apart.
+    merged = [*selectors.SAMPLING_FIELDS, *selectors.REQUEST_ONLY_FIELDS, *selectors._SHAPED_FIELDS]
+    assert sorted(merged) == sorted(SAMPLING_KNOBS)
+    assert set(ALIAS_SAMPLING_FIELDS) <= set(ALIAS_FORM_FIELDS)
+    fieldsets = dict(models_admin.ModelAliasAdmin.fieldsets or ())
+    assert tuple(fieldsets["Sampling defaults"]["fields"]) == ALIAS_SAMPLING_FIELDS
+    for path in ("api/sampling.py", "models_app/selectors.py", "models_app/forms.py", "models_app/admin.py"):
+        text = " ".join((ROOT / path).read_text().split())
+        spelled = ", ".join(f'"{name}"' for name in SAMPLING_LITERAL[:3])
+        assert spelled not in text, f"{path} lists sampling fields instead of importing them"

@@ -31,6 +31,8 @@ from mlxhost.engine.retention import Retention
 from mlxhost.engine.sessions import SessionQuery, SessionScoper
 from mlxhost.engine.stats import Histogram, RequestStats
 from mlxhost.engine.types import (
+    ALIAS_SAMPLING_FIELDS,
+    SAMPLING_KNOBS,
     Delta,
     Done,
     EmbeddingRequest,
@@ -66,8 +68,10 @@ from mlxhost.engine.weights import (
 )
 
 __all__ = [
+    "ALIAS_SAMPLING_FIELDS",
     "MAX_EMBEDDING_INPUTS",
     "OVERLOADED_CODES",
+    "SAMPLING_KNOBS",
     "Delta",
     "Done",
     "DrainingError",
