@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,12 @@ from mlxhost.engine import ALIAS_SAMPLING_FIELDS, SAMPLING_KNOBS, SamplingParams
 from mlxhost.engine import errors as engine_errors
 from mlxhost.engine.limits import _RANGES
 from mlxhost.engine.stats import REJECTIONS
+from mlxhost.runtime.config import PersistenceSettings, runtime_settings_from
 from models_app import admin as models_admin
 from models_app import selectors
 from models_app.forms import ALIAS_FORM_FIELDS
 from models_app.models import ModelAlias
+from models_app.persistence import Persistence
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,3 +103,36 @@ def test_the_alias_sampling_defaults_are_listed_once() -> None:
         text = " ".join((ROOT / path).read_text().split())
         spelled = ", ".join(f'"{name}"' for name in SAMPLING_LITERAL[:3])
         assert spelled not in text, f"{path} lists sampling fields instead of importing them"
+
+
+PERSISTENCE_ENV = {
+    "MLXHOST_PERSIST_PUBLISH_TIMEOUT_S": "publish_timeout_s",
+    "MLXHOST_PERSIST_HARD_TIMEOUT_S": "hard_timeout_s",
+    "MLXHOST_PERSIST_WAIT_S": "wait_s",
+    "MLXHOST_PERSIST_POLL_S": "poll_s",
+    "MLXHOST_TOMBSTONE_TTL_S": "tombstone_ttl_s",
+    "MLXHOST_SWEEP_INTERVAL_S": "sweep_interval_s",
+}
+
+
+def test_the_persistence_settings_are_parsed_in_the_runtime_config() -> None:
+    assert runtime_settings_from({}).persistence == PersistenceSettings()
+    env = {name: str(10 + i) for i, name in enumerate(PERSISTENCE_ENV)}
+    parsed = runtime_settings_from(env).persistence
+    for i, (name, attr) in enumerate(PERSISTENCE_ENV.items()):
+        assert getattr(parsed, attr) == 10 + i, name
+    assert {f.name for f in dataclasses.fields(PersistenceSettings)} == set(PERSISTENCE_ENV.values())
+
+
+def test_the_persistence_defaults_live_in_the_runtime_config_only() -> None:
+    # A store a test builds by hand has the settings' defaults, read from the one dataclass.
+    defaults = inspect.signature(Persistence).parameters
+    for attr in PERSISTENCE_ENV.values():
+        assert defaults[attr].default == getattr(PersistenceSettings(), attr), attr
+    source = inspect.getsource(Persistence.__init__)
+    assert "_DEFAULTS." in source
+    for attr in PERSISTENCE_ENV.values():
+        assert f"{attr}: float = _DEFAULTS.{attr}" in source, f"Persistence spells its own {attr} default"
+    settings_text = (ROOT / "mlxhost" / "settings.py").read_text()
+    for name in PERSISTENCE_ENV:
+        assert f'"{name}"' not in settings_text, f"mlxhost/settings.py parses {name} again"
