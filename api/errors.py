@@ -14,11 +14,13 @@ from django.views.decorators.csrf import csrf_exempt
 from mlxhost import request_log, wire
 from mlxhost.daphne_options import REASON_PHRASES
 from mlxhost.engine import (
+    OVERLOADED_CODES,
     DrainingError,
     DuplicateRequestError,
     EmbeddingFailedError,
     EngineClosedError,
     EngineError,
+    GenerationFailedError,
     InvalidModelFolderError,
     InvalidRequestError,
     ModelLoadError,
@@ -87,42 +89,43 @@ class ApiError(Exception):
     too_long: tuple[int, int] | None = None
 
 
-# Engine and lookup errors -> (status, type, code, retry_after). Messages come from the exception.
-ERROR_TABLE: dict[type[Exception], tuple[int, str, str, int | None]] = {
-    UnknownModelError: (404, "invalid_request_error", "model_not_found", None),
-    PromptTooLongError: (400, "invalid_request_error", "context_length_exceeded", None),
+# Engine and lookup errors -> (status, type, retry_after); the code is the class's own `code`
+# (the table's class, so a subclass reads as its entry). Messages come from the exception.
+Coded = type[EngineError] | type[StorageTimeoutError]
+ERROR_TABLE: dict[Coded, tuple[int, str, int | None]] = {
+    UnknownModelError: (404, "invalid_request_error", None),
+    PromptTooLongError: (400, "invalid_request_error", None),
     # Checked against the loaded model before admission (limits.py): never reaches MLX.
-    InvalidRequestError: (400, "invalid_request_error", "invalid_value", None),
-    RequestTooLargeError: (400, "invalid_request_error", "request_too_large", None),
+    InvalidRequestError: (400, "invalid_request_error", None),
+    RequestTooLargeError: (400, "invalid_request_error", None),
     # A chat surface naming an embedding model, or /v1/embeddings a chat model (API-13).
-    WrongModelKindError: (400, "invalid_request_error", "wrong_model_kind", None),
-    EmbeddingFailedError: (500, "server_error", "embedding_failed", None),
-    InvalidModelFolderError: (503, "server_error", "model_load_failed", LOAD_RETRY_AFTER_S),
-    ModelLoadError: (503, "server_error", "model_load_failed", LOAD_RETRY_AFTER_S),
-    EngineClosedError: (503, "server_error", "engine_closed", LOAD_RETRY_AFTER_S),
+    WrongModelKindError: (400, "invalid_request_error", None),
+    EmbeddingFailedError: (500, "server_error", None),
+    InvalidModelFolderError: (503, "server_error", LOAD_RETRY_AFTER_S),
+    ModelLoadError: (503, "server_error", LOAD_RETRY_AFTER_S),
+    EngineClosedError: (503, "server_error", LOAD_RETRY_AFTER_S),
     # Admission (LANE-2/5/6/7/8); Retry-After comes from the lane's estimate when it has one.
-    QueueFullError: (429, "rate_limit_error", "queue_full", 1),
-    DrainingError: (503, "server_error", "draining", LOAD_RETRY_AFTER_S),
-    QueueTimeoutError: (503, "server_error", "queue_timeout", 1),
-    DuplicateRequestError: (409, "invalid_request_error", "duplicate_request", None),
-    RequestCancelledError: (409, "invalid_request_error", "request_cancelled", None),
+    QueueFullError: (429, "rate_limit_error", 1),
+    DrainingError: (503, "server_error", LOAD_RETRY_AFTER_S),
+    QueueTimeoutError: (503, "server_error", 1),
+    DuplicateRequestError: (409, "invalid_request_error", None),
+    RequestCancelledError: (409, "invalid_request_error", None),
     # A parent whose row is still being written (PER-2): retry, never a false 404.
-    StorageTimeoutError: (503, "server_error", "storage_timeout", 1),
+    StorageTimeoutError: (503, "server_error", 1),
 }
-_FIXED_MESSAGES: dict[type[Exception], str] = {
-    InvalidModelFolderError: LOAD_FAILED_MESSAGE,
-    ModelLoadError: LOAD_FAILED_MESSAGE,
-}
+# A load failure's detail (paths, its own code) is for staff: a client hears a fixed message and
+# `model_load_failed`.
+_LOAD_FAILURES = (InvalidModelFolderError, ModelLoadError)
 # Failed events' codes -> (status, type, fixed message, retry_after); unknown codes are a 500.
 _FAILED_EVENTS: dict[str, tuple[int, str, str | None, int | None]] = {
-    "model_load_failed": (503, "server_error", LOAD_FAILED_MESSAGE, LOAD_RETRY_AFTER_S),
+    ModelLoadError.code: (503, "server_error", LOAD_FAILED_MESSAGE, LOAD_RETRY_AFTER_S),
     "model_not_loaded": (503, "server_error", LOAD_FAILED_MESSAGE, LOAD_RETRY_AFTER_S),
-    "draining": (503, "server_error", None, LOAD_RETRY_AFTER_S),
-    "queue_timeout": (503, "server_error", None, 1),
-    "generation_failed": (500, "server_error", GENERATION_FAILED_MESSAGE, None),
+    DrainingError.code: (503, "server_error", None, LOAD_RETRY_AFTER_S),
+    QueueTimeoutError.code: (503, "server_error", None, 1),
+    GenerationFailedError.code: (500, "server_error", GENERATION_FAILED_MESSAGE, None),
 }
-# Anthropic reports an overloaded server as 529 where OpenAI says 429 (LANE-2).
-_ANTHROPIC_STATUS = {"queue_full": 529, "draining": 529}
+# Anthropic reports an overloaded server as 529 where OpenAI says 429 or 503 (LANE-2).
+_ANTHROPIC_STATUS = dict.fromkeys(OVERLOADED_CODES, 529)
 
 
 def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
@@ -137,25 +140,25 @@ def as_api_error(exc: Exception, *, model: str | None = None) -> ApiError:
         return ApiError(429, str(exc), exc.kind, exc.code, retry_after=exc.retry_after)
     if isinstance(exc, ModelAlias.DoesNotExist):
         return ApiError(
-            404, UNKNOWN_MODEL_MESSAGE.format(name=model or ""), code="model_not_found", param="model"
+            404, UNKNOWN_MODEL_MESSAGE.format(name=model or ""), code=UnknownModelError.code, param="model"
         )
     if isinstance(exc, PromptTooLongError):
         # OpenAI's wording and code: coding agents compact the conversation when they see it.
         tokens = f"at least {exc.prompt_tokens}" if exc.at_least else exc.prompt_tokens
         too_long = CONTEXT_MESSAGE.format(limit=exc.limit, tokens=tokens)
-        return ApiError(
-            400, too_long, code="context_length_exceeded", too_long=(exc.prompt_tokens, exc.limit)
-        )
-    for kind, (status, type_, code, retry_after) in ERROR_TABLE.items():
+        return ApiError(400, too_long, code=PromptTooLongError.code, too_long=(exc.prompt_tokens, exc.limit))
+    for kind, (status, type_, retry_after) in ERROR_TABLE.items():
         if isinstance(exc, kind):
             retry_after = getattr(exc, "retry_after", None) or retry_after
-            message = next((m for k, m in _FIXED_MESSAGES.items() if isinstance(exc, k)), None)
-            if message is not None:
+            message, code = str(exc), kind.code
+            if isinstance(exc, _LOAD_FAILURES):
                 logger.warning("model load failed: %s", exc)  # the detail, for staff only
+                message, code = LOAD_FAILED_MESSAGE, ModelLoadError.code
             param = getattr(exc, "param", None)
-            return ApiError(status, message or str(exc), type_, code, param=param, retry_after=retry_after)
+            return ApiError(status, message, type_, code, param=param, retry_after=retry_after)
     if isinstance(exc, RequestDataTooBig):  # a body read outside `parsing.read_body`
-        return ApiError(413, "The request body is too large.", code="request_too_large")
+        # The code a request too large for the KV budget hears too: too large either way.
+        return ApiError(413, "The request body is too large.", code=RequestTooLargeError.code)
     request_id = request_log.current_request_id()
     # The traceback stays in the server's log; the client gets a fixed text and the id (API-4).
     logger.error("unhandled API error, request id %s", request_id, exc_info=exc)
@@ -183,9 +186,11 @@ def cut_short_error(done: Done) -> ApiError | None:
     """The error that ends an answer the engine stopped early (LANE-6/7), or None for a complete
     or length-limited one: a cut-short answer must never read like a complete one."""
     if done.finish_reason == "cancelled":
-        return ApiError(409, CANCELLED_MESSAGE, "invalid_request_error", "request_cancelled")
+        return ApiError(409, CANCELLED_MESSAGE, "invalid_request_error", RequestCancelledError.code)
     if done.finish_reason == "aborted":
-        return ApiError(503, ABORTED_MESSAGE, "server_error", "draining", retry_after=LOAD_RETRY_AFTER_S)
+        return ApiError(
+            503, ABORTED_MESSAGE, "server_error", DrainingError.code, retry_after=LOAD_RETRY_AFTER_S
+        )
     return None
 
 

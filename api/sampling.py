@@ -14,6 +14,7 @@ from typing import Any
 from rest_framework import serializers
 
 from api.fields import JsonInput
+from mlxhost.engine import SAMPLING_KNOBS
 
 MAX_STOP_SEQUENCES = 4
 # The engine checks ids against the loaded vocabulary (mlxhost/engine/limits.py); these bounds
@@ -23,20 +24,7 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_TOP_K = 2**31 - 1
 MAX_SEED = 2**63 - 1
 # The engine's names for what SamplingInput validates: the overrides `sampling_params_for` merges.
-SAMPLING_KEYS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "max_tokens",
-    "stop",
-    "seed",
-    "logit_bias",
-    "logprobs",
-)
+SAMPLING_KEYS = SAMPLING_KNOBS
 
 
 def stop_list_field(max_length: int, **kwargs: Any) -> serializers.ListField:

@@ -184,20 +184,11 @@ CELERY_BROKER_TRANSPORT_OPTIONS = {
     "visibility_timeout": env.int("MLXHOST_CELERY_VISIBILITY_TIMEOUT_S", default=3600),
 }
 
-# Stored responses (PER-1..5). The web process publishes the persist task with a bounded timeout
-# and writes inline when the broker is down; a persist still pending after the hard timeout trips
-# the breaker (instance retention released, tombstone recorded).
-MLXHOST_PERSIST_PUBLISH_TIMEOUT_S = env.float("MLXHOST_PERSIST_PUBLISH_TIMEOUT_S", default=2.0)
-MLXHOST_PERSIST_HARD_TIMEOUT_S = env.float("MLXHOST_PERSIST_HARD_TIMEOUT_S", default=60.0)
-MLXHOST_PERSIST_WAIT_S = env.float("MLXHOST_PERSIST_WAIT_S", default=2.0)
-MLXHOST_PERSIST_POLL_S = env.float("MLXHOST_PERSIST_POLL_S", default=0.25)
+# Stored responses (PER-1..5): the persist timeouts, the breaker's tombstone TTL and the embedded
+# sweep interval are parsed in mlxhost/runtime/config.py (`MLXHOST_RUNTIME.persistence`).
 MLXHOST_RESPONSE_RETENTION_S = env.int("MLXHOST_RESPONSE_RETENTION_S", default=7 * 24 * 3600)
 MLXHOST_RESPONSE_RETENTION_MIN_S = 60
 MLXHOST_RESPONSE_RETENTION_MAX_S = 30 * 24 * 3600
-# How long a breaker tombstone waits for its late row before it is given up.
-MLXHOST_TOMBSTONE_TTL_S = env.int("MLXHOST_TOMBSTONE_TTL_S", default=2 * 3600)
-# Without a broker (embedded default) the web process runs the periodic cleanups itself.
-MLXHOST_SWEEP_INTERVAL_S = env.float("MLXHOST_SWEEP_INTERVAL_S", default=300.0)
 # Usage per key (KEY-2) is tallied in memory and written behind this often (and at shutdown).
 MLXHOST_USAGE_FLUSH_S = env.float("MLXHOST_USAGE_FLUSH_S", default=2.0)
 # Per-key limits (KEY-4) live in Redis under this prefix when REDIS_URL is set.

@@ -16,6 +16,7 @@ from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.http import urlencode
 
+from mlxhost.engine import ALIAS_SAMPLING_FIELDS
 from models_app import admin_keys as admin_keys  # registers the API key and usage pages (KEY-1..4)
 from models_app import control, selectors, services, transcripts
 from models_app.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
@@ -356,7 +357,7 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
         (None, {"fields": ("name", "description", "model", "enabled")}),
         (
             "Sampling defaults",
-            {"fields": ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")},
+            {"fields": ALIAS_SAMPLING_FIELDS},
         ),
         ("Limits", {"fields": ("max_output_tokens", "max_input_tokens")}),
         ("Chat template", {"fields": ("enable_thinking", "chat_template_kwargs")}),

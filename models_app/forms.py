@@ -12,6 +12,7 @@ from django import forms
 from django.core.exceptions import ValidationError
 from django.utils.html import format_html, format_html_join
 
+from mlxhost.engine import ALIAS_SAMPLING_FIELDS
 from models_app import selectors, services
 from models_app.models import ApiKey, Model, ModelAlias
 
@@ -33,7 +34,7 @@ MODEL_FORM_FIELDS = (
 )  # fmt: skip
 ALIAS_FORM_FIELDS = (
     "name", "description", "model", "enabled",
-    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens",
+    *ALIAS_SAMPLING_FIELDS,
     "max_output_tokens", "max_input_tokens", "enable_thinking", "chat_template_kwargs",
 )  # fmt: skip
 FOLDERS_FOUND_HELP = (

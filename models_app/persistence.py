@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from django.conf import settings
 from django.db import close_old_connections
 
+from mlxhost.runtime import runtime_settings
+from mlxhost.runtime.config import PersistenceSettings
 from models_app import selectors, services
 from models_app.models import StoredResponse
 from models_app.publishing import CeleryPublisher, persist_eagerly
@@ -184,6 +186,10 @@ class SharedPending:
         return value if isinstance(value, int) else None
 
 
+# The settings' defaults, for a store a test builds by hand (`persistence()` reads the settings).
+_DEFAULTS = PersistenceSettings()
+
+
 class Persistence:
     """This process's pending writes, publisher, monitor and breaker; see the module docstring.
 
@@ -193,13 +199,13 @@ class Persistence:
     def __init__(
         self,
         *,
-        publish_timeout_s: float = 2.0,
-        hard_timeout_s: float = 60.0,
-        wait_s: float = 2.0,
-        poll_s: float = 0.25,
-        tombstone_ttl_s: float = 7200.0,
+        publish_timeout_s: float = _DEFAULTS.publish_timeout_s,
+        hard_timeout_s: float = _DEFAULTS.hard_timeout_s,
+        wait_s: float = _DEFAULTS.wait_s,
+        poll_s: float = _DEFAULTS.poll_s,
+        tombstone_ttl_s: float = _DEFAULTS.tombstone_ttl_s,
         late_limit: int = LATE_LIMIT,
-        sweep_interval_s: float = 300.0,
+        sweep_interval_s: float = _DEFAULTS.sweep_interval_s,
         publish: Publish | None = None,
         eager: bool | None = None,
         broker_url: str | None = None,
@@ -335,7 +341,7 @@ class Persistence:
         Raises:
             StoredResponse.DoesNotExist: no such response for this owner.
             StorageTimeoutError: its write is pending in this process and did not land in `wait_s`
-                (default MLXHOST_PERSIST_WAIT_S).
+                (default `wait_s`, MLXHOST_PERSIST_WAIT_S).
         """
         # Look at the pending table before the database: a write that lands in between is then
         # still seen as pending (and re-read), never as a false 404.
@@ -640,13 +646,14 @@ def persistence() -> Persistence:
     """This process's `Persistence`, built from settings on first use."""
     global _persistence
     if _persistence is None:
+        config = runtime_settings().persistence
         _persistence = Persistence(
-            publish_timeout_s=settings.MLXHOST_PERSIST_PUBLISH_TIMEOUT_S,
-            hard_timeout_s=settings.MLXHOST_PERSIST_HARD_TIMEOUT_S,
-            wait_s=settings.MLXHOST_PERSIST_WAIT_S,
-            poll_s=settings.MLXHOST_PERSIST_POLL_S,
-            tombstone_ttl_s=settings.MLXHOST_TOMBSTONE_TTL_S,
-            sweep_interval_s=settings.MLXHOST_SWEEP_INTERVAL_S,
+            publish_timeout_s=config.publish_timeout_s,
+            hard_timeout_s=config.hard_timeout_s,
+            wait_s=config.wait_s,
+            poll_s=config.poll_s,
+            tombstone_ttl_s=config.tombstone_ttl_s,
+            sweep_interval_s=config.sweep_interval_s,
             shared=SharedPending() if settings.REDIS_URL else None,
         )
     return _persistence

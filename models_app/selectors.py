@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 from django.utils import timezone
 
-from mlxhost.engine import InvalidModelFolderError, LaneSettings, ModelSpec, SamplingParams, resolve_under
+from mlxhost.engine import (
+    ALIAS_SAMPLING_FIELDS,
+    SAMPLING_KNOBS,
+    InvalidModelFolderError,
+    LaneSettings,
+    ModelSpec,
+    SamplingParams,
+    resolve_under,
+)
 from models_app import control
 from models_app.apikeys import key_matches, key_prefix
 from models_app.limits import KeyLimits
@@ -19,8 +27,13 @@ from models_app.models import ApiKey, Model, ModelAlias, ModelInstance, StoredRe
 if TYPE_CHECKING:
     from django.db.models import QuerySet
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-REQUEST_ONLY_FIELDS = ("presence_penalty", "frequency_penalty", "seed", "logprobs")
+# Shaped apart in `sampling_params_for`: clamped by the alias, or turned into tuples.
+_SHAPED_FIELDS = ("max_tokens", "stop", "logit_bias")
+# The alias defaults the request's values override, and the knobs only a request sets.
+SAMPLING_FIELDS = tuple(name for name in ALIAS_SAMPLING_FIELDS if name not in _SHAPED_FIELDS)
+REQUEST_ONLY_FIELDS = tuple(
+    name for name in SAMPLING_KNOBS if name not in ALIAS_SAMPLING_FIELDS and name not in _SHAPED_FIELDS
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from mlxhost.engine import (
     resolve_under,
     validate_model_folder,
 )
+from mlxhost.runtime import runtime_settings
 from models_app import control, hotcache
 from models_app.apikeys import key_generate, key_hash, key_prefix
 from models_app.audit import ADDED, actor_named, audit_changes, audit_record, audit_saved
@@ -421,7 +422,7 @@ def tombstone_record(
         revision=revision,
         fingerprint=fingerprint,
         response_public_id=public_id,
-        expires_at=timezone.now() + timedelta(seconds=settings.MLXHOST_TOMBSTONE_TTL_S),
+        expires_at=timezone.now() + timedelta(seconds=runtime_settings().persistence.tombstone_ttl_s),
     )
 
 

@@ -24,7 +24,7 @@ from api.ws import CLOSE_FORBIDDEN, CLOSE_TOO_BIG, CLOSE_UNAUTHENTICATED
 from api.ws.auth import headers_of, origin_allowed, session_user
 from api.ws.tracking import TrackedConsumer
 from mlxhost import request_log, wire
-from mlxhost.engine import EngineError
+from mlxhost.engine import OVERLOADED_CODES, EngineError
 from mlxhost.runtime import get_engine
 from models_app.response_ids import new_response_id
 from models_app.response_turns import response_start
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 _closing: set[asyncio.Future[None]] = set()  # closes started by a timer, kept until done
 AUTH_FRAME_TIMEOUT_S = 10.0
-# Admission refusals a client should retry later: the frame's error type is `overloaded` (LANE-2).
-OVERLOADED_CODES = frozenset({"queue_full", "draining"})
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 
 

@@ -7,6 +7,7 @@ from mlxhost.engine.disk import remove_saved
 from mlxhost.engine.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
 from mlxhost.engine.engine import Engine, Permit, instance_id_of_name, is_internal_name
 from mlxhost.engine.errors import (
+    OVERLOADED_CODES,
     DrainingError,
     DuplicateRequestError,
     EmbeddingFailedError,
@@ -30,6 +31,8 @@ from mlxhost.engine.retention import Retention
 from mlxhost.engine.sessions import SessionQuery, SessionScoper
 from mlxhost.engine.stats import Histogram, RequestStats
 from mlxhost.engine.types import (
+    ALIAS_SAMPLING_FIELDS,
+    SAMPLING_KNOBS,
     Delta,
     Done,
     EmbeddingRequest,
@@ -65,7 +68,10 @@ from mlxhost.engine.weights import (
 )
 
 __all__ = [
+    "ALIAS_SAMPLING_FIELDS",
     "MAX_EMBEDDING_INPUTS",
+    "OVERLOADED_CODES",
+    "SAMPLING_KNOBS",
     "Delta",
     "Done",
     "DrainingError",

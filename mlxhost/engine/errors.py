@@ -159,3 +159,11 @@ class RequestCancelledError(EngineError):
     """The request was cancelled (by id, or before it reached the engine)."""
 
     code = "request_cancelled"
+
+
+# Admission refusals a client should retry later (LANE-2): OpenAI's 429/503 that Anthropic reports
+# as 529 `overloaded_error`, and the WebSocket's error type `overloaded`.
+OVERLOADED_CODES = frozenset({QueueFullError.code, DrainingError.code})
+# Why a request was refused at admission, as `/metrics` counts it: 429/529 queue_full, 503 draining
+# and queue_timeout.
+REJECTION_CODES = (QueueFullError.code, DrainingError.code, QueueTimeoutError.code)

@@ -10,6 +10,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mlxhost.engine.errors import REJECTION_CODES
+
 if TYPE_CHECKING:
     from mlxhost.engine.types import Done
 
@@ -24,8 +26,8 @@ DECODE_BUCKETS_TPS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000
 
 # How a request that entered its lane ended; the names match the stored response statuses.
 OUTCOMES = ("completed", "incomplete", "cancelled", "failed")
-# Why a request was refused at admission: 429/529 queue_full, 503 draining and queue_timeout.
-REJECTIONS = ("queue_full", "draining", "queue_timeout")
+# Why a request was refused at admission (the codes live on the error classes).
+REJECTIONS = REJECTION_CODES
 # Why an instance's weights were freed without an admin asking (OPS-3).
 UNLOAD_REASONS = ("keep_alive", "memory_budget")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -105,6 +105,14 @@ class SamplingParams:
     # must match, and how many alternatives to report per token (None: no logprobs).
     grammar: Grammar | None = None
     logprobs: int | None = None
+
+
+# The sampling knobs a request sets by name, in the engine's names (`grammar` comes from a
+# response format, never a knob of its own): what every surface's overrides carry.
+SAMPLING_KNOBS = tuple(f.name for f in fields(SamplingParams) if f.name != "grammar")
+# The knobs an alias holds a default for (its columns of the same names); the others are set
+# per request only.
+ALIAS_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
 
 
 @dataclass(frozen=True, slots=True)

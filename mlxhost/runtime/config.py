@@ -24,6 +24,21 @@ TRUE_WORDS = frozenset({"true", "on", "ok", "y", "yes", "1"})
 
 
 @dataclass(frozen=True, slots=True)
+class PersistenceSettings:
+    """Stored responses (PER-1..5): the web process publishes the persist task with a bounded
+    timeout and writes inline when the broker is down; a persist still pending after the hard
+    timeout trips the breaker (instance retention released, tombstone recorded)."""
+
+    publish_timeout_s: float = 2.0  # publishing one persist task to the broker
+    hard_timeout_s: float = 60.0  # a write still pending this long trips the breaker
+    wait_s: float = 2.0  # a read of a response still being written waits this long (PER-2)
+    poll_s: float = 0.25  # and looks for its row this often
+    tombstone_ttl_s: float = 2 * 3600.0  # a breaker tombstone waits this long for its late row
+    # Without a broker (embedded default) the web process runs the periodic cleanups itself.
+    sweep_interval_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
 class RuntimeSettings:
     """What the serving process needs beyond the engine's own configuration."""
 
@@ -37,6 +52,7 @@ class RuntimeSettings:
     # Redis) still applies: only control binds names (REG-5). 0 turns it off.
     reconcile_interval_s: float = 5.0
     engine: EngineConfig = field(default_factory=EngineConfig)
+    persistence: PersistenceSettings = field(default_factory=PersistenceSettings)
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -102,6 +118,20 @@ def engine_config_from(
     )
 
 
+def persistence_settings_from(env: Mapping[str, str]) -> PersistenceSettings:
+    """`PersistenceSettings` from `MLXHOST_PERSIST_*`, `MLXHOST_TOMBSTONE_TTL_S` and
+    `MLXHOST_SWEEP_INTERVAL_S`; each one unset keeps the dataclass default."""
+    base = PersistenceSettings()
+    return PersistenceSettings(
+        publish_timeout_s=_float(env, "MLXHOST_PERSIST_PUBLISH_TIMEOUT_S", base.publish_timeout_s),
+        hard_timeout_s=_float(env, "MLXHOST_PERSIST_HARD_TIMEOUT_S", base.hard_timeout_s),
+        wait_s=_float(env, "MLXHOST_PERSIST_WAIT_S", base.wait_s),
+        poll_s=_float(env, "MLXHOST_PERSIST_POLL_S", base.poll_s),
+        tombstone_ttl_s=_float(env, "MLXHOST_TOMBSTONE_TTL_S", base.tombstone_ttl_s),
+        sweep_interval_s=_float(env, "MLXHOST_SWEEP_INTERVAL_S", base.sweep_interval_s),
+    )
+
+
 def runtime_settings_from(
     env: Mapping[str, str], *, kv_dir: Path | None = None, secret_key: str = ""
 ) -> RuntimeSettings:
@@ -113,4 +143,5 @@ def runtime_settings_from(
         preload=_bool(env, "MLXHOST_PRELOAD", base.preload),
         reconcile_interval_s=_float(env, "MLXHOST_RECONCILE_INTERVAL_S", base.reconcile_interval_s),
         engine=engine_config_from(env, kv_dir=kv_dir, secret_key=secret_key),
+        persistence=persistence_settings_from(env),
     )
