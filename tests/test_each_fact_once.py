@@ -73,7 +73,7 @@ def test_the_overloaded_codes_are_defined_once() -> None:
     )
     assert set(engine_errors.OVERLOADED_CODES) <= set(REJECTIONS)
     assert set(api_errors._ANTHROPIC_STATUS) == engine_errors.OVERLOADED_CODES
-    for path in ("api/consumers.py", "api/errors.py", "mlxhost/engine/stats.py"):
+    for path in ("api/ws/responses.py", "api/errors.py", "mlxhost/engine/stats.py"):
         text = (ROOT / path).read_text()
         assert '"queue_full"' not in text, f"{path} spells a refusal code instead of importing it"
 
