@@ -41,6 +41,9 @@ async def single_flight(kind: str, key: Any, load: Callable[[], Awaitable[T]]) -
         _inflight.pop((kind, key), None)
 
 
+ALIAS_NAME_MAX = ModelAlias._meta.get_field("name").max_length or 64
+
+
 def _lookup_sync(name: str, generation: int) -> ModelAlias | None:
     try:
         alias = selectors.alias_resolve(name=name)
@@ -59,6 +62,10 @@ async def alias_resolve(name: str) -> ModelAlias:
     Raises:
         ModelAlias.DoesNotExist: no enabled alias has that name.
     """
+    if len(name) > ALIAS_NAME_MAX or "\x00" in name:
+        # No alias can have it (a slug of at most 64): no query (PostgreSQL refuses NUL in text,
+        # and the fast refusal looks a name up before the body is validated), nothing cached.
+        raise ModelAlias.DoesNotExist(f"No enabled alias named {name[:ALIAS_NAME_MAX]!r}.")
     cached = hotcache.aliases.get(name)
     if cached is hotcache.MISS:
         generation = hotcache.aliases.generation  # read before the query: an edit meanwhile wins

@@ -225,3 +225,28 @@ async def test_a_host_that_is_not_allowed_is_a_json_400_under_v1(path, dialect):
     assert_envelope(response, 400, dialect, "bad_request")
     page = await AsyncClient().get("/admin/", headers={"host": "evil.example"})
     assert page.status_code == 400 and "application/json" not in page["Content-Type"]
+
+
+@pytest.mark.parametrize(("url", "dialect"), SURFACES)
+@pytest.mark.parametrize("model", ["ti\x00ny", "t" * 65], ids=["nul", "over-64"])
+async def test_a_model_name_no_alias_can_have_is_not_found_without_a_query(
+    url, dialect, model, api_key, tiny_alias, monkeypatch
+):
+    """The fast full-lane check looks the model up before the body is validated: a name with a
+    NUL (PostgreSQL refuses it in a text query: a 500 the OpenAPI fuzz found) or longer than an
+    alias slug may be is "no such model" at once, never a query and never a cache entry."""
+    from models_app import hotcache, lookups
+
+    def no_query(**_: object) -> None:
+        raise AssertionError("an alias name that cannot exist reached the database")
+
+    monkeypatch.setattr(lookups.selectors, "alias_resolve", no_query)
+    with pytest.raises(lookups.ModelAlias.DoesNotExist):
+        await lookups.alias_resolve(model)
+    assert hotcache.aliases.get(model) is hotcache.MISS
+    monkeypatch.undo()
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "prompt": "Hi", "input": "Hi"}
+    body["max_tokens"] = 4
+    response = await post_raw(url, json.dumps(body).encode(), api_key)
+    assert response.status_code in (400, 404), response.content
+    assert_envelope(response, response.status_code, dialect)

@@ -202,6 +202,7 @@ def test_a_grammar_that_fails_while_generating_ends_in_an_error_and_leaves_the_c
     import mlx.core as mx
 
     from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
+    from mlxhost.engine.errors import GrammarFailedError
     from mlxhost.engine.types import Grammar
 
     vocabulary = tiny_vocabulary
@@ -212,7 +213,7 @@ def test_a_grammar_that_fails_while_generating_ends_in_an_error_and_leaves_the_c
             vocabulary._compile(grammar), vocabulary.logits_size, partial(forgotten.append, True)
         )
         logits = mx.zeros((1, vocabulary.logits_size))
-        with pytest.raises(RuntimeError):
+        with pytest.raises(GrammarFailedError):
             masked = processor(mx.array([1]), logits)
             first = int(mx.argmax(masked).item())
             processor(mx.array([1, first]), logits)
