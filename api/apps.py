@@ -15,7 +15,7 @@ class ApiConfig(AppConfig):
 
         checks.register(check_protections, checks.Tags.security, deploy=True)
 
-        from models_app.control import session_sockets_close
+        from models_app.catalogue.control import session_sockets_close
 
         # Django owns logout; its signal is the one place every logout passes through.
         user_logged_out.connect(session_sockets_close, dispatch_uid="mlxhost.session_sockets_close")

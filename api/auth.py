@@ -12,10 +12,11 @@ from django.http import HttpRequest, HttpResponseBase
 
 from api.errors import INVALID_KEY_MESSAGE, ApiError, Dialect, as_api_error, dialect_of, error_response
 from api.parsing import loads_object, read_body
-from models_app import hotcache, selectors, usage
-from models_app.apikeys import key_hash
-from models_app.lookups import single_flight
-from models_app.selectors import KeyIdentity
+from models_app.accounting import usage
+from models_app.accounting.apikeys import key_hash
+from models_app.accounting.identity import KeyIdentity
+from models_app.catalogue import hotcache, selectors
+from models_app.catalogue.lookups import single_flight
 
 # A coroutine function, as django-stubs' `path()` accepts one; a streaming answer is a response too.
 AsyncView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]

@@ -32,10 +32,10 @@ from mlxhost.engine import (
     UnknownModelError,
     WrongModelKindError,
 )
-from models_app.limits import RateLimitedError
+from models_app.accounting.limits import RateLimitedError
 from models_app.models import ModelAlias
-from models_app.persistence import StorageTimeoutError
-from models_app.response_turns import ChainError
+from models_app.persistence.persistence import StorageTimeoutError
+from models_app.turns.response_turns import ChainError
 
 if TYPE_CHECKING:
     from mlxhost.engine import Done, Failed

@@ -11,7 +11,7 @@ from api.auth import api_endpoint, may_see_internals
 from mlxhost.runtime import engine_if_started
 from mlxhost.runtime.status import instance_status
 from mlxhost.wire import json_response
-from models_app import control, selectors
+from models_app.catalogue import control, selectors
 
 if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse

@@ -24,13 +24,13 @@ from prometheus_client.core import (
 from api.auth import api_endpoint, may_see_internals
 from api.errors import INVALID_KEY_MESSAGE, ApiError
 from mlxhost.runtime import engine_if_started
-from models_app.persistence import persistence_if_started
+from models_app.persistence.persistence import persistence_if_started
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from mlxhost.engine import Engine, Histogram, RequestStats
-    from models_app.persistence import Persistence
+    from models_app.persistence.persistence import Persistence
 
 REQUEST_LABELS = ["model", "instance"]
 INSTANCE_STATES = ("unloaded", "loading", "ready", "error")

@@ -139,7 +139,7 @@ REDIS_URL = env.str("REDIS_URL", default="")
 # Processes that share these prefixes (and Redis) see each other's control messages and status.
 MLXHOST_SHARED_PREFIX = env.str("MLXHOST_SHARED_PREFIX", default="mlxhost")
 # This engine host's number in a fleet (1..255; unset: not in a fleet). Response ids carry it, so
-# the balancer sends continuations home (models_app/response_ids.py, deploy/haproxy.cfg).
+# the balancer sends continuations home (models_app/turns/response_ids.py, deploy/haproxy.cfg).
 MLXHOST_HOST_ID: int | None = env.int("MLXHOST_HOST_ID", default=None)
 if MLXHOST_HOST_ID is not None and not 1 <= MLXHOST_HOST_ID <= 255:
     raise ImproperlyConfigured("MLXHOST_HOST_ID must be a number from 1 to 255.")
@@ -219,7 +219,7 @@ REST_FRAMEWORK: dict[str, object] = {
 }
 # Chat's `reasoning_effort`, Responses' `reasoning.effort` and Messages' `output_config.effort`
 # take one set of values: one schema component.
-SPECTACULAR_SETTINGS = {"ENUM_NAME_OVERRIDES": {"EffortEnum": "models_app.selectors.EFFORTS"}}
+SPECTACULAR_SETTINGS = {"ENUM_NAME_OVERRIDES": {"EffortEnum": "models_app.catalogue.selectors.EFFORTS"}}
 
 # Local model folders must live under this root; a request's `model` is never a path.
 MODELS_ROOT = Path(env.str("MODELS_ROOT", default=str(VAR_DIR / "models"))).resolve()

@@ -25,6 +25,6 @@ urlpatterns = [
         "favicon.ico", RedirectView.as_view(url=f"{settings.STATIC_URL}mlxhost/favicon.svg", permanent=True)
     ),
     path("admin/", admin.site.urls),
-    path("dashboard/", include("models_app.urls")),
+    path("dashboard/", include("models_app.console.urls")),
     path("", include("api.urls")),
 ]

@@ -222,7 +222,7 @@ class ApiKey(BaseModel):
     secret_hash = models.CharField(max_length=64)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True, db_index=True)
-    # Optional limits (KEY-4), checked when a turn arrives on any surface (models_app.limits).
+    # Optional limits (KEY-4), checked when a turn arrives on any surface (models_app.accounting.limits).
     requests_per_minute = models.PositiveIntegerField(
         null=True,
         blank=True,
@@ -251,7 +251,7 @@ class UsageDay(models.Model):
     """What one API key (or one user's browser session, `key` empty) used on one UTC day (KEY-2).
 
     One row per key per day, incremented with F() expressions by the write-behind flush
-    (models_app.usage), rather than a row per turn rolled up later: the admin's reports read
+    (models_app.accounting.usage), rather than a row per turn rolled up later: the admin's reports read
     keys × days rows however busy the keys are, a flush writes one UPDATE per key whatever the
     number of turns behind it, and the increments from any number of processes add up without
     a lost update or a roll-up job.

@@ -29,7 +29,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def fresh_hot_caches():
     """Cached key and alias lookups live for seconds in the process; each test starts without them
     (rows of an earlier test's database must never answer for this one's)."""
-    from models_app import hotcache
+    from models_app.catalogue import hotcache
 
     hotcache.clear_all()
     yield
@@ -43,7 +43,7 @@ def fresh_usage():
     test did not flush is dropped, never written into the next test's database."""
     import uuid
 
-    from models_app import limits, usage
+    from models_app.accounting import limits, usage
 
     usage.set_recorder(None)
     limiter = None
@@ -156,7 +156,7 @@ def user(django_user_model):
 
 @pytest.fixture
 def api_key(user) -> str:
-    from models_app import services
+    from models_app.catalogue import services
 
     _, raw = services.apikey_create(owner=user, name="test")
     return raw
@@ -182,7 +182,7 @@ async def mlx_engine():
 async def settle_persistence() -> None:
     """Let this test's stored responses land before the database is flushed (PostgreSQL deadlocks
     when a TRUNCATE meets an in-flight insert), then drop the process's persistence state."""
-    from models_app.persistence import persistence_if_started, set_persistence
+    from models_app.persistence.persistence import persistence_if_started, set_persistence
 
     store = persistence_if_started()
     if store is not None:

@@ -97,7 +97,7 @@ def watch_group_joins(monkeypatch: Any, layer: Any, group: str) -> asyncio.Event
 
 def user_with_key(django_user_model: Any, username: str, **user_fields: Any) -> tuple[Any, str]:
     """A new user (password `pw-<username>-123`) and the raw text of a fresh API key of theirs."""
-    from models_app import services
+    from models_app.catalogue import services
 
     user = django_user_model.objects.create_user(
         username=username, password=f"pw-{username}-123", **user_fields
@@ -109,6 +109,6 @@ def user_with_key(django_user_model: Any, username: str, **user_fields: Any) -> 
 def register_alias(*, name: str, folder: str = "tiny-llama", **fields: Any) -> Any:
     """Register alias `name` for the local model folder `folder` (under MODELS_ROOT), as the admin
     does; `fields` are the alias's other settings. The one place tests create aliases."""
-    from models_app import services
+    from models_app.catalogue import services
 
     return services.alias_register(name=name, source_kind="local", local_path=folder, **fields)

@@ -11,7 +11,11 @@ ARCHITECTURE = ROOT / "docs" / "architecture.md"
 BEHAVIOUR = ROOT / "docs" / "behaviour.md"
 PACKAGES = ("api", "models_app", "mlxhost")
 # Packages whose every module the page must name, not only the package itself.
-MODULE_PACKAGES = ("mlxhost/runtime", "models_app")
+MODULE_PACKAGES = (
+    "mlxhost/runtime",
+    "models_app",
+    *(f"models_app/{sub}" for sub in ("catalogue", "turns", "persistence", "accounting", "console")),
+)
 PROMISE_ID = re.compile(r"\b(?:LANE|REG|PER|SES|API|ADM|OPS|KEY)-\d+\b")
 
 

@@ -17,11 +17,11 @@ from mlxhost.engine import errors as engine_errors
 from mlxhost.engine.limits import _RANGES
 from mlxhost.engine.stats import REJECTIONS
 from mlxhost.runtime.config import PersistenceSettings, runtime_settings_from
-from models_app import admin as models_admin
-from models_app import selectors
-from models_app.forms import ALIAS_FORM_FIELDS
+from models_app.catalogue import selectors
+from models_app.console import admin as models_admin
+from models_app.console.forms import ALIAS_FORM_FIELDS
 from models_app.models import ModelAlias
-from models_app.persistence import Persistence
+from models_app.persistence.persistence import Persistence
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,7 +99,12 @@ def test_the_alias_sampling_defaults_are_listed_once() -> None:
     assert set(ALIAS_SAMPLING_FIELDS) <= set(ALIAS_FORM_FIELDS)
     fieldsets = dict(models_admin.ModelAliasAdmin.fieldsets or ())
     assert tuple(fieldsets["Sampling defaults"]["fields"]) == ALIAS_SAMPLING_FIELDS
-    for path in ("api/sampling.py", "models_app/selectors.py", "models_app/forms.py", "models_app/admin.py"):
+    for path in (
+        "api/sampling.py",
+        "models_app/catalogue/selectors.py",
+        "models_app/console/forms.py",
+        "models_app/console/admin.py",
+    ):
         text = " ".join((ROOT / path).read_text().split())
         spelled = ", ".join(f'"{name}"' for name in SAMPLING_LITERAL[:3])
         assert spelled not in text, f"{path} lists sampling fields instead of importing them"

@@ -131,7 +131,7 @@ def test_every_admin_page_and_the_dashboard_send_the_policy(client, staff, tiny_
     the logout page, an action's confirmation, a 404) carry the Content-Security-Policy."""
     from django.test import Client
 
-    from models_app import services
+    from models_app.catalogue import services
     from models_app.models import InstanceTombstone, StoredResponse
 
     key, _ = services.apikey_create(owner=user, name="walked")

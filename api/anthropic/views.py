@@ -15,7 +15,7 @@ from api.sse import anthropic_ping
 from api.tools import ToolSet
 from mlxhost.engine import Message, ToolChoice
 from mlxhost.wire import json_response
-from models_app.turns import CacheScope, TurnRequest, turn_count_tokens, turn_start
+from models_app.turns.turns import CacheScope, TurnRequest, turn_count_tokens, turn_start
 
 if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse, HttpResponseBase

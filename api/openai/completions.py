@@ -16,7 +16,7 @@ from api.openai.views import body_for_turn, chat_shaped_response, validated
 from api.sampling import sampling_overrides
 from api.sse import SSE_DONE, sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, TokenLogprob
-from models_app.turns import CacheScope, TurnRequest, turn_start
+from models_app.turns.turns import CacheScope, TurnRequest, turn_start
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

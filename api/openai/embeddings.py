@@ -18,7 +18,7 @@ from api.fields import JsonInput
 from api.openai.views import validated
 from mlxhost.engine import MAX_EMBEDDING_INPUTS as MAX_INPUTS
 from mlxhost.wire import json_response
-from models_app.embedding_requests import embeddings_create
+from models_app.turns.embedding_requests import embeddings_create
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

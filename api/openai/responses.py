@@ -10,7 +10,7 @@ from api.errors import failed_error
 from api.sse import sse_event
 from api.tools import logprob_body
 from mlxhost.engine import Delta, Done, Failed, ReasoningDelta, ToolCall, ToolCallDelta, Usage
-from models_app.response_turns import (
+from models_app.turns.response_turns import (
     STATUS,
     StartedResponse,
     function_call_item,
@@ -23,7 +23,7 @@ from models_app.response_turns import (
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, AsyncIterator
 
-    from models_app.turns import StartedTurn
+    from models_app.turns.turns import StartedTurn
 
 
 @dataclass

@@ -10,9 +10,9 @@ from api import tools as tool_inputs
 from api.fields import JsonInput, MetadataField
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, max_tokens_field
-from models_app.conversations import namespaced_name
-from models_app.item_references import reference_turn
-from models_app.selectors import EFFORTS
+from models_app.catalogue.selectors import EFFORTS
+from models_app.turns.conversations import namespaced_name
+from models_app.turns.item_references import reference_turn
 
 if TYPE_CHECKING:
     from mlxhost.engine import Tool

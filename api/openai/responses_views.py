@@ -15,11 +15,11 @@ from api.sampling import sampling_overrides
 from api.tools import ToolSet
 from mlxhost.engine import Usage
 from mlxhost.wire import json_response
-from models_app import services
+from models_app.catalogue import services
 from models_app.models import StoredResponse
-from models_app.persistence import persistence
-from models_app.response_turns import not_found, response_start
-from models_app.response_turns import response_cancel as cancel_response
+from models_app.persistence.persistence import persistence
+from models_app.turns.response_turns import not_found, response_start
+from models_app.turns.response_turns import response_cancel as cancel_response
 
 if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse, HttpResponseBase

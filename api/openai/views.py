@@ -22,9 +22,9 @@ from mlxhost import wire
 from mlxhost.engine import ToolChoice
 from mlxhost.runtime import engine_if_started
 from mlxhost.wire import json_response
-from models_app import selectors
+from models_app.catalogue import selectors
 from models_app.models import ModelAlias
-from models_app.turns import CacheScope, StartedTurn, TurnRequest, turn_refuse_if_full, turn_start
+from models_app.turns.turns import CacheScope, StartedTurn, TurnRequest, turn_refuse_if_full, turn_start
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Awaitable, Callable

@@ -15,7 +15,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.conf import settings
 
 from api.ws import CLOSE_UNAUTHENTICATED
-from models_app import control, selectors
+from models_app.catalogue import control, selectors
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -12,7 +12,7 @@ from api.ws import CLOSE_FORBIDDEN, CLOSE_UNAUTHENTICATED
 from api.ws.auth import origin_allowed, session_user
 from api.ws.tracking import TrackedConsumer
 from mlxhost import wire
-from models_app import control
+from models_app.catalogue import control
 
 
 class DashboardConsumer(TrackedConsumer):

@@ -1,7 +1,7 @@
 """`/ws/v1/responses` (API-3): `response.create` / `response.cancel` frames in, Responses events out.
 
 The consumer stays thin: a turn runs through the very service of `POST /v1/responses`
-(`models_app.response_turns`), and the frames are the same event objects as its SSE stream.
+(`models_app.turns.response_turns`), and the frames are the same event objects as its SSE stream.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from api.ws.tracking import TrackedConsumer
 from mlxhost import request_log, wire
 from mlxhost.engine import OVERLOADED_CODES, EngineError
 from mlxhost.runtime import get_engine
-from models_app.response_ids import new_response_id
-from models_app.response_turns import response_start
-from models_app.turns import turn_refuse_if_full
+from models_app.turns.response_ids import new_response_id
+from models_app.turns.response_turns import response_start
+from models_app.turns.turns import turn_refuse_if_full
 
 if TYPE_CHECKING:
     from mlxhost.engine import Timings

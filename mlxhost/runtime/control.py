@@ -3,7 +3,7 @@
 `run_control_listener` joins the engine group on the channel layer: a `models.changed` message
 reconciles the engine with the database, a `models.action` message loads, unloads or reloads a
 model through its instance's writer path (LANE-4). The message vocabulary lives in
-`models_app.control`; the live status is `mlxhost.runtime.status`. Registered on import: when the
+`models_app.catalogue.control`; the live status is `mlxhost.runtime.status`. Registered on import: when the
 engine starts, the listener runs and the engine is reconciled (pinned models load).
 """
 
@@ -29,8 +29,9 @@ from mlxhost.engine import (
     is_internal_name,
 )
 from mlxhost.runtime import lifecycle
-from models_app import control, hotcache, live_responses, selectors, services
+from models_app.catalogue import control, hotcache, selectors, services
 from models_app.models import Model, ModelAlias
+from models_app.turns import live_responses
 
 logger = logging.getLogger(__name__)
 

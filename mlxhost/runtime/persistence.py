@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from mlxhost.celery import app
 from mlxhost.runtime import lifecycle
-from models_app.persistence import persistence, persistence_if_started
+from models_app.persistence.persistence import persistence, persistence_if_started
 
 if TYPE_CHECKING:
     from mlxhost.engine import Engine

@@ -2,7 +2,7 @@
 
 The one place that names an instance's state. `instance_status` is OPS-2's health ladder (the
 /readyz probe uses it); `instance_live_state` is the state the admin and the dashboard show,
-published with its words (`models_app.control.LIVE_LABELS`) so that the admin, the dashboard
+published with its words (`models_app.catalogue.control.LIVE_LABELS`) so that the admin, the dashboard
 view and `dashboard.js` only render `view["label"]`. `run_status_publisher` reports every
 instance to the cache (the admin reads it) and to the dashboard group (pushed to the browsers).
 Registered on import: the publisher runs from the engine's start until it stops.
@@ -24,7 +24,8 @@ from django.conf import settings
 
 from mlxhost.runtime import lifecycle
 from mlxhost.runtime.control import Actions, actions_for, is_alias
-from models_app import control, status_history
+from models_app.catalogue import control
+from models_app.console import status_history
 
 if TYPE_CHECKING:
     from mlxhost.engine import Engine

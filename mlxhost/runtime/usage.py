@@ -4,7 +4,7 @@ exits (KEY-2, OPS-5). Registered on import."""
 from __future__ import annotations
 
 from mlxhost.runtime import lifecycle
-from models_app.usage import recorder_if_started
+from models_app.accounting.usage import recorder_if_started
 
 
 async def flush_usage() -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 from django import template
 
-from models_app import selectors
+from models_app.catalogue import selectors
 
 register = template.Library()
 

@@ -88,7 +88,7 @@ async def sse_events(response) -> list[tuple[str, dict]]:
 async def save_alias(alias, **fields: Any):
     """Edit `alias` as the admin does, and its model for model fields (lane, memory, weights);
     returns the alias. Engines reconcile on the commit's `models.changed` message."""
-    from models_app import services
+    from models_app.catalogue import services
 
     def save():
         model_fields = {k: fields.pop(k) for k in list(fields) if k in services.MODEL_ONLY_FIELDS}
@@ -117,7 +117,7 @@ async def set_lane(alias, **fields: Any):
 
 async def act(alias, action: str) -> None:
     """The admin's load / unload / reload button on the alias's model."""
-    from models_app import services
+    from models_app.catalogue import services
 
     await sync_to_async(services.model_request_action)(model=alias.model, action=action)
 

@@ -118,7 +118,7 @@ async def test_x_api_key_header_is_accepted(tiny_alias, api_key, mlx_engine):
 async def test_revoked_key_is_401(tiny_alias, api_key):
     from asgiref.sync import sync_to_async
 
-    from models_app import selectors, services
+    from models_app.catalogue import selectors, services
 
     key = await sync_to_async(selectors.apikey_authenticate)(raw_key=api_key)
     await sync_to_async(services.apikey_revoke)(key=key)

@@ -7,7 +7,7 @@ import json
 import pytest
 from asgiref.sync import sync_to_async
 
-from models_app import services
+from models_app.catalogue import services
 from tests.api.support import (
     ScriptedGeneration,
     StreamReader,

@@ -15,7 +15,7 @@ from django.core.cache import cache
 from mlxhost.engine.backends.mlx.tiny import build_tiny_model
 from mlxhost.runtime import control as engine_control
 from mlxhost.runtime import status as engine_status
-from models_app import control, selectors, services
+from models_app.catalogue import control, selectors, services
 from models_app.models import ModelAlias
 from tests.api.support import act, capacity_of, save_alias, set_lane, settled
 from tests.support import eventually, register_alias, watch_group_joins
@@ -104,8 +104,8 @@ async def test_a_request_that_read_the_old_row_cannot_undo_a_swap(tiny_alias, re
     """REG-5, issue 11: only control binds. A request holding the alias row from before an admin
     moved the alias to other weights resolves the name to the new binding; the old weights are
     never bound again."""
-    from models_app import turns
-    from models_app.turns import TurnRequest
+    from models_app.turns import turns
+    from models_app.turns.turns import TurnRequest
 
     stale = await sync_to_async(selectors.alias_resolve)(name="tiny")  # read before the swap
     old_id = stale.instance_id

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from models_app import selectors
+from models_app.catalogue import selectors
 from tests.api.support import bearer, post_json
 
 pytestmark = [pytest.mark.django_db(transaction=True)]

@@ -30,7 +30,7 @@ async def test_a_continuation_on_a_full_lane_is_refused_429_before_its_parent_is
 ):
     """LANE-3, LANE-2: the permit comes before the stored chain, so a full lane answers 429
     (not the parent's 404) and never waits for a pending parent write."""
-    from models_app import persistence
+    from models_app.persistence import persistence
 
     await set_lane(tiny_alias, concurrency=1, queue_depth=0)
     holder = await post_chat(api_key, stream=True, max_tokens=100_000, logit_bias={str(tiny_eos_id): -100})
@@ -247,7 +247,7 @@ async def test_an_aborted_responses_stream_ends_incomplete_and_says_why():
     status `incomplete` and reason `draining`, never `response.completed`."""
     from api.openai.responses import ResponseTurn, response_events
     from mlxhost.engine import Delta, Done, Started, Timings, Usage
-    from models_app.turns import StartedTurn, TurnHooks
+    from models_app.turns.turns import StartedTurn, TurnHooks
 
     class Recorded(TurnHooks):
         def __init__(self) -> None:
@@ -273,7 +273,7 @@ async def test_a_turn_whose_caller_gives_up_while_queued_is_cancelled_not_left_t
 ):
     """LANE-6: when the queue-position callback fails (the socket closed under it), the queued
     turn is cancelled; before, it stayed queued and later ran its whole answer for nobody."""
-    from models_app.response_turns import response_start
+    from models_app.turns.response_turns import response_start
 
     await set_lane(tiny_alias, concurrency=1, queue_depth=2)
     holder = await post_chat(api_key, stream=True, max_tokens=100_000, logit_bias={str(tiny_eos_id): -100})

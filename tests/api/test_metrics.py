@@ -131,7 +131,7 @@ async def test_metrics_count_outcomes_rejections_tokens_and_lane_state(
 
 async def test_metrics_report_persistence_of_stored_responses(tiny_alias, api_key, mlx_engine):
     """OPS-1: stored responses show as recorded, written and landed, with the persist lag."""
-    from models_app.persistence import persistence
+    from models_app.persistence.persistence import persistence
 
     response = await AsyncClient().post(
         "/v1/responses",

@@ -54,7 +54,7 @@ async def test_healthz_is_public_and_minimal():
 
 async def test_readyz_lists_instances_with_lane_counters_for_key_holders(tiny_alias, api_key, mlx_engine):
     """OPS-2, LANE-9: per-instance state and lane counters, for callers with a key."""
-    from models_app import selectors
+    from models_app.catalogue import selectors
 
     spec = await services_call(selectors.model_spec_for, alias=tiny_alias)
     await mlx_engine.load(spec, name="tiny")
@@ -79,7 +79,7 @@ async def test_readyz_lists_instances_with_lane_counters_for_key_holders(tiny_al
 async def test_readyz_without_credentials_says_only_the_status(tiny_alias, mlx_engine):
     """OPS-2: an anonymous probe learns ready or not and how many models are in each state, never
     which models, instances or counters."""
-    from models_app import selectors
+    from models_app.catalogue import selectors
 
     await mlx_engine.load(await services_call(selectors.model_spec_for, alias=tiny_alias), name="tiny")
     response = await AsyncClient().get("/readyz")
@@ -141,7 +141,7 @@ def broken_alias(tiny_model_dir, settings):
 async def load_both(mlx_engine, *aliases) -> None:
     """Load each alias's model; a failing load leaves its instance in `error`."""
     from mlxhost.engine import EngineError
-    from models_app import selectors
+    from models_app.catalogue import selectors
 
     for alias in aliases:
         spec = await services_call(selectors.model_spec_for, alias=alias)

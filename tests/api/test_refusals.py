@@ -9,7 +9,7 @@ import pytest
 from django.db.backends import utils as db_utils
 from django.test import AsyncClient
 
-from models_app import hotcache, services
+from models_app.catalogue import hotcache, services
 from tests.api.support import HELLO, every_auth, set_lane
 from tests.api.support import post_any as post
 from tests.support import eventually

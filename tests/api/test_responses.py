@@ -157,7 +157,7 @@ async def test_a_hot_swapped_alias_refuses_the_chain_and_an_alias_of_the_same_we
 async def test_a_chain_from_an_earlier_boot_is_checked_by_weights_fingerprint(tiny_alias, alice, mlx_engine):
     """REG-4: another boot's instance ids are not live; the fingerprint decides."""
     from models_app.models import StoredResponse
-    from models_app.persistence import persistence
+    from models_app.persistence.persistence import persistence
 
     first = await alice.ok(input="hello", max_output_tokens=3)
     await persistence().fetch(public_id=first["id"], owner_id=tiny_alias_owner(alice))  # landed
@@ -235,7 +235,7 @@ async def test_cancel_stops_a_running_response_and_it_is_stored_as_cancelled(
     tiny_alias, alice, bob, mlx_engine, tiny_eos_id
 ):
     """LANE-6, PER-1: POST .../cancel ends a running stream; the row keeps its true status."""
-    from models_app.persistence import persistence
+    from models_app.persistence.persistence import persistence
 
     response = await alice.create(
         input="go on forever", stream=True, max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100}
@@ -260,7 +260,7 @@ async def test_a_hung_up_stream_is_stored_as_cancelled_without_claimed_usage(
     tiny_alias, alice, mlx_engine, tiny_eos_id
 ):
     """PER-1, SES-1: a client that hangs up leaves a cancelled row and no warm session."""
-    from models_app.persistence import persistence
+    from models_app.persistence.persistence import persistence
 
     response = await alice.create(
         input="talk", stream=True, max_output_tokens=100_000, logit_bias={str(tiny_eos_id): -100}
@@ -284,8 +284,8 @@ async def test_a_turn_cancelled_inside_prepare_leaks_no_retention_and_no_live_en
 
     from api.openai.responses_input import ResponsesInput
     from api.openai.views import validated
-    from models_app import live_responses
-    from models_app.response_turns import response_start
+    from models_app.turns import live_responses
+    from models_app.turns.response_turns import response_start
 
     settings.REDIS_URL = "redis://127.0.0.1:6379/6"  # shared: `started` awaits the cache
     entered, written, deleted = asyncio.Event(), [], []

@@ -10,7 +10,8 @@ from asgiref.sync import sync_to_async
 from django.db.models import Sum
 from django.test import AsyncClient
 
-from models_app import limits, services, usage
+from models_app.accounting import limits, usage
+from models_app.catalogue import services
 from models_app.models import ApiKey, UsageDay
 from tests.api.support import (
     WS_HOST,

@@ -243,7 +243,7 @@ async def test_the_dashboard_socket_pushes_each_published_status_to_staff(
     anyone else is refused before accept."""
     from mlxhost.runtime import control as engine_control
     from mlxhost.runtime import status as engine_status
-    from models_app.control import ENGINE_GROUP
+    from models_app.catalogue.control import ENGINE_GROUP
 
     staff = await django_user_model.objects.acreate(username="root", is_staff=True, is_superuser=True)
     client = AsyncClient()
@@ -288,7 +288,7 @@ async def test_the_dashboard_socket_pushes_each_published_status_to_staff(
 
 
 def selectors_spec(alias):
-    from models_app import selectors
+    from models_app.catalogue import selectors
 
     return selectors.model_spec_for(alias=alias)
 
@@ -390,7 +390,7 @@ async def test_revoking_a_key_closes_its_open_socket_with_4401_and_stops_its_tur
     its running turn stops; other keys' sockets stay open."""
     from asgiref.sync import sync_to_async
 
-    from models_app import services
+    from models_app.catalogue import services
 
     key, raw = await sync_to_async(services.apikey_create)(owner=user, name="doomed")
     _, other_raw = await sync_to_async(services.apikey_create)(owner=user, name="kept")
@@ -414,7 +414,7 @@ async def test_a_key_given_in_the_first_frame_is_watched_too(tiny_alias, user, m
     """API-5: revocation also closes a socket that authenticated with its first frame."""
     from asgiref.sync import sync_to_async
 
-    from models_app import services
+    from models_app.catalogue import services
 
     key, raw = await sync_to_async(services.apikey_create)(owner=user, name="first-frame")
     socket = await connect([WS_HOST], path=f"{WS_PATH}?auth=first-frame")
@@ -482,7 +482,7 @@ async def test_a_logged_out_socket_cannot_start_a_turn_when_no_close_message_cam
 ):
     """API-5: a logout in a process that shares no channel layer with this one sends no close
     message; the socket's next frame re-checks the session, closes it with 4401 and runs nothing."""
-    from models_app import control
+    from models_app.catalogue import control
 
     settings.MLXHOST_WS_AUTH_RECHECK_S = 3600  # only the per-frame check can catch it here
     monkeypatch.setattr(control, "sockets_close_rollback_unsafe", lambda *, group: None)
@@ -502,7 +502,7 @@ async def test_a_logged_out_socket_cannot_start_a_turn_when_no_close_message_cam
 async def test_a_logged_out_dashboard_gets_no_more_status_frames(tiny_alias, mlx_engine, django_user_model):
     """API-5, ADM-2: once the logout closed it (4401), the dashboard socket sends nothing more,
     though status messages keep arriving for its group until the client hangs up."""
-    from models_app.control import DASHBOARD_GROUP, DASHBOARD_STATUS
+    from models_app.catalogue.control import DASHBOARD_GROUP, DASHBOARD_STATUS
 
     client, playground, dashboard = await _session_sockets(django_user_model, "watcher")
     await client.alogout()
@@ -519,7 +519,7 @@ async def test_a_logout_closes_the_sockets_within_seconds_by_the_recheck_alone(
 ):
     """API-5: with no close message (no shared channel layer), the periodic re-check closes an
     idle logged-out socket with 4401 within MLXHOST_WS_AUTH_RECHECK_S."""
-    from models_app import control
+    from models_app.catalogue import control
 
     settings.MLXHOST_WS_AUTH_RECHECK_S = 0.1
     monkeypatch.setattr(control, "sockets_close_rollback_unsafe", lambda *, group: None)

@@ -96,7 +96,7 @@ def set_lane(server: Server, api_key: str, alias, *, concurrency: int, queue_dep
     """Edit the lane of `alias`'s model as the admin does, then wait until the server's engine
     serves it with that lane: its control plane re-reads the database (MLXHOST_RECONCILE_INTERVAL_S)
     when no channel layer carries the change from this process."""
-    from models_app import services
+    from models_app.catalogue import services
 
     model = alias.model
     model.concurrency, model.queue_depth = concurrency, queue_depth

@@ -426,7 +426,7 @@ def assert_session_ended(page) -> None:
 @pytest.fixture
 def an_api_key(staff_user):
     """A key, so the walk visits a key's pages too (made before the browser's loop starts)."""
-    from models_app import services
+    from models_app.catalogue import services
 
     return services.apikey_create(owner=staff_user, name="walked")[0]
 

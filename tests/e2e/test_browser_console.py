@@ -107,7 +107,7 @@ def stored_list(page, device: str, width: int) -> None:
 def one_day_of_usage(staff_user):  # noqa: F811
     from django.utils import timezone
 
-    from models_app import services
+    from models_app.catalogue import services
     from models_app.models import UsageDay
 
     key, _ = services.apikey_create(owner=staff_user, name="new")

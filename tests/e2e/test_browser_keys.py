@@ -44,7 +44,7 @@ def usage_history(staff_user):  # noqa: F811
     """A week of usage on an older key of the staff member, so the charts have something to draw."""
     from django.utils import timezone
 
-    from models_app import services
+    from models_app.catalogue import services
     from models_app.models import UsageDay
 
     key, _ = services.apikey_create(

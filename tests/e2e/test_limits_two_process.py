@@ -17,7 +17,8 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections
 
-from models_app import limits, services, usage
+from models_app.accounting import limits, usage
+from models_app.catalogue import services
 from tests.api.support import post_json
 from tests.conftest import redis_keys_delete
 from tests.e2e.conftest import database_url, spawn_daphne, stop_process, wait_until_up

@@ -200,7 +200,7 @@ def changelist_rows(staff_user) -> None:
     owner = staff_user
     from django.utils import timezone
 
-    from models_app import services
+    from models_app.catalogue import services
     from models_app.models import StoredResponse
 
     key, _ = services.apikey_create(owner=owner, name="ci runner with a long name")

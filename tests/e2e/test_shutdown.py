@@ -231,7 +231,7 @@ def test_clients_that_leave_during_the_drain_cancel_their_turns(
     turn whose clients then hang up are cancelled as any client's leaving cancels (LANE-6), not
     generated for nobody until the drain timeout: each request's log line says `cancelled`,
     and the process exits 0 with the drain timeout far from spent."""
-    from models_app import services
+    from models_app.catalogue import services
 
     model = tiny_alias.model
     model.concurrency = 2

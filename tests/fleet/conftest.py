@@ -65,7 +65,7 @@ def fleet_alias(fleet: Fleet, tiny_model_dir):
     alias = register_alias(name="tiny", folder="tiny-llama", temperature=0.0, max_output_tokens=100_000)
     model = alias.model
     model.concurrency, model.queue_depth = 4, 8
-    from models_app import services
+    from models_app.catalogue import services
 
     services.model_save(model=model)
     return alias

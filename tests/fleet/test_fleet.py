@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from models_app.response_ids import home_host
+from models_app.turns.response_ids import home_host
 from tests.fleet.conftest import both_hosts_ready
 from tests.support import wait_until
 
@@ -300,7 +300,7 @@ def test_a_fleet_reload_rolls_host_by_host_under_traffic(
     six clients keep sending requests through the proxy: every request is answered 200 (none
     refused as draining while a host waits for its running requests: arrivals wait in its lane,
     LANE-4), and both hosts answer /readyz 200 throughout."""
-    from models_app import control
+    from models_app.catalogue import control
 
     both_hosts_ready(fleet)
     for n in (1, 2):

@@ -19,7 +19,7 @@ import django
 django.setup()
 
 from mlxhost.celery import app  # noqa: E402
-from models_app import services  # noqa: E402
+from models_app.catalogue import services  # noqa: E402
 
 DELAY_BEFORE_S = float(os.environ.get("MLXHOST_TEST_PERSIST_DELAY_S", "0"))
 DELAY_AFTER_S = float(os.environ.get("MLXHOST_TEST_PERSIST_DELAY_AFTER_S", "0"))

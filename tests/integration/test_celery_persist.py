@@ -8,9 +8,9 @@ from urllib.parse import urlparse, urlunparse
 import pytest
 import redis
 
-from models_app import persistence as persistence_module
 from models_app.models import StoredResponse
-from models_app.persistence import Persistence
+from models_app.persistence import persistence as persistence_module
+from models_app.persistence.persistence import Persistence
 from tests.models_app.support import make_record, off_loop
 from tests.support import eventually, wait_until
 

@@ -12,8 +12,8 @@ import pytest
 import redis
 from django.test import Client
 
-from models_app import control, services
-from models_app.admin import ALIAS_FORM_FIELDS, MODEL_FORM_FIELDS
+from models_app.catalogue import control, services
+from models_app.console.admin import ALIAS_FORM_FIELDS, MODEL_FORM_FIELDS
 from tests.e2e.conftest import database_url, running_daphne
 from tests.support import register_alias, wait_until
 

@@ -7,7 +7,7 @@ import uuid
 
 from django.db import connections
 
-from models_app.persistence import ResponseRecord
+from models_app.persistence.persistence import ResponseRecord
 
 
 def make_record(owner_id: int, *, text: str = "Hello there.", **overrides) -> ResponseRecord:

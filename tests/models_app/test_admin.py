@@ -97,7 +97,7 @@ def test_admin_shows_a_new_api_key_once(admin_client, admin_user):
 
 def test_admin_lists_tombstones_read_only(admin_client):
     """REG-7: breaker tombstones are visible in the admin and cannot be added or edited there."""
-    from models_app import services
+    from models_app.catalogue import services
 
     tombstone = services.tombstone_record(
         instance_id=3, weights_key=("tiny-llama", "", "f" * 64), public_id="resp_x"
@@ -117,7 +117,7 @@ ALIASES_URL = "/admin/models_app/modelalias/"
 @pytest.fixture
 def sent(monkeypatch):
     """Control messages that reached the channel layer (sent on commit)."""
-    from models_app import control
+    from models_app.catalogue import control
 
     messages: list[dict] = []
     monkeypatch.setattr(control, "_send", messages.append)
@@ -144,7 +144,7 @@ def _view(instance_id, **fields):
 
 
 def _publish(*views, actions=None):
-    from models_app import control
+    from models_app.catalogue import control
 
     control.status_publish(
         {"boot_id": "boot-a", "started_at": 1.0, "instances": list(views), "actions": actions or {}}
@@ -176,7 +176,7 @@ def _stored(owner, public_id, previous="", text_in="", text_out="", **fields):
 
 def test_every_admin_page_renders(admin_client, tiny_alias, user):
     """ADM-1: changelist, add and change pages of every model render for staff (read-only ones refuse add)."""
-    from models_app import services
+    from models_app.catalogue import services
     from models_app.models import InstanceTombstone, StoredResponse
 
     key, _ = services.apikey_create(owner=user, name="k")
@@ -276,7 +276,7 @@ def test_two_aliases_of_one_model_act_on_it_once(
     admin_client, tiny_alias, sent, django_capture_on_commit_callbacks
 ):
     """ADM-1: actions belong to the model; a second alias of it adds no second action or lane."""
-    from models_app import services
+    from models_app.catalogue import services
 
     services.alias_register(name="tiny-2", model_name="ignored", source_kind="local", local_path="tiny-llama")
     assert Model.objects.count() == 1
@@ -321,7 +321,7 @@ def test_the_add_form_offers_model_folders(admin_client, tiny_model_dir):
 
 def test_model_folders_are_listed_two_levels_down(tmp_path):
     """ADM-1: config.json + *.safetensors marks a model folder; deeper and incomplete folders are skipped."""
-    from models_app import selectors
+    from models_app.catalogue import selectors
 
     def model(folder):
         folder.mkdir(parents=True)
@@ -426,7 +426,7 @@ def test_stored_responses_are_read_only_and_searchable(admin_client, user, djang
 
 def test_the_chain_view_lists_a_three_turn_chain_in_order(admin_client, user, django_user_model):
     """ADM-1 / PER-6: the chain view follows previous_response_id to the root, oldest first, one owner only."""
-    from models_app import selectors
+    from models_app.catalogue import selectors
 
     mallory = django_user_model.objects.create_user(username="mallory", password="pw-mallory-123")
     _stored(mallory, "resp_foreign", text_in="foreign-question", text_out="foreign-answer")
@@ -449,7 +449,7 @@ def test_the_chain_view_lists_a_three_turn_chain_in_order(admin_client, user, dj
 
 def test_the_chain_walk_is_bounded(user):
     """ADM-1: the chain selector reads at most max_depth rows, however long the chain."""
-    from models_app import selectors
+    from models_app.catalogue import selectors
 
     previous = ""
     for n in range(6):
@@ -561,7 +561,7 @@ def test_model_and_alias_pages_show_the_prefix_cache(admin_client, tiny_alias):
 
 def test_live_state_selector_maps_each_engine_state(tiny_alias):
     """OPS-4: the selector turns an engine's instance view into the state the admin shows."""
-    from models_app import selectors
+    from models_app.catalogue import selectors
 
     def state(views, actions=None):
         return selectors.alias_live_state(alias=tiny_alias, views=views, actions=actions or {})

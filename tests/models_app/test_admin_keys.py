@@ -12,9 +12,9 @@ from datetime import date, timedelta
 import pytest
 from django.utils import timezone
 
-from models_app import hotcache, services
+from models_app.accounting.snippets import key_snippets
+from models_app.catalogue import hotcache, services
 from models_app.models import ApiKey, UsageDay
-from models_app.snippets import key_snippets
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from models_app.forms import ModelAliasForm
-from models_app.selectors import template_options_for
+from models_app.catalogue.selectors import template_options_for
+from models_app.console.forms import ModelAliasForm
 
 pytestmark = pytest.mark.django_db
 

@@ -11,7 +11,7 @@ from django.contrib.admin.models import ADDITION, CHANGE, LogEntry
 from django.template.defaultfilters import date as date_filter
 from django.utils import timezone
 
-from models_app import services
+from models_app.catalogue import services
 from models_app.models import ApiKey
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]
@@ -23,7 +23,7 @@ ROW = re.compile(r'<th scope="row">(.*?)</th>\s*<td>(.*?)</td>\s*<td>(.*?)</td>'
 @pytest.fixture
 def sent(monkeypatch):
     """Control messages that reached the channel layer (none leave the test)."""
-    from models_app import control
+    from models_app.catalogue import control
 
     messages: list[dict] = []
     monkeypatch.setattr(control, "_send", messages.append)
@@ -148,7 +148,7 @@ def test_a_reload_switch_is_recorded_once_as_the_requesters(admin_client, tiny_a
 def test_a_change_without_a_signed_in_user_goes_to_the_log(tiny_alias, user, caplog, sent):
     """ADM-6: a script's change (no user to name) has no history entry but a log line, and the
     line carries no key material."""
-    with caplog.at_level(logging.INFO, logger="models_app.audit"):
+    with caplog.at_level(logging.INFO, logger="models_app.catalogue.audit"):
         key, raw = services.apikey_create(owner=user, name="script")
         services.apikey_revoke(key=key)
     assert entries(key) == []

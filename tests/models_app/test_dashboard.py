@@ -10,7 +10,7 @@ import time
 import pytest
 
 from mlxhost.runtime.status import live_fields
-from models_app import control
+from models_app.catalogue import control
 from tests.support import register_alias
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]
@@ -207,7 +207,7 @@ def test_vendored_chart_library_is_served(staff_client):
 
 @pytest.fixture
 def fresh_history(monkeypatch):
-    from models_app import status_history
+    from models_app.console import status_history
 
     monkeypatch.setattr(status_history, "_last_sample_at", {})
     return status_history

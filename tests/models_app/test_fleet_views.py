@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models_app import control
+from models_app.catalogue import control
 
 
 def status(host_id: int, **view) -> dict:

@@ -12,7 +12,14 @@ from datetime import date
 
 import pytest
 
-from models_app.limits import DAY_S, KeyLimits, LocalLimiter, RateLimitedError, RedisLimiter, utc_day
+from models_app.accounting.limits import (
+    DAY_S,
+    KeyLimits,
+    LocalLimiter,
+    RateLimitedError,
+    RedisLimiter,
+    utc_day,
+)
 from tests.conftest import redis_keys_delete
 from tests.support import FakeClock
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from mlxhost.engine import detect_kind
-from models_app import selectors
+from models_app.catalogue import selectors
 from models_app.models import Model
 from tests.models_app.test_admin import MODEL_FORM, MODELS_URL
 from tests.support import register_alias
@@ -68,7 +68,7 @@ def test_saving_a_local_model_detects_its_kind_and_the_spec_carries_it(minilm_fo
 @pytest.mark.django_db
 def test_a_hub_model_keeps_the_kind_staff_chose():
     """API-13: a hub repo is not on disk when it is saved; its kind is the staff's choice."""
-    from models_app import services
+    from models_app.catalogue import services
 
     alias = services.alias_register(
         name="hub-embed", source_kind="hub", hf_repo="org/embedder", hf_revision="abc123", kind="embedding"

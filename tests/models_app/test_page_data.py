@@ -10,7 +10,7 @@ import pytest
 from django.conf import settings
 from django.template import Context, Template
 
-from models_app import control
+from models_app.catalogue import control
 from tests.models_app.test_dashboard import engine_status, staff_client, tiny_enabled  # noqa: F401
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]

@@ -14,11 +14,12 @@ from django.utils import timezone
 
 from mlxhost.engine import Engine, EngineConfig
 from mlxhost.engine.backends.fake import FakeBackend
-from models_app import persistence as persistence_module
-from models_app import services, tasks
+from models_app.catalogue import services
 from models_app.models import InstanceTombstone, StoredResponse
-from models_app.persistence import Persistence, ResponseRecord, StorageTimeoutError
-from models_app.publishing import CeleryPublisher
+from models_app.persistence import persistence as persistence_module
+from models_app.persistence import tasks
+from models_app.persistence.persistence import Persistence, ResponseRecord, StorageTimeoutError
+from models_app.persistence.publishing import CeleryPublisher
 from tests.engine.conftest import spec
 from tests.models_app.support import drop, make_record, off_loop
 from tests.support import FakeClock, eventually
@@ -448,7 +449,7 @@ def shared_redis():
 
     from django.core.cache.backends.redis import RedisCache
 
-    from models_app.persistence import SharedPending
+    from models_app.persistence.persistence import SharedPending
 
     url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
     cache = RedisCache(url, {"KEY_PREFIX": f"test-{uuid.uuid4().hex}"})

@@ -13,7 +13,7 @@ from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
 
-from models_app import selectors, services
+from models_app.catalogue import selectors, services
 from models_app.models import ApiKey, ModelAlias, ModelInstance, StoredResponse
 
 pytestmark = [pytest.mark.django_db]
@@ -151,7 +151,7 @@ def test_purge_expired_responses_is_idempotent(user):
     }
     StoredResponse.objects.create(public_id="resp_old", expires_at=now - timedelta(seconds=1), **common)
     StoredResponse.objects.create(public_id="resp_new", expires_at=now + timedelta(days=1), **common)
-    from models_app.tasks import responses_purge_expired
+    from models_app.persistence.tasks import responses_purge_expired
 
     assert responses_purge_expired.delay().get() == 1
     assert responses_purge_expired.delay().get() == 0

@@ -8,8 +8,8 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from models_app import transcripts
 from models_app.models import StoredResponse
+from models_app.turns import transcripts
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]
 

@@ -9,7 +9,8 @@ import pytest
 from django.db.models.query import QuerySet
 
 from mlxhost.engine import Done, Failed, Timings, Usage
-from models_app import services, usage
+from models_app.accounting import usage
+from models_app.catalogue import services
 from models_app.models import ApiKey, UsageDay
 from tests.support import FakeClock
 

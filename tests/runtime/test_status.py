@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlxhost.runtime.status import idle_unload_fields, instance_live_state, live_fields
-from models_app.control import LIVE_LABELS
+from models_app.catalogue.control import LIVE_LABELS
 from tests.support import eventually
 
 

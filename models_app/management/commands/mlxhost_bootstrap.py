@@ -12,7 +12,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandParser
 from django.db import transaction
 
-from models_app import services
+from models_app.catalogue import services
 from models_app.models import ApiKey
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         from mlxhost.engine.backends.mlx.tiny import build_tiny_model
-        from models_app import services
+        from models_app.catalogue import services
 
         dest = resolve_under(Path(settings.MODELS_ROOT), options["folder"])
         dest.parent.mkdir(parents=True, exist_ok=True)

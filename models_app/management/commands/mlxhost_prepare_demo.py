@@ -35,7 +35,7 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         from mlxhost.engine.backends.mlx.gguf import convert_gguf, find_smollm2_gguf
-        from models_app import services
+        from models_app.catalogue import services
 
         try:
             gguf = find_smollm2_gguf()
@@ -69,7 +69,7 @@ class Command(BaseCommand):
 
     def _prepare_embedding(self, name: str) -> None:
         from mlxhost.engine.backends.mlx.minilm import find_minilm_zip, unpack_minilm
-        from models_app import services
+        from models_app.catalogue import services
         from models_app.models import ModelAlias
 
         try:

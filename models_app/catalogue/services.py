@@ -24,15 +24,15 @@ from mlxhost.engine import (
     validate_model_folder,
 )
 from mlxhost.runtime import runtime_settings
-from models_app import control, hotcache
-from models_app.apikeys import key_generate, key_hash, key_prefix
-from models_app.audit import ADDED, actor_named, audit_changes, audit_record, audit_saved
+from models_app.accounting.apikeys import key_generate, key_hash, key_prefix
+from models_app.catalogue import control, hotcache
+from models_app.catalogue.audit import ADDED, actor_named, audit_changes, audit_record, audit_saved
 from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import User  # AUTH_USER_MODEL: ApiKey.owner's target
 
-    from models_app.audit import Actor
+    from models_app.catalogue.audit import Actor
 
 logger = logging.getLogger(__name__)
 HF_REPO_HELP = "A Hugging Face repo id looks like 'owner/name'."

@@ -33,9 +33,9 @@ from django.db import close_old_connections
 
 from mlxhost.runtime import runtime_settings
 from mlxhost.runtime.config import PersistenceSettings
-from models_app import selectors, services
+from models_app.catalogue import selectors, services
 from models_app.models import StoredResponse
-from models_app.publishing import CeleryPublisher, persist_eagerly
+from models_app.persistence.publishing import CeleryPublisher, persist_eagerly
 
 if TYPE_CHECKING:
     from django.core.cache.backends.base import BaseCache

@@ -19,7 +19,7 @@ from channels.layers import get_channel_layer
 from django.core.cache import cache
 from django.db import transaction
 
-from models_app import hotcache
+from models_app.catalogue import hotcache
 
 logger = logging.getLogger(__name__)
 

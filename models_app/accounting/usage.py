@@ -33,7 +33,7 @@ from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from mlxhost.engine import Done
-from models_app import limits
+from models_app.accounting import limits
 from models_app.models import ApiKey, UsageDay
 
 if TYPE_CHECKING:

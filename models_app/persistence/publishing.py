@@ -22,7 +22,7 @@ class CeleryPublisher:
         self._connection: Any = None
 
     def __call__(self, payload: dict[str, Any]) -> None:
-        from models_app.tasks import response_persist as response_persist_task
+        from models_app.persistence.tasks import response_persist as response_persist_task
 
         if self._connection is None:
             self._connection = response_persist_task.app.connection_for_write(
@@ -58,7 +58,7 @@ class CeleryPublisher:
 
 def persist_eagerly(payload: dict[str, Any]) -> None:
     """Run the persist task in this thread, as the embedded default does (no broker)."""
-    from models_app.tasks import response_persist as response_persist_task
+    from models_app.persistence.tasks import response_persist as response_persist_task
 
     # Round-trip through JSON as a broker would, so a non-primitive payload fails in tests too.
     response_persist_task.apply(args=[json.loads(json.dumps(payload))], throw=True)

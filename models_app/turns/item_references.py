@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from models_app.models import StoredResponse
-from models_app.persistence import persistence
+from models_app.persistence.persistence import persistence
 
 REFERENCE_ROLE = "item_reference"  # the placeholder turn `responses_input.input_turns` leaves
 _ITEM_ID = re.compile(r"msg_([0-9a-f]{1,60})(?:_(\d{1,6}))?")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from models_app import views
+from models_app.console import views
 
 app_name = "dashboard"
 

@@ -4,7 +4,7 @@ this process otherwise.
 
 Requests are a sliding log (at most N starts in any 60 s, never 2N across a minute boundary),
 taken atomically with the check in one Lua script. Tokens are counted by the usage flush
-(`models_app.usage`), for every key, so a limit set in the middle of a day already knows what
+(`models_app.accounting.usage`), for every key, so a limit set in the middle of a day already knows what
 the key used that day; a turn's tokens count from the next flush, so a key may overshoot its
 daily budget by what it runs meanwhile. When Redis fails the limits are not enforced (logged):
 an outage of the limiter never refuses paying traffic.

@@ -1,4 +1,4 @@
-"""The request path's cached lookups (`models_app.hotcache`), each miss read once for a burst."""
+"""The request path's cached lookups (`models_app.catalogue.hotcache`), each miss read once for a burst."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from asgiref.sync import sync_to_async
 
-from models_app import hotcache, selectors
+from models_app.catalogue import hotcache, selectors
 from models_app.models import ModelAlias
 
 if TYPE_CHECKING:

@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from models_app import selectors
-from models_app.conversations import CONTINUABLE
+from models_app.catalogue import selectors
 from models_app.models import StoredResponse
+from models_app.turns.conversations import CONTINUABLE
 
 ROLE_LABELS = {
     "system": "Instructions",

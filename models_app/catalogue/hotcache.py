@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from models_app.accounting.identity import KeyIdentity
     from models_app.models import ModelAlias
-    from models_app.selectors import KeyIdentity
 
 # A key revoked (or an owner deactivated) in another process is refused within this many seconds;
 # in this process, at once. Keep it <= 5 s.

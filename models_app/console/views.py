@@ -17,7 +17,9 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_safe
 
 from mlxhost.wire import json_response
-from models_app import control, selectors, services, status_history, transcripts
+from models_app.catalogue import control, selectors, services
+from models_app.console import status_history
+from models_app.turns import transcripts
 
 if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse

@@ -14,7 +14,7 @@ from typing import Any
 
 from django.core.cache import cache
 
-from models_app import control
+from models_app.catalogue import control
 
 HISTORY_KEY = "engine-status-history:{boot_id}"
 HISTORY_S = 3600  # the last hour

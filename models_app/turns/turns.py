@@ -33,8 +33,9 @@ from mlxhost.engine import (
 from mlxhost.engine import GenerationRequest as EngineRequest
 from mlxhost.runtime.control import engine_for
 from mlxhost.runtime.lifecycle import engine_if_started
-from models_app import limits, lookups, selectors, usage
-from models_app.limits import KeyLimits
+from models_app.accounting import limits, usage
+from models_app.accounting.limits import KeyLimits
+from models_app.catalogue import lookups, selectors
 from models_app.models import Model, ModelAlias
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 
     from mlxhost.engine import Engine, Event, Generation, Permit
-    from models_app.selectors import KeyIdentity
+    from models_app.accounting.identity import KeyIdentity
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The Responses use case: chain loading, the weights check, retention and the persist record.
 
 Shared by `POST /v1/responses` (SSE or JSON) and the `/ws/v1/responses` socket (API-1, API-3).
-It runs inside the turn service (`models_app.turns`) as that turn's `TurnHooks`.
+It runs inside the turn service (`models_app.turns.turns`) as that turn's `TurnHooks`.
 """
 
 from __future__ import annotations
@@ -11,19 +11,20 @@ from typing import TYPE_CHECKING, Any, cast
 
 from mlxhost.engine import Done, Failed, Message, ToolCall, ToolChoice, Usage
 from mlxhost.runtime import BOOT_ID
-from models_app import control, conversations, item_references, live_responses
+from models_app.catalogue import control
 from models_app.models import StoredResponse
-from models_app.persistence import ResponseRecord, persistence
-from models_app.response_ids import new_response_id
-from models_app.turns import CacheScope, StartedTurn, TurnHooks, TurnRequest, TurnResult, turn_start
+from models_app.persistence.persistence import ResponseRecord, persistence
+from models_app.turns import conversations, item_references, live_responses
+from models_app.turns.response_ids import new_response_id
+from models_app.turns.turns import CacheScope, StartedTurn, TurnHooks, TurnRequest, TurnResult, turn_start
 
 if TYPE_CHECKING:
     import asyncio
     from collections.abc import Awaitable, Callable
 
     from mlxhost.engine import Engine, Permit, Retention, Role
+    from models_app.accounting.identity import KeyIdentity
     from models_app.models import ModelAlias
-    from models_app.selectors import KeyIdentity
 
 # The id is not echoed: a foreign id and a missing one answer the very same bytes (PER-6).
 NOT_FOUND = "No response found with that id."

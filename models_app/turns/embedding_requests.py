@@ -7,15 +7,16 @@ from typing import TYPE_CHECKING
 
 from mlxhost.engine import EmbeddingRequest, WrongModelKindError
 from mlxhost.runtime.control import engine_for
-from models_app import lookups, usage
+from models_app.accounting import usage
+from models_app.catalogue import lookups
 from models_app.models import Model
-from models_app.turns import key_admit, overload_counted
+from models_app.turns.turns import key_admit, overload_counted
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from mlxhost.engine import Embeddings
-    from models_app.selectors import KeyIdentity
+    from models_app.accounting.identity import KeyIdentity
 
 
 async def embeddings_create(

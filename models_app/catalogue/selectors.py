@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,9 +19,8 @@ from mlxhost.engine import (
     SamplingParams,
     resolve_under,
 )
-from models_app import control
-from models_app.apikeys import key_matches, key_prefix
-from models_app.limits import KeyLimits
+from models_app.accounting.apikeys import key_matches, key_prefix
+from models_app.catalogue import control
 from models_app.models import ApiKey, Model, ModelAlias, ModelInstance, StoredResponse
 
 if TYPE_CHECKING:
@@ -34,21 +33,6 @@ SAMPLING_FIELDS = tuple(name for name in ALIAS_SAMPLING_FIELDS if name not in _S
 REQUEST_ONLY_FIELDS = tuple(
     name for name in SAMPLING_KNOBS if name not in ALIAS_SAMPLING_FIELDS and name not in _SHAPED_FIELDS
 )
-
-
-@dataclass(frozen=True, slots=True)
-class KeyIdentity:
-    """Who an authenticated API key belongs to: what a request needs, cacheable for seconds."""
-
-    key_id: int
-    owner_id: int
-    # KEY-4: cached with the key, so a limit edited in another process applies within the TTL.
-    limits: KeyLimits = field(default_factory=KeyLimits)
-
-    @classmethod
-    def of(cls, key: ApiKey) -> KeyIdentity:
-        limits = KeyLimits(requests_per_minute=key.requests_per_minute, tokens_per_day=key.tokens_per_day)
-        return cls(key_id=key.pk, owner_id=key.owner_id, limits=limits)
 
 
 def alias_resolve(*, name: str) -> ModelAlias:

@@ -1,6 +1,6 @@
 """Admin pages for API keys and their usage: a new key's secret shown once with ready-to-paste
 snippets, revoking, limits and last use (KEY-1, KEY-4); usage by day per key and per user, with a
-chart and a CSV export (KEY-3). Writes go through services; sums come from `models_app.usage`."""
+chart and a CSV export (KEY-3). Writes go through services; sums come from `models_app.accounting.usage`."""
 
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.timesince import timesince
 
-from models_app import selectors, services, usage
-from models_app.forms import API_KEY_CREATE_FIELDS, ApiKeyChangeForm, ApiKeyCreateForm
+from models_app.accounting import usage
+from models_app.accounting.snippets import MODEL_PLACEHOLDER, env_snippet, key_snippets
+from models_app.catalogue import selectors, services
+from models_app.console.forms import API_KEY_CREATE_FIELDS, ApiKeyChangeForm, ApiKeyCreateForm
 from models_app.models import ApiKey, Model, UsageDay
-from models_app.snippets import MODEL_PLACEHOLDER, env_snippet, key_snippets
 
 if TYPE_CHECKING:
     from django import forms

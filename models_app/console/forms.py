@@ -13,7 +13,7 @@ from django.core.exceptions import ValidationError
 from django.utils.html import format_html, format_html_join
 
 from mlxhost.engine import ALIAS_SAMPLING_FIELDS
-from models_app import selectors, services
+from models_app.catalogue import selectors, services
 from models_app.models import ApiKey, Model, ModelAlias
 
 if TYPE_CHECKING:

@@ -1,0 +1,1 @@
+"""Durable persistence: write-behind, the Celery publisher and tasks."""
