@@ -101,7 +101,7 @@ def register_alias(env: dict[str, str], folder: Path, **settings: object) -> str
     fields = {"temperature": 0.0, "repetition_penalty": None, **settings}
     snippet = (
         "from django.contrib.auth import get_user_model\n"
-        "from models_app import services\n"
+        "from models_app.catalogue import services\n"
         "user = get_user_model().objects.create_user('bench')\n"
         f"services.alias_register(name={ALIAS!r}, source_kind='local', local_path={folder.name!r},"
         f" pinned=True, **{fields!r})\n"

@@ -235,7 +235,7 @@ async def test_a_model_name_no_alias_can_have_is_not_found_without_a_query(
     """The fast full-lane check looks the model up before the body is validated: a name with a
     NUL (PostgreSQL refuses it in a text query: a 500 the OpenAPI fuzz found) or longer than an
     alias slug may be is "no such model" at once, never a query and never a cache entry."""
-    from models_app import hotcache, lookups
+    from models_app.catalogue import hotcache, lookups
 
     def no_query(**_: object) -> None:
         raise AssertionError("an alias name that cannot exist reached the database")
