@@ -364,6 +364,9 @@ def test_a_logged_out_tab_is_closed_and_cannot_generate(
         models.set_viewport_size({"width": 1280, "height": 900})
         models.goto("/dashboard/models/")
         models.wait_for_selector('#ws-state[data-state="open"]')
+        # The published status says the model is resident before a page renders from it (the
+        # status that a page opened earlier saw may still say "loading").
+        models.wait_for_selector(f'tr[data-model="{tiny_alias.model.name}"] button[value=reload]:enabled')
         deaf = browser_context.new_page()  # a Models page whose socket never hears the logout
         deaf.set_viewport_size({"width": 390, "height": 844})
         deaf.route_web_socket(re.compile(r"/ws/dashboard$"), lambda ws: None)
