@@ -6,6 +6,7 @@ links it to the chat page. Screenshots land in .cache/artifacts/ (git-ignored)."
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -19,6 +20,9 @@ from tests.e2e.test_browser import (
     sign_in,
     staff_user,  # noqa: F401  (a fixture)
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
 
@@ -46,33 +50,39 @@ def chain(staff_user):  # noqa: F811
     return rows
 
 
+def signed_in_pages(url: str, errors: list[str]) -> Iterator[tuple[str, int, Any]]:
+    """A staff-signed-in page at each of VIEWPORTS, each in a fresh context, collecting the pages'
+    script and console errors into `errors`."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            for device, (width, height) in VIEWPORTS.items():
+                context = browser.new_context(base_url=url, viewport={"width": width, "height": height})
+                context.set_default_timeout(WAIT_MS)
+                context.on("weberror", lambda error: errors.append(str(error.error)))
+                context.on("console", lambda message: _console_error(message, errors))
+                page = context.new_page()
+                sign_in(page)
+                yield device, width, page
+                context.close()
+        finally:
+            browser.close()
+
+
 def test_the_chain_page_and_the_stored_responses_list_read_well(daphne_server, staff_user, chain):  # noqa: F811
     """ADM-5, ADM-9: the chain page is as wide as the window at 390 px, its input and output are
     at least 300 px wide there and 450 px at 1280 px (not one word per line); the list shows a
     preview with the answer rendered as Markdown, where markup never runs, and a link that
     reopens the conversation in the chat page."""
     _require_browser()
-    from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     errors: list[str] = []
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            for device, (width, height) in VIEWPORTS.items():
-                context = browser.new_context(
-                    base_url=daphne_server.url, viewport={"width": width, "height": height}
-                )
-                context.set_default_timeout(WAIT_MS)
-                context.on("weberror", lambda error: errors.append(str(error.error)))
-                context.on("console", lambda message: _console_error(message, errors))
-                page = context.new_page()
-                sign_in(page)
-                chain_page(page, device, width, chain[-1].pk)
-                stored_list(page, device, width)
-                context.close()
-        finally:
-            browser.close()
+    for device, width, page in signed_in_pages(daphne_server.url, errors):
+        chain_page(page, device, width, chain[-1].pk)
+        stored_list(page, device, width)
     assert not errors, f"errors in the pages: {errors}"
 
 
@@ -136,40 +146,25 @@ def test_one_day_of_usage_is_a_readable_chart(daphne_server, staff_user, one_day
     values are short ("12k")."""
     _require_browser()
     from django.utils import timezone
-    from playwright.sync_api import sync_playwright
 
     today = timezone.now().date()
     errors: list[str] = []
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            for device, (width, height) in VIEWPORTS.items():
-                context = browser.new_context(
-                    base_url=daphne_server.url, viewport={"width": width, "height": height}
-                )
-                context.set_default_timeout(WAIT_MS)
-                context.on("weberror", lambda error: errors.append(str(error.error)))
-                context.on("console", lambda message: _console_error(message, errors))
-                page = context.new_page()
-                sign_in(page)
-                for url in (
-                    "/admin/models_app/usageday/",
-                    f"/admin/models_app/apikey/{one_day_of_usage.pk}/change/",
-                ):
-                    page.goto(url)
-                    page.locator(".mlxhost-usage-chart .uplot").wait_for()
-                    chart = page.evaluate(CHART)
-                    assert 0.5 < chart["x"] < 0.99, chart  # in the plot, not on its left edge
-                    assert "day (UTC)" in chart["labels"] and "tokens" in chart["labels"], chart
-                    assert f"{today.month}/{today.day}" in chart["ticks"], chart
-                    assert any(tick.endswith("k") for tick in chart["ticks"]), chart
-                    assert page.evaluate(OVERFLOW) <= 0
-                    page.locator(".mlxhost-usage-chart").first.screenshot(
-                        path=str(ARTIFACTS / f"usage-one-day-{device}-{url.split('/')[3]}.png")
-                    )
-                context.close()
-        finally:
-            browser.close()
+    for device, _width, page in signed_in_pages(daphne_server.url, errors):
+        for url in (
+            "/admin/models_app/usageday/",
+            f"/admin/models_app/apikey/{one_day_of_usage.pk}/change/",
+        ):
+            page.goto(url)
+            page.locator(".mlxhost-usage-chart .uplot").wait_for()
+            chart = page.evaluate(CHART)
+            assert 0.5 < chart["x"] < 0.99, chart  # in the plot, not on its left edge
+            assert "day (UTC)" in chart["labels"] and "tokens" in chart["labels"], chart
+            assert f"{today.month}/{today.day}" in chart["ticks"], chart
+            assert any(tick.endswith("k") for tick in chart["ticks"]), chart
+            assert page.evaluate(OVERFLOW) <= 0
+            page.locator(".mlxhost-usage-chart").first.screenshot(
+                path=str(ARTIFACTS / f"usage-one-day-{device}-{url.split('/')[3]}.png")
+            )
     assert not errors, f"errors in the pages: {errors}"
 
 
@@ -201,56 +196,39 @@ def test_a_dashboard_opened_later_shows_the_last_hour_and_a_phone_picks_a_chart(
     """ADM-2: the server keeps the charts' samples, so a dashboard opened later starts with them
     (not one point); on a phone one kind of chart shows for every instance, picked from a list."""
     _require_browser()
-    from playwright.sync_api import sync_playwright
 
     errors: list[str] = []
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    for device, _width, page in signed_in_pages(daphne_server.url, errors):
+        if device == "laptop":  # load it: the daphne process started before the row existed
+            page.goto("/dashboard/models/")
+            row = page.locator(f'#models-body tr[data-model="{pinned_tiny.model.name}"]')
+            row.locator("button[value=load]:enabled").click()
+            row.locator(".badge-resident").wait_for()
+        deadline = 30
+        while server_samples(page) < 3 and deadline:  # a sample every 5 s
+            page.wait_for_timeout(1000)
+            deadline -= 1
+        held = server_samples(page)
+        assert held >= 3, held
+        page.goto("/dashboard/")
+        card = page.locator(".chart-card").first
         try:
-            for device, (width, height) in VIEWPORTS.items():
-                context = browser.new_context(
-                    base_url=daphne_server.url, viewport={"width": width, "height": height}
-                )
-                context.set_default_timeout(WAIT_MS)
-                context.on("weberror", lambda error: errors.append(str(error.error)))
-                context.on("console", lambda message: _console_error(message, errors))
-                page = context.new_page()
-                sign_in(page)
-                if device == "laptop":  # load it: the daphne process started before the row existed
-                    page.goto("/dashboard/models/")
-                    row = page.locator(f'#models-body tr[data-model="{pinned_tiny.model.name}"]')
-                    row.locator("button[value=load]:enabled").click()
-                    row.locator(".badge-resident").wait_for()
-                deadline = 30
-                while server_samples(page) < 3 and deadline:  # a sample every 5 s
-                    page.wait_for_timeout(1000)
-                    deadline -= 1
-                held = server_samples(page)
-                assert held >= 3, held
-                page.goto("/dashboard/")
-                card = page.locator(".chart-card").first
-                try:
-                    card.wait_for(timeout=15_000)
-                except Exception:
-                    page.screenshot(path=str(ARTIFACTS / "dashboard-history-failed.png"), full_page=True)
-                    grid = page.evaluate("document.getElementById('charts-grid').outerHTML.slice(0, 400)")
-                    raise AssertionError(
-                        f"no chart card: {grid} {page.inner_text('#ws-state')}; {errors}"
-                    ) from None
-                assert int(card.get_attribute("data-points")) >= held  # the history, then live points
-                visible = page.locator(".chart-card .chart:visible")
-                if device == "phone":
-                    assert page.input_value("#chart-pick") == "0"
-                    assert visible.count() == page.locator(".chart-card").count()  # one per instance
-                    page.select_option("#chart-pick", "3")
-                    assert page.locator('.chart-card .chart[data-chart="3"]').first.is_visible()
-                    page.select_option("#chart-pick", "0")
-                else:
-                    assert page.input_value("#chart-pick") == "all"
-                    assert visible.count() == 5 * page.locator(".chart-card").count()
-                assert page.evaluate(OVERFLOW) <= 0
-                page.screenshot(path=str(ARTIFACTS / f"dashboard-history-{device}.png"), full_page=True)
-                context.close()
-        finally:
-            browser.close()
+            card.wait_for(timeout=15_000)
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS / "dashboard-history-failed.png"), full_page=True)
+            grid = page.evaluate("document.getElementById('charts-grid').outerHTML.slice(0, 400)")
+            raise AssertionError(f"no chart card: {grid} {page.inner_text('#ws-state')}; {errors}") from None
+        assert int(card.get_attribute("data-points")) >= held  # the history, then live points
+        visible = page.locator(".chart-card .chart:visible")
+        if device == "phone":
+            assert page.input_value("#chart-pick") == "0"
+            assert visible.count() == page.locator(".chart-card").count()  # one per instance
+            page.select_option("#chart-pick", "3")
+            assert page.locator('.chart-card .chart[data-chart="3"]').first.is_visible()
+            page.select_option("#chart-pick", "0")
+        else:
+            assert page.input_value("#chart-pick") == "all"
+            assert visible.count() == 5 * page.locator(".chart-card").count()
+        assert page.evaluate(OVERFLOW) <= 0
+        page.screenshot(path=str(ARTIFACTS / f"dashboard-history-{device}.png"), full_page=True)
     assert not errors, f"errors in the pages: {errors}"
