@@ -63,7 +63,19 @@ class EmbeddingTurns:
         self._clock = clock
 
     async def embed(self, request: EmbeddingRequest, turn: Turn) -> Embeddings:
-        """Embed `request`'s texts on `turn` (a reserved permit, taken on here); see `Engine.embed`."""
+        """Embed `request`'s texts on `turn` (a reserved permit, taken on here): load if needed,
+        tokenize and check every input, wait for a lane slot, then join the worker's next forward
+        pass with whatever other requests for this model are admitted by then. Cancelling the
+        caller frees the slot; a pass already running finishes for the others.
+
+        Raises:
+            WrongModelKindError: the name is bound to a chat model.
+            QueueFullError, DrainingError, DuplicateRequestError: as `Turns.submit` (LANE-2/5/7).
+            QueueTimeoutError: it waited longer than the lane's queue timeout (LANE-8).
+            ModelLoadError: the model could not be loaded.
+            InvalidRequestError: an input is too long (its index named) or `dimensions` is refused.
+            EmbeddingFailedError: the forward pass failed.
+        """
         turn.claim()
         instance, key = turn.instance, turn.key
         started = self._clock()

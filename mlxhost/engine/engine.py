@@ -11,7 +11,7 @@ from mlxhost.engine import tokenizing
 from mlxhost.engine.backends import make_backend
 from mlxhost.engine.config import EngineConfig
 from mlxhost.engine.embedding_turns import EmbeddingTurns
-from mlxhost.engine.errors import DrainingError, QueueFullError, UnknownModelError, WrongModelKindError
+from mlxhost.engine.errors import DrainingError, UnknownModelError
 from mlxhost.engine.instance import Instance
 from mlxhost.engine.memory import HeapTrimmer, rss_bytes
 from mlxhost.engine.names import default_name, staging_name
@@ -44,8 +44,8 @@ class Engine:
     """Hosts instances, one per distinct weights, bound to names by the registry (REG-2).
 
     A façade over names, loads, reloads, drain and shutdown. Requests go through `Turns`
-    (`reserve`, `submit`, `cancel`: each request a `Turn`), `EmbeddingTurns` (`embed`) and
-    `Prework` (`count_tokens`, the pre-work under a permit).
+    (`reserve`, `submit`, `count_tokens`, `cancel`: each request a `Turn`, its pre-work run by
+    `Prework`) and `EmbeddingTurns` (`embed`).
     """
 
     def __init__(
@@ -223,39 +223,13 @@ class Engine:
         return True
 
     def refuse_if_full(self, binding: str) -> None:
-        """Refuse a new request for `binding` now when `reserve` would, taking nothing: a
-        surface calls this before it validates a body or renders a prompt, so a burst over the
-        lane's budget is refused at the cost of a lookup (LANE-2). Counted as `reserve` counts
-        its refusals. Nothing bound under `binding`: no refusal here (`reserve` will say why).
-
-        Raises:
-            QueueFullError: the lane is over budget (LANE-2).
-            DrainingError: the lane or the engine is draining (LANE-7).
-            EngineClosedError: the engine has shut down.
-        """
-        instance = self.registry.bound(binding)
-        if instance is None:
-            return
-        try:
-            self._check_open()
-            instance.lane.refuse_if_full()
-        except (QueueFullError, DrainingError) as exc:
-            self.stats.reject((binding, instance.instance_id), exc.code)
-            raise
+        """Refuse a new request for `binding` now when `reserve` would, taking nothing (LANE-2);
+        see `Turns.refuse_if_full`."""
+        self.turns.refuse_if_full(binding)
 
     def reserve(self, request_id: str, binding: str) -> Permit:
-        """Take a lane permit on the instance bound to `binding` before a request's async
-        pre-work (LANE-3): a `Turn` in its reserved state. Resolves the name only: it never
-        binds, swaps or updates settings. A cancel that arrived first wins over a full lane:
-        the caller hears "cancelled", not 429 (LANE-6).
-
-        Raises:
-            UnknownModelError: nothing is bound under `binding`.
-            RequestCancelledError: a cancel for this id arrived first (LANE-6).
-            DuplicateRequestError: a request with this id is live (LANE-5).
-            QueueFullError: the lane is over budget (LANE-2).
-            DrainingError: the lane is draining (LANE-7), or the engine has shut down.
-        """
+        """Take a lane permit (a reserved `Turn`) before a request's async pre-work (LANE-3);
+        see `Turns.reserve`."""
         return self.turns.reserve(request_id, binding)
 
     async def check_answer(self, request: GenerationRequest) -> None:
@@ -271,69 +245,22 @@ class Engine:
         await self.prework.check_answer(self.registry.bound(request.binding), request)
 
     async def submit(self, request: GenerationRequest, permit: Permit | None = None) -> Generation:
-        """Admit `request`: reserve (or take `permit`), load if needed, render and count the
-        prompt, enter the lane (`Turns.submit`). A given permit is consumed, also when this raises.
-
-        Raises:
-            QueueFullError: the lane is over budget (LANE-2); nothing was rendered.
-            DrainingError: the lane is draining (LANE-7).
-            DuplicateRequestError: a request with this id is live (LANE-5).
-            RequestCancelledError: a cancel for this id arrived first (LANE-6).
-            WrongModelKindError: the name is bound to an embedding model.
-            ModelLoadError: the model could not be loaded.
-            InvalidRequestError: a sampling value this model cannot use (before templating).
-            PromptTooLongError: the prompt exceeds the model's context or max_input_tokens.
-            RequestTooLargeError: its KV cache could not fit the memory budget.
-        """
+        """Admit `request` under `permit` (or a new one) and return its generation; see `Turns.submit`."""
         return await self.turns.submit(request, permit)
 
     async def count_tokens(self, request: GenerationRequest) -> int:
-        """The number of prompt tokens `request` would feed its model (Anthropic `count_tokens`).
-
-        Resolves, loads if needed and renders like `submit`, but a count is not a generation:
-        it never enters the lane, so a full queue does not refuse it (LANE-2), and it is not
-        held to `max_input_tokens`.
-
-        Raises:
-            UnknownModelError: nothing is bound under `request.binding`.
-            ModelLoadError: the model could not be loaded.
-            PromptTooLongError: the prompt's text has more characters than the context could hold.
-            DrainingError: the engine is shutting down.
-        """
-        self._check_open()
-        instance = self.registry.resolve(request.binding)
-        if instance.spec.kind != "chat":
-            raise WrongModelKindError.embedding_on_chat(request.binding)
-        self.registry.lease(instance)  # an unbind while the count renders defers teardown (REG-6)
-        try:
-            return await self.prework.count(instance, request)
-        finally:
-            self.registry.unlease(instance)
+        """The number of prompt tokens `request` would feed its model; see `Turns.count_tokens`."""
+        return await self.turns.count_tokens(request)
 
     async def embed(self, request: EmbeddingRequest, permit: Permit | None = None) -> Embeddings:
-        """Embed `request`'s texts (API-14): reserve (or take `permit`), load if needed, tokenize and
-        check every input, wait for a lane slot, then join the worker's next forward pass with
-        whatever other requests for this model are admitted by then (`EmbeddingTurns`).
-        Cancelling the caller frees the slot; a pass already running finishes for the others.
-
-        Raises:
-            WrongModelKindError: the name is bound to a chat model.
-            QueueFullError, DrainingError, DuplicateRequestError: as `submit` (LANE-2/5/7).
-            QueueTimeoutError: it waited longer than the lane's queue timeout (LANE-8).
-            ModelLoadError: the model could not be loaded.
-            InvalidRequestError: an input is too long (its index named) or `dimensions` is refused.
-            EmbeddingFailedError: the forward pass failed.
-        """
+        """Embed `request`'s texts under `permit` (or a new one) (API-14); see `EmbeddingTurns.embed`."""
         if permit is None:
             permit = self.reserve(request.request_id, request.binding)
         return await self.embeddings.embed(request, permit)
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a queued or running request; an unknown id is remembered for its arrival (LANE-6).
-
-        An id that finished recently is not remembered: that cancel came late, and a later
-        request reusing the id must not be cancelled by it.
-        """
+        """Cancel a queued or running request, or remember the id for its arrival (LANE-6); see
+        `Turns.cancel`."""
         return self.turns.cancel(request_id)
 
     # Lifecycle ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from mlxhost.engine.errors import (
     DuplicateRequestError,
     QueueFullError,
     RequestCancelledError,
+    WrongModelKindError,
 )
 from mlxhost.engine.turn import Turn
 
@@ -57,8 +58,40 @@ class Turns:
         self._early_cancels: OrderedDict[str, float] = OrderedDict()
         self._finished_ids: OrderedDict[str, float] = OrderedDict()  # id -> remembered until
 
+    def refuse_if_full(self, binding: str) -> None:
+        """Refuse a new request for `binding` now when `reserve` would, taking nothing: a
+        surface calls this before it validates a body or renders a prompt, so a burst over the
+        lane's budget is refused at the cost of a lookup (LANE-2). Counted as `reserve` counts
+        its refusals. Nothing bound under `binding`: no refusal here (`reserve` will say why).
+
+        Raises:
+            QueueFullError: the lane is over budget (LANE-2).
+            DrainingError: the lane or the engine is draining (LANE-7).
+            EngineClosedError: the engine has shut down.
+        """
+        instance = self.registry.bound(binding)
+        if instance is None:
+            return
+        try:
+            self._check_open()
+            instance.lane.refuse_if_full()
+        except (QueueFullError, DrainingError) as exc:
+            self.stats.reject((binding, instance.instance_id), exc.code)
+            raise
+
     def reserve(self, request_id: str, binding: str) -> Turn:
-        """A reserved turn (a lane permit) on the instance bound to `binding`; see `Engine.reserve`."""
+        """Take a lane permit on the instance bound to `binding` before a request's async
+        pre-work (LANE-3): a `Turn` in its reserved state. Resolves the name only: it never
+        binds, swaps or updates settings. A cancel that arrived first wins over a full lane:
+        the caller hears "cancelled", not 429 (LANE-6).
+
+        Raises:
+            UnknownModelError: nothing is bound under `binding`.
+            RequestCancelledError: a cancel for this id arrived first (LANE-6).
+            DuplicateRequestError: a request with this id is live (LANE-5).
+            QueueFullError: the lane is over budget (LANE-2).
+            DrainingError: the lane is draining (LANE-7), or the engine has shut down.
+        """
         if request_id in self.live:
             raise DuplicateRequestError(f"A request with id {request_id!r} is already in flight.")
         instance = self.registry.resolve(binding)
@@ -77,8 +110,20 @@ class Turns:
         return Turn(self, instance, ticket, key)
 
     async def submit(self, request: GenerationRequest, turn: Turn | None = None) -> Generation:
-        """Take `turn` on (or reserve one), prepare the request under it, enter the lane; see
-        `Engine.submit`. A given turn is consumed, also when this raises."""
+        """Admit `request`: reserve (or take `turn`), load if needed, render and count the
+        prompt, enter the lane. A given turn is consumed, also when this raises.
+
+        Raises:
+            QueueFullError: the lane is over budget (LANE-2); nothing was rendered.
+            DrainingError: the lane is draining (LANE-7).
+            DuplicateRequestError: a request with this id is live (LANE-5).
+            RequestCancelledError: a cancel for this id arrived first (LANE-6).
+            WrongModelKindError: the name is bound to an embedding model.
+            ModelLoadError: the model could not be loaded.
+            InvalidRequestError: a sampling value this model cannot use (before templating).
+            PromptTooLongError: the prompt exceeds the model's context or max_input_tokens.
+            RequestTooLargeError: its KV cache could not fit the memory budget.
+        """
         request_id = request.request_id
         if turn is None:
             turn = self.reserve(request_id, request.binding)
@@ -98,6 +143,29 @@ class Turns:
             turn.abandon(exc)
             raise
         return generation
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """The number of prompt tokens `request` would feed its model (Anthropic `count_tokens`).
+
+        Resolves, loads if needed and renders like `submit`, but a count is not a generation:
+        it never enters the lane, so a full queue does not refuse it (LANE-2), and it is not
+        held to `max_input_tokens`.
+
+        Raises:
+            UnknownModelError: nothing is bound under `request.binding`.
+            ModelLoadError: the model could not be loaded.
+            PromptTooLongError: the prompt's text has more characters than the context could hold.
+            DrainingError: the engine is shutting down.
+        """
+        self._check_open()
+        instance = self.registry.resolve(request.binding)
+        if instance.spec.kind != "chat":
+            raise WrongModelKindError.embedding_on_chat(request.binding)
+        self.registry.lease(instance)  # an unbind while the count renders defers teardown (REG-6)
+        try:
+            return await self.prework.count(instance, request)
+        finally:
+            self.registry.unlease(instance)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a live turn; an unknown id is remembered for its arrival (LANE-6), unless it
