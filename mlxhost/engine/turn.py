@@ -111,7 +111,7 @@ class Turn:
         generation.instance_id = self.instance_id
         generation.end_through(self._terminal_posted)
         self.generation = generation
-        self._turns.adopt(self)
+        self._turns.track(self)
         return generation
 
     def enter(self, prepared: Prepared, entered_at: float) -> None:

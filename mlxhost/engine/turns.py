@@ -182,7 +182,7 @@ class Turns:
             self._early_cancels.popitem(last=False)
         return False
 
-    def adopt(self, turn: Turn) -> None:
+    def track(self, turn: Turn) -> None:
         """`turn` took its permit on: it is live (it owns the permit's lease from here)."""
         self.live[turn.request_id] = turn
 
