@@ -183,9 +183,11 @@ class Turn:
 
         `event` None: nothing to post (a failed pre-work raises instead).
         """
-        if self.state == "ended":
+        if self.state == "ended":  # never expected; what arrives late is still handed on
+            if result is not None:
+                self._keep(result)
             if event is not None and not self._posted:
-                self._post(event)  # the end ran first, without it: deliver it still
+                self._post(event)
             return
         self.state = "ended"
         if event is not None:
