@@ -287,6 +287,6 @@ async def test_a_turn_whose_caller_gives_up_while_queued_is_cancelled_not_left_t
         with pytest.raises(ConnectionError):
             await response_start(data, tenant, {}, response_id="resp_gone", on_queued=socket_closed)
         assert mlx_engine.snapshot()[0]["lane"]["queued"] == 0  # out of the queue at once
-        await eventually(lambda: "resp_gone" not in mlx_engine._live, timeout=30)  # and forgotten
+        await eventually(lambda: "resp_gone" not in mlx_engine.turns.live, timeout=30)  # and forgotten
     finally:
         mlx_engine.cancel(holder["X-Request-Id"])
