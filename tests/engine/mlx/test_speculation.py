@@ -266,3 +266,33 @@ def test_drafting_that_does_not_pay_runs_plain_steps(backend, tiny_eos_id):
     # A few wide tries while the estimate falls, then plain steps with a rare one-token probe.
     assert stats[0].accepted == 0 < stats[0].drafted <= 40, stats[0]
     assert stats[0].passes == 120
+
+
+def test_a_row_removed_mid_run_leaves_the_others_exact(backend, tiny_eos_id):
+    """Cancelling one speculating row between steps: it hands back a cache holding exactly its
+    tokens, and the other rows still give their output without speculation."""
+    no_eos = ((tiny_eos_id, -100.0),)
+    requests = [
+        (backend.encode(COPY * 2), greedy(40, logit_bias=no_eos)),
+        (backend.encode("a map " * 10), greedy(40, logit_bias=no_eos)),
+        (backend.encode("Where does the river go?"), greedy(40, logit_bias=no_eos)),
+    ]
+    off, _ = drive(open_batch(backend, 3, None), [requests[0], requests[2]])
+    batch = open_batch(backend, 3, FLAT)
+    handles = [batch.insert(p, s, None, 0) for p, s in requests]
+    got: dict[int, list[int]] = {h: [] for h in handles}
+    ended: set[int] = set()
+    while len(ended) < len(handles):
+        for step in batch.step():
+            if step.token_id is not None:
+                got[step.handle].append(step.token_id)
+            if step.finish_reason is not None:
+                ended.add(step.handle)
+        if handles[1] not in ended and len(got[handles[1]]) >= 5:
+            removed = batch.remove(handles[1])
+            assert backend.cache_length(removed.kv) == len(removed.tokens)
+            assert list(removed.tokens) == [*requests[1][0], *got[handles[1]]]
+            ended.add(handles[1])
+    batch.close()
+    assert [got[handles[0]], got[handles[2]]] == [r.ids for r in off]
+    assert batch.speculation_totals.passes > 0
