@@ -327,7 +327,7 @@ def model_live_state(
     view = _view_for(model.instance_id, names, views)
     if view is None:
         return idle("unloaded", control.LIVE_LABELS["unloaded"])
-    # The engine's status publisher names the state and its words (mlxhost.runtime.status).
+    # The engine's status publisher names the state and its words (models_app.catalogue.live_status).
     state = str(view.get("live_state") or "unloaded")
     progress = view.get("load_progress") or {}
     return AliasLiveState(

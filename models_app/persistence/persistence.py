@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from django.conf import settings
 from django.db import close_old_connections
 
-from mlxhost.runtime import runtime_settings
+from mlxhost.runtime import PROCESS, Shared, runtime_settings
 from mlxhost.runtime.config import PersistenceSettings
 from models_app.catalogue import selectors, services
 from models_app.models import StoredResponse
@@ -639,32 +639,24 @@ async def _logged(awaitable: Any, what: str) -> None:
         logger.exception("writing %s failed", what)
 
 
-_persistence: Persistence | None = None
+def _build_persistence() -> Persistence:
+    config = runtime_settings().persistence
+    return Persistence(
+        publish_timeout_s=config.publish_timeout_s,
+        hard_timeout_s=config.hard_timeout_s,
+        wait_s=config.wait_s,
+        poll_s=config.poll_s,
+        tombstone_ttl_s=config.tombstone_ttl_s,
+        sweep_interval_s=config.sweep_interval_s,
+        shared=SharedPending() if settings.REDIS_URL else None,
+    )
+
+
+# This process's `Persistence`, built from settings on first use; tests put one with short
+# timeouts or a fake publish (`PROCESS.put(PERSISTENCE, store)`), metrics peek so they build nothing.
+PERSISTENCE: Shared[Persistence] = Shared("write-behind store", _build_persistence)
 
 
 def persistence() -> Persistence:
     """This process's `Persistence`, built from settings on first use."""
-    global _persistence
-    if _persistence is None:
-        config = runtime_settings().persistence
-        _persistence = Persistence(
-            publish_timeout_s=config.publish_timeout_s,
-            hard_timeout_s=config.hard_timeout_s,
-            wait_s=config.wait_s,
-            poll_s=config.poll_s,
-            tombstone_ttl_s=config.tombstone_ttl_s,
-            sweep_interval_s=config.sweep_interval_s,
-            shared=SharedPending() if settings.REDIS_URL else None,
-        )
-    return _persistence
-
-
-def persistence_if_started() -> Persistence | None:
-    """The process's `Persistence` if something built it; metrics use this so they build nothing."""
-    return _persistence
-
-
-def set_persistence(store: Persistence | None) -> None:
-    """Swap the process's `Persistence` (tests install one with short timeouts or a fake publish)."""
-    global _persistence
-    _persistence = store
+    return PROCESS.get(PERSISTENCE)

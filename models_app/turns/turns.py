@@ -31,12 +31,12 @@ from mlxhost.engine import (
     WrongModelKindError,
 )
 from mlxhost.engine import GenerationRequest as EngineRequest
-from mlxhost.runtime.control import engine_for
 from mlxhost.runtime.lifecycle import engine_if_started
 from models_app.accounting import limits, usage
 from models_app.accounting.limits import KeyLimits
 from models_app.catalogue import lookups, selectors
 from models_app.models import Model, ModelAlias
+from models_app.turns.binding import engine_for
 
 if TYPE_CHECKING:
     import asyncio

@@ -16,7 +16,7 @@ from django.test import AsyncClient
 from api.errors import LOAD_FAILED_MESSAGE, as_api_error, failed_error
 from mlxhost import runtime
 from mlxhost.engine import Engine, EngineConfig, Failed, InvalidModelFolderError, ModelLoadError
-from mlxhost.runtime import control as engine_control
+from models_app.catalogue import reconcile as engine_control
 from models_app.models import ModelAlias
 from tests.api.support import ScriptedGeneration, StreamReader, every_auth, post_chat, set_lane, settled
 from tests.api.support import post_any as post
@@ -66,9 +66,9 @@ async def test_a_missing_parent_releases_the_permit(tiny_alias, api_key, mlx_eng
 async def draining_engine():
     """An engine whose admin drains abort running streams after 0.3 s (DRAIN_TIMEOUT_S)."""
     engine = Engine(EngineConfig(backend="mlx", drain_timeout_s=0.3))
-    runtime.set_engine(engine)
+    runtime.PROCESS.put(runtime.ENGINE, engine)
     yield engine
-    runtime.set_engine(None)
+    runtime.PROCESS.put(runtime.ENGINE, None)
     await engine.shutdown()
 
 

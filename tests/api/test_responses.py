@@ -137,7 +137,7 @@ async def test_a_hot_swapped_alias_refuses_the_chain_and_an_alias_of_the_same_we
     tiny_alias, tiny_model_b_dir, alice, mlx_engine
 ):
     """REG-4: continuing on other weights is a 400; another alias of the same weights may continue."""
-    from mlxhost.runtime import control
+    from models_app.catalogue import reconcile as control
 
     first = await alice.ok(input="hello", max_output_tokens=3)
     await sync_to_async(register_alias)(name="twin", folder="tiny-llama")

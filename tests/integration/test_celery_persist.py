@@ -8,6 +8,7 @@ from urllib.parse import urlparse, urlunparse
 import pytest
 import redis
 
+from mlxhost.runtime import PROCESS
 from models_app.models import StoredResponse
 from models_app.persistence import persistence as persistence_module
 from models_app.persistence.persistence import Persistence
@@ -26,14 +27,14 @@ def make_store(celery_publishes, queue):
         options.setdefault("poll_s", 0.05)
         options.setdefault("hard_timeout_s", 150.0)  # these tests never want the breaker
         store = Persistence(broker_url=broker_url, queue=queue, **options)
-        persistence_module.set_persistence(store)
+        PROCESS.put(persistence_module.PERSISTENCE, store)
         built.append(store)
         return store
 
     yield build
     for store in built:
         store.close()
-    persistence_module.set_persistence(None)
+    PROCESS.put(persistence_module.PERSISTENCE, None)
 
 
 @off_loop

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from mlxhost.runtime.status import live_fields
+from models_app.catalogue.live_status import live_fields
 from models_app.models import ApiKey, Model, ModelAlias, StoredResponse
 from tests.support import register_alias
 
