@@ -273,6 +273,7 @@ async def test_a_turn_whose_caller_gives_up_while_queued_is_cancelled_not_left_t
 ):
     """LANE-6: when the queue-position callback fails (the socket closed under it), the queued
     turn is cancelled; before, it stayed queued and later ran its whole answer for nobody."""
+    from models_app.turns.response_request import ResponseRequest
     from models_app.turns.response_turns import response_start
 
     await set_lane(tiny_alias, concurrency=1, queue_depth=2)
@@ -282,10 +283,10 @@ async def test_a_turn_whose_caller_gives_up_while_queued_is_cancelled_not_left_t
     async def socket_closed(_position: int) -> None:
         raise ConnectionError("Attempt to send on a closed protocol")
 
-    data = {"model": "tiny", "turns": [{"role": "user", "content": "hi"}], "store": False}
+    request = ResponseRequest(model="tiny", turns=({"role": "user", "content": "hi"},), store=False)
     try:
         with pytest.raises(ConnectionError):
-            await response_start(data, tenant, {}, response_id="resp_gone", on_queued=socket_closed)
+            await response_start(request, tenant, response_id="resp_gone", on_queued=socket_closed)
         assert mlx_engine.snapshot()[0]["lane"]["queued"] == 0  # out of the queue at once
         await eventually(lambda: "resp_gone" not in mlx_engine._live, timeout=30)  # and forgotten
     finally:

@@ -282,7 +282,7 @@ async def test_a_turn_cancelled_inside_prepare_leaks_no_retention_and_no_live_en
     lane permit, this host's live entry and the shared one."""
     import asyncio
 
-    from api.openai.responses_input import ResponsesInput
+    from api.openai.responses_input import ResponsesInput, response_request
     from api.openai.views import validated
     from models_app.turns import live_responses
     from models_app.turns.response_turns import response_start
@@ -302,7 +302,9 @@ async def test_a_turn_cancelled_inside_prepare_leaks_no_retention_and_no_live_en
     monkeypatch.setattr(live_responses.cache, "adelete", delete)
     data = validated(ResponsesInput, {"model": "tiny", "input": "hi", "max_output_tokens": 2})
     data["stream"] = True
-    task = asyncio.create_task(response_start(data, user.pk, {}, response_id="resp_prepare_cancel"))
+    task = asyncio.create_task(
+        response_start(response_request(data), user.pk, response_id="resp_prepare_cancel")
+    )
     await asyncio.wait_for(entered.wait(), 30)
     (instance,) = mlx_engine.registry.instances()
     assert mlx_engine.registry.holds(instance).retentions == 1  # taken inside prepare
