@@ -22,7 +22,7 @@ from models_app.persistence import tasks
 from models_app.persistence.persistence import Persistence, ResponseRecord, StorageTimeoutError
 from models_app.persistence.publishing import CeleryPublisher
 from tests.engine.conftest import spec
-from tests.models_app.support import drop, make_record, off_loop
+from tests.models_app.support import build_persistence, drop, make_record, off_loop
 from tests.support import FakeClock, eventually
 
 DAY = 24 * 3600
@@ -36,7 +36,7 @@ def make_store():
     def build(**options) -> Persistence:
         options.setdefault("poll_s", 0.02)
         options.setdefault("wait_s", 2.0)
-        store = Persistence(**options)
+        store = build_persistence(**options)
         PROCESS.put(persistence_module.PERSISTENCE, store)
         built.append(store)
         return store
