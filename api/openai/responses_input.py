@@ -12,7 +12,7 @@ from api.fields import JsonInput, MetadataField
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, max_tokens_field, sampling_overrides
 from mlxhost.engine import ToolChoice
-from models_app.catalogue.selectors import EFFORTS
+from models_app.catalogue.specs import EFFORTS
 from models_app.turns.conversations import namespaced_name
 from models_app.turns.item_references import reference_turn
 from models_app.turns.response_request import ResponseRequest

@@ -30,7 +30,7 @@ from mlxhost.engine import (
 )
 from mlxhost.runtime import lifecycle
 from mlxhost.runtime.lifecycle import Shared
-from models_app.catalogue import control, hotcache, selectors, services
+from models_app.catalogue import control, hotcache, selectors, services, specs
 from models_app.models import Model, ModelAlias
 from models_app.turns import live_responses
 
@@ -55,7 +55,7 @@ def _served_instance_ids() -> set[int]:
 def _desired() -> dict[str, tuple[ModelSpec, bool]]:
     """Every enabled alias -> (the spec of its model, whether that model is pinned)."""
     return {
-        alias.name: (selectors.model_spec_for(alias=alias), alias.model.pinned)
+        alias.name: (specs.model_spec_for(alias=alias), alias.model.pinned)
         for alias in selectors.aliases_enabled()
     }
 
@@ -214,7 +214,7 @@ class Actions:
         if action == "unload":
             return await self._unload(model)
         if action == "load":
-            return await self._load(model, selectors.model_spec_for(model=model))
+            return await self._load(model, specs.model_spec_for(model=model))
         if action == "reload":
             return await self._reload(model, by)
         raise ValueError(f"unknown action {action!r}")
@@ -241,7 +241,7 @@ class Actions:
         """Read the model's weights again. New weights load beside the old instance, which keeps
         serving until they are resident and is kept if they fail (OPS-4)."""
         fresh = await sync_to_async(services.model_fresh_instance)(model=model)
-        spec = selectors.model_spec_for(model=model, instance=fresh)
+        spec = specs.model_spec_for(model=model, instance=fresh)
 
         async def switch() -> None:
             if fresh.pk != model.instance_id:

@@ -7,7 +7,7 @@ from asgiref.sync import sync_to_async
 
 from mlxhost.engine import Engine, ModelSpec, UnknownModelError
 from mlxhost.runtime import get_engine
-from models_app.catalogue import selectors
+from models_app.catalogue import selectors, specs
 from models_app.models import ModelAlias
 
 
@@ -43,4 +43,4 @@ async def engine_for(name: str) -> Engine:
 
 
 def _spec_of_alias(name: str) -> ModelSpec:
-    return selectors.model_spec_for(alias=selectors.alias_resolve(name=name))
+    return specs.model_spec_for(alias=selectors.alias_resolve(name=name))

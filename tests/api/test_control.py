@@ -13,7 +13,7 @@ from django.conf import settings
 from django.core.cache import cache
 
 from mlxhost.engine.backends.mlx.tiny import build_tiny_model
-from models_app.catalogue import control, selectors, services
+from models_app.catalogue import control, selectors, services, specs
 from models_app.catalogue import live_status as engine_status
 from models_app.catalogue import reconcile as engine_control
 from models_app.models import ModelAlias
@@ -133,7 +133,7 @@ async def test_a_request_that_read_the_old_row_cannot_undo_a_swap(tiny_alias, re
 
 async def test_alias_edits_reach_the_engine_without_a_request(tiny_alias, mlx_engine, listening):
     """ADM-3, REG-5: a saved edit reconciles the engine: new lane capacity, then unbind on disable."""
-    await mlx_engine.load(selectors.model_spec_for(alias=tiny_alias), name="tiny")
+    await mlx_engine.load(specs.model_spec_for(alias=tiny_alias), name="tiny")
     instance = mlx_engine.registry.resolve("tiny")
     assert instance.lane.probe().capacity == 1
     await save_alias(tiny_alias, concurrency=3)  # no reconcile here: the listener does it
@@ -157,7 +157,7 @@ async def test_a_deleted_model_leaves_the_engine_and_readyz(tiny_alias, mlx_engi
     unbound and torn down on the next reconcile: no "#N unbound · not loaded" row is left in the
     status the dashboard draws, nor an instance in /readyz."""
     model = await sync_to_async(lambda: tiny_alias.model)()
-    spec = await sync_to_async(selectors.model_spec_for)(model=model)
+    spec = await sync_to_async(specs.model_spec_for)(model=model)
     await sync_to_async(services.alias_delete)(alias=tiny_alias)
     await engine_control.reconcile(mlx_engine)
     await mlx_engine.serve([], spec)  # the admin's Load of a model with no alias

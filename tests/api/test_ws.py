@@ -288,9 +288,9 @@ async def test_the_dashboard_socket_pushes_each_published_status_to_staff(
 
 
 def selectors_spec(alias):
-    from models_app.catalogue import selectors
+    from models_app.catalogue import specs
 
-    return selectors.model_spec_for(alias=alias)
+    return specs.model_spec_for(alias=alias)
 
 
 async def test_a_full_lane_sends_an_overloaded_error_frame(tiny_alias, api_key, mlx_engine, tiny_eos_id):
