@@ -277,8 +277,8 @@ def test_models_app_never_imports_the_api(graph: Graph) -> None:
 
 
 def test_runtime_never_imports_the_api(graph: Graph) -> None:
-    """The runtime serves the API layer, not the other way round: api registers its own hooks
-    (socket shutdown) and gets the engine from `mlxhost.runtime.get_engine()`."""
+    """The runtime serves the API layer, not the other way round: the composition root lists api's
+    hooks (socket shutdown), and api gets the engine from `mlxhost.runtime.get_engine()`."""
     bad = [
         f"{item.source}:{item.line} imports {item.target}"
         for item in graph.imports
