@@ -163,8 +163,12 @@ def main() -> None:
             "cpu_predicted_vs_off": cpu_medians["predicted"] / cpu_medians["off"],
             "round_ratios_on_vs_off": [on / off for on, off in zip(rates["on"], rates["off"], strict=True)],
             "same_tokens": {mode: texts[mode] == texts["off"] for mode in ("on", "predicted")},
-            **{f"{mode}_tokens_per_pass": round(s.tokens_per_pass, 3) for mode, s in stats.items()},
-            **{f"{mode}_acceptance": round(s.acceptance, 3) for mode, s in stats.items()},
+            **{
+                f"{mode}_tokens_per_pass": round(s.tokens_per_pass, 3)
+                for mode, s in stats.items()
+                if s.passes
+            },
+            **{f"{mode}_acceptance": round(s.acceptance, 3) for mode, s in stats.items() if s.passes},
             **{
                 f"{mode}_counts_drafted_accepted_passes_emitted": [s.drafted, s.accepted, s.passes, s.emitted]
                 for mode, s in stats.items()
