@@ -85,8 +85,10 @@ def run(
     max_tokens: int,
     speculation: SpeculationConfig | None,
     predictions: list[list[int]] | None = None,
-) -> tuple[list[list[int]], float, SpeculationStats]:
-    """Every prompt at once; (each row's tokens, decode tokens/s, summed speculation counts)."""
+) -> tuple[list[list[int]], float, float, SpeculationStats]:
+    """Every prompt at once; (each row's tokens, decode tokens/s by the wall clock and by this
+    process's CPU time, summed speculation counts). On a shared machine the CPU-time rate
+    moves less with the neighbours' load than the wall-clock one."""
     batch = MlxBatch(model, tokenizer, len(ids), speculation=speculation)
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     handles = [
@@ -96,6 +98,7 @@ def run(
     tokens: dict[int, list[int]] = {h: [] for h in handles}
     done: set[int] = set()
     start = None
+    cpu_start = 0.0
     counted = 0
     while len(done) < len(handles):
         steps = batch.step()
@@ -108,9 +111,12 @@ def run(
                 done.add(step.handle)
         if start is None and all(tokens[h] for h in handles):
             start = time.perf_counter()  # every row has its first token: decoding from here
+            cpu_start = time.process_time()
     elapsed = time.perf_counter() - (start or time.perf_counter())
+    cpu = time.process_time() - cpu_start
     batch.close()
-    return [tokens[h] for h in handles], counted / elapsed if elapsed else 0.0, batch.speculation_totals
+    rate = counted / elapsed if elapsed else 0.0
+    return [tokens[h] for h in handles], rate, counted / cpu if cpu else 0.0, batch.speculation_totals
 
 
 def main() -> None:
@@ -131,28 +137,43 @@ def main() -> None:
     report: dict[str, object] = {"model": args.model, "max_tokens": args.max_tokens, "rounds": args.rounds}
     for users in args.users:
         ids = prompts(tokenizer, users)
-        rates: dict[str, list[float]] = {"off": [], "on": [], "predicted": []}
+        modes = ("off", "on", "predicted")
+        rates: dict[str, list[float]] = {mode: [] for mode in modes}
+        cpu_rates: dict[str, list[float]] = {mode: [] for mode in modes}
         stats: dict[str, SpeculationStats] = {}
         texts: dict[str, list[list[int]]] = {}
         for _ in range(args.rounds):  # interleaved: off, on, predicted, off, on, ...
-            texts["off"], rate, _ = run(model, tokenizer, ids, args.max_tokens, None)
-            rates["off"].append(rate)
-            texts["on"], rate, stats["on"] = run(model, tokenizer, ids, args.max_tokens, config)
-            rates["on"].append(rate)
-            texts["predicted"], rate, stats["predicted"] = run(
-                model, tokenizer, ids, args.max_tokens, config, predictions=texts["off"]
-            )
-            rates["predicted"].append(rate)
+            for mode in modes:
+                speculation = None if mode == "off" else config
+                predictions = texts["off"] if mode == "predicted" else None
+                texts[mode], rate, cpu_rate, stats[mode] = run(
+                    model, tokenizer, ids, args.max_tokens, speculation, predictions
+                )
+                rates[mode].append(rate)
+                cpu_rates[mode].append(cpu_rate)
         medians = {mode: statistics.median(values) for mode, values in rates.items()}
+        cpu_medians = {mode: statistics.median(values) for mode, values in cpu_rates.items()}
         report[f"users_{users}"] = {
             "decode_tok_s": medians,
             "all_tok_s": rates,
+            "cpu_decode_tok_s": cpu_medians,
             "on_vs_off": medians["on"] / medians["off"],
             "predicted_vs_off": medians["predicted"] / medians["off"],
+            "cpu_on_vs_off": cpu_medians["on"] / cpu_medians["off"],
+            "cpu_predicted_vs_off": cpu_medians["predicted"] / cpu_medians["off"],
+            "round_ratios_on_vs_off": [on / off for on, off in zip(rates["on"], rates["off"], strict=True)],
             "same_tokens": {mode: texts[mode] == texts["off"] for mode in ("on", "predicted")},
-            **{f"{mode}_tokens_per_pass": round(s.tokens_per_pass, 3) for mode, s in stats.items()},
-            **{f"{mode}_acceptance": round(s.acceptance, 3) for mode, s in stats.items()},
-            **{f"{mode}_counts": [s.drafted, s.accepted, s.passes, s.emitted] for mode, s in stats.items()},
+            **{
+                f"{mode}_tokens_per_pass": round(s.tokens_per_pass, 3)
+                for mode, s in stats.items()
+                if s.passes
+            },
+            **{f"{mode}_acceptance": round(s.acceptance, 3) for mode, s in stats.items() if s.passes},
+            **{
+                f"{mode}_counts_drafted_accepted_passes_emitted": [s.drafted, s.accepted, s.passes, s.emitted]
+                for mode, s in stats.items()
+                if mode != "off"
+            },
         }
         print(json.dumps({f"users_{users}": report[f"users_{users}"]}, indent=1), flush=True)
     print(json.dumps(report))

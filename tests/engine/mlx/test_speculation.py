@@ -296,3 +296,36 @@ def test_a_row_removed_mid_run_leaves_the_others_exact(backend, tiny_eos_id):
     batch.close()
     assert [got[handles[0]], got[handles[2]]] == [r.ids for r in off]
     assert batch.speculation_totals.passes > 0
+
+
+def test_the_rollback_keeps_each_rows_own_positions_in_the_batch_cache():
+    """The crux, on mlx-lm's `BatchKVCache` alone: after a pass of 4 positions where row 0 keeps
+    1 and row 1 keeps 3, each row holds exactly its kept positions (offsets, extract, the next
+    write and the mask all agree)."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlxhost.engine.backends.mlx.speculative import SpeculativeGenerationBatch
+
+    def feed(cache: BatchKVCache, rows: list[list[float]]) -> None:
+        x = mx.array(rows)[:, None, :, None]  # (rows, heads, positions, dim)
+        cache.update_and_fetch(x, x)
+
+    def held(cache: BatchKVCache, row: int) -> list[float]:
+        return cache.extract(row).values[0, 0, :, 0].tolist()
+
+    cache = BatchKVCache([1, 0])  # row 0 starts one token shorter (left padding)
+    feed(cache, [[0, 10, 11], [20, 21, 22]])
+    feed(cache, [[30, 31, 32, 33], [40, 41, 42, 43]])
+    SpeculativeGenerationBatch._roll_back(SimpleNamespace(prompt_cache=[cache]), 4, [1, 3])
+    assert held(cache, 0) == [10, 11, 30]
+    assert held(cache, 1) == [20, 21, 22, 40, 41, 42]
+    assert cache.offset.tolist() == [3, 6]  # each row's RoPE position: its own token count
+    feed(cache, [[50], [60]])
+    assert held(cache, 0) == [10, 11, 30, 50]
+    assert held(cache, 1) == [20, 21, 22, 40, 41, 42, 60]
+    # A next query sees exactly each row's held positions, the last ones; the rest is padding.
+    visible = cache.make_mask(1)[:, 0, 0, : cache._idx].tolist()
+    assert visible[0] == [False] * (cache._idx - 4) + [True] * 4
+    assert visible[1] == [False] * (cache._idx - 7) + [True] * 7

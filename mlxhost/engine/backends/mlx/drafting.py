@@ -37,6 +37,11 @@ CPU_PASS_MS: dict[int, dict[int, float]] = {
 RECOVERY = 0.001
 
 
+# How far past its last agreement a diverged prediction is searched token by token before the
+# n-gram index (latest occurrence anywhere) is asked: bounds the per-step cost of a long one.
+REALIGN_WINDOW = 256
+
+
 @dataclass(frozen=True, slots=True)
 class PassCost:
     """Cost of one batched forward pass, interpolated from a measured table.
@@ -193,8 +198,9 @@ class PredictionAligner:
         prediction = self.prediction
         for n in range(min(self._max_n, len(output)), 0, -1):
             tail = list(output[len(output) - n :])
-            # the first occurrence at or after the last anchor, else the latest anywhere
-            for start in range(max(0, self._anchor - n), len(prediction) - n + 1):
+            # the first occurrence within a window after the last anchor, else the latest anywhere
+            first = max(0, self._anchor - n)
+            for start in range(first, min(first + REALIGN_WINDOW, len(prediction) - n + 1)):
                 if prediction[start : start + n] == tail:
                     return start + n
             if n >= 2:
