@@ -297,12 +297,14 @@ def usage_by_owner(*, rows: QuerySet[UsageDay], limit: int = 20) -> list[dict[st
 
 
 def usage_chart_data(*, days: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """The chart's series: unix seconds of each day and its token counts (for static JS)."""
+    """The chart's series: unix seconds of each day, its token counts and its refused requests
+    (by the key's limits or a busy model), for static JS."""
     return {
         "t": [int(datetime.combine(row["day"], datetime.min.time(), UTC).timestamp()) for row in days],
         "prompt": [row["prompt_tokens"] for row in days],
         "cached": [row["cached_tokens"] for row in days],
         "output": [row["output_tokens"] for row in days],
+        "refused": [row["rate_limited"] + row["overloaded"] for row in days],
     }
 
 

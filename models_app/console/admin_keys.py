@@ -17,11 +17,11 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
-from django.utils.timesince import timesince
 
 from models_app.accounting import usage
 from models_app.accounting.snippets import MODEL_PLACEHOLDER, env_snippet, key_snippets
 from models_app.catalogue import selectors, services
+from models_app.console import words
 from models_app.console.forms import API_KEY_CREATE_FIELDS, ApiKeyChangeForm, ApiKeyCreateForm
 from models_app.models import ApiKey, Model, UsageDay
 
@@ -62,10 +62,10 @@ def last_used_html(key: ApiKey) -> SafeString | str:
     if key.last_used_at is None:
         return "never"
     return format_html(
-        '<time datetime="{}" title="{}">{} ago</time>',
+        '<time datetime="{}" title="{}">{}</time>',
         key.last_used_at.isoformat(),
         timezone.localtime(key.last_used_at).strftime("%Y-%m-%d %H:%M"),
-        timesince(key.last_used_at).split(",")[0],
+        words.relative_time(key.last_used_at),
     )
 
 

@@ -112,10 +112,11 @@ def model_live_state(
     actions: Mapping[str, Mapping[str, Any]],
 ) -> AliasLiveState:
     """The live state of `model` from `live_views()` output (views None: no engine reporting)."""
-    action, action_state = _action_text(actions.get(model.name))
+    result = actions.get(model.name)
     names = {alias.name for alias in model.aliases.all()}
 
     def idle(state: str, label: str) -> AliasLiveState:
+        action, action_state = _action_text(result, state)
         return AliasLiveState(
             state=state,
             label=label,
@@ -131,6 +132,7 @@ def model_live_state(
         return idle("unloaded", control.LIVE_LABELS["unloaded"])
     # The engine's status publisher names the state and its words (models_app.catalogue.live_status).
     state = str(view.get("live_state") or "unloaded")
+    action, action_state = _action_text(result, state)
     progress = view.get("load_progress") or {}
     return AliasLiveState(
         state=state,
@@ -216,10 +218,24 @@ def _view_for(
     return views.get(instance_id) if instance_id is not None else None
 
 
-def _action_text(result: Mapping[str, Any] | None) -> tuple[str, str]:
+# The latest event, when a finished action is no longer the last thing that happened to a model:
+# a request loaded it on demand after an unload, or it left memory (idle, or for memory) after a
+# load. Mirrored by static/mlxhost/models.js (actionText).
+LOADED_SINCE = "loaded on demand since the unload"
+UNLOADED_SINCE = "unloaded since the {action}"
+IN_MEMORY_STATES = frozenset({"loading", *control.RESIDENT_STATES})
+
+
+def _action_text(result: Mapping[str, Any] | None, live_state: str = "") -> tuple[str, str]:
+    """The model's latest event in words, and its state: the last admin action, unless the live
+    state says something happened since (a finished unload, and the weights are in memory)."""
     if not result:
         return "", ""
     action, state = str(result.get("action", "")), str(result.get("state", ""))
     if state == "failed":
         return f"{action} failed: {result.get('error') or 'no reason given'}", state
+    if state == "done" and action == "unload" and live_state in IN_MEMORY_STATES:
+        return LOADED_SINCE, state
+    if state == "done" and action in ("load", "reload") and live_state == "unloaded":
+        return UNLOADED_SINCE.format(action=action), state
     return f"{action} {state}", state

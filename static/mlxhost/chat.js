@@ -11,6 +11,12 @@
 
   var DASH = "\u2014"; // an em dash: no value
   var CONTINUABLE = { completed: true, incomplete: true, cancelled: true };
+  var SHORT_ID_CHARS = 8; // as models_app/console/words.py: resp_01234567…
+
+  function shortId(id) {
+    var cut = id.indexOf("_") + 1;
+    return id.length - cut <= SHORT_ID_CHARS ? id : id.slice(0, cut + SHORT_ID_CHARS) + "\u2026";
+  }
   var STATUS_WORDS = {
     cancelled: "Stopped",
     max_output_tokens: "Cut off at the token limit",
@@ -195,7 +201,15 @@
 
   Chat.prototype.showConversation = function () {
     var tip = this.tipId();
-    this.conversation.textContent = tip ? "Continues " + tip : "New conversation";
+    // The stored reply this conversation continues, by a short id (the full one in its title).
+    this.conversation.textContent = tip ? "Continues a previous reply " : "New conversation";
+    if (tip) {
+      var stored = this.root.dataset.storedUrl + "?q=" + encodeURIComponent(tip);
+      this.conversation.appendChild(this.lib.el("a", { className: "mono chat-tip", href: stored, title: tip, text: shortId(tip) }));
+      this.conversation.dataset.response = tip;
+    } else {
+      delete this.conversation.dataset.response;
+    }
     var url = this.root.dataset.chatUrl + (tip ? "?response=" + encodeURIComponent(tip) : "");
     history.replaceState(null, "", url); // a reload reopens the conversation from the server
   };

@@ -37,6 +37,21 @@
     return (i === 0 ? value : value.toFixed(1)) + " " + units[i];
   }
 
+  // How long ago, in the console's one rule (models_app/console/words.py relative_time): under
+  // 5 s "just now", under a minute "12 seconds ago", then the largest unit; never "0 s ago".
+  var AGO_UNITS = [[86400, "day"], [3600, "hour"], [60, "minute"]];
+
+  function ago(seconds) {
+    seconds = Math.max(0, Math.floor(seconds));
+    if (seconds < 5) return "just now";
+    if (seconds < 60) return seconds + "\u00a0seconds ago";
+    for (var i = 0; i < AGO_UNITS.length; i++) {
+      var count = Math.floor(seconds / AGO_UNITS[i][0]);
+      if (count >= 1) return count + "\u00a0" + AGO_UNITS[i][1] + (count === 1 ? "" : "s") + " ago";
+    }
+    return "just now";
+  }
+
   function formatNumber(value, digits) {
     if (value === null || value === undefined || Number.isNaN(value)) return DASH;
     return Number(value).toFixed(digits === undefined ? 1 : digits);
@@ -219,6 +234,7 @@
     disableControls: disableControls,
     LiveSocket: LiveSocket,
     el: el,
+    ago: ago,
     formatBytes: formatBytes,
     formatNumber: formatNumber,
     loadProgress: loadProgress,
@@ -460,8 +476,7 @@
     var parts = [];
     var total = { active: 0, queued: 0, capacity: 0, memory: 0 };
     this.engines.forEach(function (entry) {
-      var age = Math.max(0, Math.round((now - entry.seen) / 1000));
-      parts.push(engineName(entry.status) + " pid " + entry.status.pid + " (updated " + age + " s ago)");
+      parts.push(engineName(entry.status) + " pid " + entry.status.pid + " (updated " + ago((now - entry.seen) / 1000) + ")");
       entry.status.instances.forEach(function (view) {
         total.active += view.active || 0;
         total.queued += view.queued || 0;

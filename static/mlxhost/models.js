@@ -104,9 +104,17 @@
     return model.instance_id === null ? null : views.get(model.instance_id) || null;
   }
 
-  function actionText(result) {
+  // The latest event: the last admin action, unless the live state says something happened since
+  // (as models_app/catalogue/selectors.py _action_text words it).
+  var IN_MEMORY = { loading: true, resident: true, degraded: true };
+
+  function actionText(result, liveState) {
     if (!result) return { text: "", state: "" };
     if (result.state === "failed") return { text: result.action + " failed: " + (result.error || "no reason given"), state: "failed" };
+    if (result.state === "done" && result.action === "unload" && IN_MEMORY[liveState]) return { text: "loaded on demand since the unload", state: "done" };
+    if (result.state === "done" && (result.action === "load" || result.action === "reload") && liveState === "unloaded") {
+      return { text: "unloaded since the " + result.action, state: "done" };
+    }
     return { text: result.action + " " + result.state, state: result.state };
   }
 
@@ -114,7 +122,7 @@
     var labels = this.page.labels;
     var view = live.reporting ? viewFor(model, live.views) : null;
     var state = !live.reporting ? "unreported" : view ? view.live_state : "unloaded";
-    var action = actionText(live.actions[model.name]);
+    var action = actionText(live.actions[model.name], state);
     var allowed = action.state === "running" ? [] : this.page.actions_by_state[state] || [];
     var pending = this.pending.get(model.name);
     var label = view ? view.label : labels[state] || state;
@@ -191,8 +199,7 @@
     var now = Date.now();
     var parts = [];
     this.engines.forEach(function (entry) {
-      var age = Math.max(0, Math.round((now - entry.seen) / 1000));
-      parts.push(entry.status.host + " pid " + entry.status.pid + " (updated " + age + " s ago)");
+      parts.push(entry.status.host + " pid " + entry.status.pid + " (updated " + window.mlxhost.ago((now - entry.seen) / 1000) + ")");
     });
     if (window.mlxhost.sessionEnded()) {
       this.summary.textContent = "Not live: the session ended, and actions are off until you log in again.";

@@ -187,7 +187,7 @@ def converse(chat, row) -> None:
     first = finished_turn(chat, 0)
     assert first.get_attribute("data-status") in ("completed", "incomplete")
     first_id = first.get_attribute("data-response-id")
-    assert first_id and chat.inner_text("#chat-conversation") == f"Continues {first_id}"
+    assert first_id and continues(chat) == first_id
     row.locator(".ttft", has_text=re.compile(r"\d")).wait_for()  # pushed, not reloaded
 
     # previous_response_id: a warm session after a clean finish, else a replay (SES-1 keeps
@@ -201,7 +201,18 @@ def converse(chat, row) -> None:
         assert not cache.split(" \u00b7 ")[1].startswith("0 "), cache  # tokens came from the cache
     second_id = second.get_attribute("data-response-id")
     assert second_id not in (None, first_id)
-    assert chat.inner_text("#chat-conversation") == f"Continues {second_id}"
+    assert continues(chat) == second_id
+
+
+def continues(chat) -> str | None:
+    """The reply the chat page says it continues: in words and a short id, the full id in its title
+    (never the raw id as the label)."""
+    tip = chat.locator("#chat-conversation")
+    assert tip.inner_text().startswith("Continues a previous reply resp_"), tip.inner_text()
+    assert tip.inner_text().endswith("\u2026") and tip.locator("a").get_attribute(
+        "title"
+    ) == tip.get_attribute("data-response")
+    return tip.get_attribute("data-response")
 
 
 def queue_then_cancel(chat, other, row) -> None:

@@ -83,7 +83,22 @@ def test_the_chain_page_and_the_stored_responses_list_read_well(daphne_server, s
     for device, width, page in signed_in_pages(daphne_server.url, errors):
         chain_page(page, device, width, chain[-1].pk)
         stored_list(page, device, width)
+        chat_words(page)
     assert not errors, f"errors in the pages: {errors}"
+
+
+def chat_words(page) -> None:
+    """Issue 25 §7: the chat page says which reply it continues in words, with a short id (the full
+    one in its title), and the sidebar and the scripts say how long ago by one rule (words.py)."""
+    page.goto("/dashboard/chat/?response=resp_console3")
+    tip = page.locator("#chat-conversation")
+    page.locator("#chat-transcript li.chat-turn").nth(2).wait_for()
+    assert tip.inner_text() == "Continues a previous reply resp_console3", tip.inner_text()
+    assert tip.locator("a").get_attribute("title") == "resp_console3"
+    meta = page.locator("#chat-recent .chat-recent-meta").first.inner_text()
+    assert "0\xa0minutes" not in meta and re.search(r"just now|\d+\xa0seconds ago$", meta), meta
+    said = page.evaluate("[0, 4, 12, 60, 3 * 3600 + 5].map(window.mlxhost.ago)")
+    assert said == ["just now", "just now", "12\xa0seconds ago", "1\xa0minute ago", "3\xa0hours ago"], said
 
 
 def chain_page(page, device: str, width: int, pk: int) -> None:
@@ -103,6 +118,10 @@ def stored_list(page, device: str, width: int) -> None:
     assert page.evaluate(OVERFLOW) <= 0, f"the stored responses list scrolls sideways at {width} px"
     row = page.locator("#result_list tbody tr", has_text="resp_console3")
     assert row.locator(".mlxhost-preview-prompt").inner_text().startswith("Please explain")
+    if width < 500:  # the id yields its width to the preview on a phone (issue 25 §7)
+        id_width = row.locator(".field-public_id").evaluate("e => e.getBoundingClientRect().width")
+        preview_width = row.locator(".mlxhost-preview").evaluate("e => e.getBoundingClientRect().width")
+        assert id_width <= 100 and preview_width >= 2 * id_width, (id_width, preview_width)
     answer = row.locator(".mlxhost-preview-answer")
     assert answer.locator("strong").inner_text() == "scattered"  # Markdown, rendered
     assert answer.locator("img, script").count() == 0 and page.evaluate("window.__xss") is None
@@ -137,19 +156,28 @@ CHART = """() => { const box = document.querySelector('#mlxhost-usage-chart-sect
   const u = box.mlxhostChart; const t = u.data[0][0];
   return { x: u.valToPos(t, 'x') / u.over.clientWidth,
            labels: u.axes.map(a => a.label),
-           ticks: u.axes.flatMap(a => a._values || []) }; }"""  # uPlot draws its axes on a canvas
+           ticks: u.axes.flatMap(a => a._values || []),
+           series: u.series.slice(1).map(s => s.label), drawn: box.mlxhostDrawn,
+           note: (box.parentElement.querySelector('.mlxhost-chart-note') || {}).textContent || '' }; }"""
+# uPlot draws its axes on a canvas
+TABLE = """() => [...document.querySelectorAll('.mlxhost-usage-table')].map(t => ({
+  overflow: t.parentElement.scrollWidth - t.parentElement.clientWidth,
+  headers: [...t.querySelectorAll('thead th')].map(th => th.textContent) }))"""
 
 
 def test_one_day_of_usage_is_a_readable_chart(daphne_server, staff_user, one_day_of_usage):  # noqa: F811
     """KEY-3: with one day of data the usage chart spans a week ending on it: the day's bars sit at
-    its date, inside the plot (not at the left edge), under labelled axes (day in UTC, tokens) whose
-    values are short ("12k")."""
+    its date, inside the plot (not at the left edge), under labelled axes (day in UTC, tokens,
+    refused requests) whose values are short ("12k"). Issue 25 §7: every token series is a filled
+    bar (the cached one is not a lone dot), a series that is zero on every day is said in a note,
+    and the daily table fits a phone without scrolling sideways (it stacks), its headers naming
+    what they count."""
     _require_browser()
     from django.utils import timezone
 
     today = timezone.now().date()
     errors: list[str] = []
-    for device, _width, page in signed_in_pages(daphne_server.url, errors):
+    for device, width, page in signed_in_pages(daphne_server.url, errors):
         for url in (
             "/admin/models_app/usageday/",
             f"/admin/models_app/apikey/{one_day_of_usage.pk}/change/",
@@ -161,9 +189,23 @@ def test_one_day_of_usage_is_a_readable_chart(daphne_server, staff_user, one_day
             assert "day (UTC)" in chart["labels"] and "tokens" in chart["labels"], chart
             assert f"{today.month}/{today.day}" in chart["ticks"], chart
             assert any(tick.endswith("k") for tick in chart["ticks"]), chart
+            assert "refused requests" in chart["labels"], chart
+            assert chart["series"] == [
+                "prompt tokens",
+                "of which cached",
+                "output tokens",
+                "refused requests",
+            ]
+            # Bars, not a lone dot for one day; refusals a marked point on an axis of their own.
+            assert chart["drawn"] == dict(zip(chart["series"], ["bar", "bar", "bar", "points"], strict=True))
+            assert chart["note"] == "No refused requests on these days.", chart
+            for table in page.evaluate(TABLE):
+                assert "Counts" not in table["headers"], table
+                if width < 500:
+                    assert table["overflow"] <= 0, table  # stacked: no sideways scroll on a phone
             assert page.evaluate(OVERFLOW) <= 0
-            page.locator(".mlxhost-usage-chart").first.screenshot(
-                path=str(ARTIFACTS / f"usage-one-day-{device}-{url.split('/')[3]}.png")
+            page.screenshot(
+                path=str(ARTIFACTS / f"usage-one-day-{device}-{url.split('/')[3]}.png"), full_page=True
             )
     assert not errors, f"errors in the pages: {errors}"
 

@@ -136,10 +136,32 @@ def test_a_load_shows_its_phases_as_they_are(daphne_server, two_aliases, open_co
     ]
 
 
+def new_api_key() -> str:
+    """A key of the staff user's, minted on a thread of its own: the ORM cannot run on the test's
+    thread once Playwright's loop does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from django.contrib.auth import get_user_model
+    from django.db import connection
+
+    from models_app.catalogue import services
+
+    def mint() -> str:
+        try:
+            owner = get_user_model().objects.get(username=test_browser.STAFF)
+            return services.apikey_create(owner=owner, name="on-demand")[1]
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(mint).result()
+
+
 def test_the_models_page_follows_an_unload_live_and_asks_first(daphne_server, two_aliases, open_context):
     """ADM-7, OPS-4: load from the Models page; an unload asks first, naming both aliases of the
     model, and the open pages (a desktop's and a phone's) show it unloaded within 2 s, without a
-    reload; the buttons follow."""
+    reload; the buttons follow. A request then loads it on demand: the status line says that, the
+    latest event, not "unload done" (issue 25 §7)."""
     context = open_context(DESKTOP)
     page = context.new_page()
     phone = open_context(PHONE).new_page()
@@ -191,6 +213,17 @@ def test_the_models_page_follows_an_unload_live_and_asks_first(daphne_server, tw
             and other.locator("button[value=load]").is_enabled()
         )
         assert page_width(page) <= DESKTOP["width"] and page_width(phone) <= PHONE["width"]
+        assert row.locator(".last-action").inner_text() == "last: unload done"
+
+        answer = httpx.post(
+            f"{daphne_server.url}/v1/chat/completions",
+            json={"model": CHAT_ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+            headers={"Authorization": f"Bearer {new_api_key()}"},
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+        row.locator(".badge-resident").wait_for()
+        row.locator(".last-action", has_text="last: loaded on demand since the unload").wait_for()
 
 
 @pytest.fixture

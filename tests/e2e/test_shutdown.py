@@ -261,3 +261,53 @@ def test_clients_that_leave_during_the_drain_cancel_their_turns(
     lines = [line for line in server.output().splitlines() if "path=/v1/chat/completions" in line]
     assert len(lines) == 2 and all("outcome=cancelled" in line for line in lines), lines
     assert "Traceback" not in server.output()
+
+
+def test_websocket_clients_that_leave_during_the_drain_cancel_their_turns(
+    patient_server, tiny_alias, api_key, tiny_eos_id
+):
+    """Issue 25: as with HTTP above, once SIGTERM has started the drain, WebSocket turns whose
+    clients then close their sockets are cancelled at once (API-3, LANE-6): daphne's cancel of
+    every consumer at shutdown no longer leaves their disconnect unread, so each turn's log line
+    says `cancelled` long before the drain timeout, and the process exits 0."""
+    from websockets.sync.client import connect
+
+    from models_app.catalogue import services
+
+    model = tiny_alias.model
+    model.concurrency = 2
+    services.model_save(model=model)
+    server = patient_server
+    headers = {"Authorization": f"Bearer {api_key}"}
+    wait_until(lambda: lane(server, headers).get("capacity") == 2 or lane(server, headers) == {}, timeout=30)
+    url = server.url.replace("http://", "ws://") + "/ws/v1/responses"
+    create = {
+        "type": "response.create",
+        "model": "tiny",
+        "input": "Tell me a long story",
+        "max_output_tokens": 1_000_000,
+        "logit_bias": {str(tiny_eos_id): -100},
+    }
+    sockets = [connect(url, additional_headers=headers) for _ in range(2)]
+    for socket_ in sockets:
+        socket_.send(json.dumps(create))
+    for socket_ in sockets:  # each turn is generating
+        while json.loads(socket_.recv(timeout=60))["type"] != "response.output_text.delta":
+            pass
+    wait_until(
+        lambda: lane(server, headers).get("active") == 2, timeout=60, interval=0.05, what="both turns to run"
+    )
+
+    server.process.send_signal(signal.SIGTERM)
+    wait_until(lambda: "draining the engine" in server.output(), timeout=60, interval=0.05, what="the drain")
+    for socket_ in sockets:
+        socket_.close()
+
+    def ws_lines() -> list[str]:
+        return [line for line in server.output().splitlines() if "path=/ws/v1/responses" in line]
+
+    # Without the cancel the turns run on until the drain timeout (PATIENT_SHUTDOWN_S) ends them.
+    wait_until(lambda: len(ws_lines()) == 2, timeout=PATIENT_SHUTDOWN_S / 4, what="both turns to end")
+    assert all("outcome=cancelled" in line for line in ws_lines()), ws_lines()
+    assert server.process.wait(timeout=PATIENT_SHUTDOWN_S / 2) == 0, server.output()
+    assert "Traceback" not in server.output()

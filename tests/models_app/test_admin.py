@@ -591,6 +591,25 @@ def test_live_state_selector_maps_each_engine_state(tiny_alias):
     assert (running.last_action, running.last_action_state) == ("load running", "running")
 
 
+def test_the_status_line_shows_the_latest_event_not_a_stale_action(tiny_alias):
+    """Issue 25 §7: after "unload done" a request loaded the model on demand: the line says so,
+    not "unload done" beside a resident badge; a load that the model has since left memory after
+    says that too. An action that is still the latest event reads as before."""
+    from models_app.catalogue import selectors
+
+    iid = tiny_alias.instance_id
+
+    def line(views, action):
+        actions = {"tiny": {"action": action, "state": "done", "error": "", "at": 1}}
+        return selectors.alias_live_state(alias=tiny_alias, views=views, actions=actions).last_action
+
+    assert line({iid: _view(iid)}, "unload") == "loaded on demand since the unload"
+    assert line({iid: _view(iid, state="loading")}, "unload") == "loaded on demand since the unload"
+    assert line({}, "unload") == "unload done"
+    assert line({}, "load") == "unloaded since the load"
+    assert line({iid: _view(iid)}, "reload") == "reload done"
+
+
 def test_the_stored_responses_list_previews_each_turn_and_links_the_chat(admin_client, admin_user, user):
     """ADM-5: the list shows each turn's prompt and answer (the answer marked for the Markdown
     renderer, every value escaped), and links the viewer's own turns to the chat page."""

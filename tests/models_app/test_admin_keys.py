@@ -294,9 +294,12 @@ def test_refused_requests_and_counts_show_on_the_key_page_the_usage_page_and_the
         overloaded=5,
     )
     page = admin_client.get(f"{KEYS}{key.pk}/change/").content.decode()
-    for header in ("Counts", "Rate-limited", "Overloaded"):
+    # Each header names what it counts (issue 25 §7: "Counts" said nothing); each cell carries its
+    # header as data-label, for the phone's stacked layout.
+    for header in ("Token-count calls", "Rate-limited", "Overloaded"):
         assert f">{header}</th>" in page
-    cells = re.findall(r'<td class="mlxhost-num">(\d+)</td>', page)
+    assert ">Counts</th>" not in page
+    cells = re.findall(r'<td class="mlxhost-num" data-label="[^"]+">(\d+)</td>', page)
     assert cells[-3:] == ["11", "7", "5"]  # the totals row ends with them
 
     listing = admin_client.get(USAGE).content.decode()

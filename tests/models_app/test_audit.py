@@ -131,6 +131,22 @@ def test_key_creation_and_revocation_show_in_the_key_history(admin_client, admin
     assert history(admin_client, scripted) == [(shown_time(entries(scripted)[0]), "admin", "Added.")]
 
 
+def test_recent_actions_on_the_admin_index_say_what_was_done(
+    admin_client, admin_user, tiny_alias, sent, django_capture_on_commit_callbacks
+):
+    """ADM-6, issue 25 §7: the index's Recent actions give each entry its verb (the change
+    message), not the object's name alone: a requested load, a revoked key, a save's fields."""
+    model = tiny_alias.model
+    with django_capture_on_commit_callbacks(execute=True):
+        admin_client.post(f"{MODELS_URL}{model.pk}/action/load/")
+    key, _ = services.apikey_create(owner=admin_user, name="ci", actor=admin_user)
+    services.apikey_revoke(key=key, actor=admin_user)
+    page = admin_client.get("/admin/").content.decode()
+    module = page[page.index('id="recent-actions-module"') :]
+    said = [html.unescape(m) for m in re.findall(r'<span class="mlxhost-log-message">(.*?)</span>', module)]
+    assert said[:3] == ["Revoked.", "Added.", "Requested load."], said
+
+
 def test_a_reload_switch_is_recorded_once_as_the_requesters(admin_client, tiny_alias, admin_user, sent):
     """ADM-6: when a reload's new weights take over, the model's history says so, in the name of
     who asked for the reload, once however many engine processes report it."""

@@ -125,7 +125,12 @@ def test_a_stored_conversation_reopens_by_its_last_id(staff_client, staff, tiny_
     assert "second <question>" not in page
     # The sidebar: the conversation once, by its opening words, linking its newest turn.
     assert 'aria-current="page" data-root="resp_a"><a href="?response=resp_b">first question</a>' in page
-    assert "Continues" in page
+    # Which reply it continues, as a person reads it: words and a short id, the full id in a title.
+    tip = re.search(r'<p id="chat-conversation"[^>]*>(.*?)</p>', page, re.S)
+    assert tip and 'data-response="resp_b"' in tip.group(0), page
+    assert tip.group(1).startswith("Continues a previous reply <a ") and 'title="resp_b"' in tip.group(1)
+    # One rule for "how long ago" (models_app/console/words.py): never "0 minutes ago".
+    assert "0\xa0minutes" not in page and ("just now" in page or "\xa0seconds ago" in page)
 
 
 def test_another_users_conversation_is_a_404_like_a_missing_one(staff_client, django_user_model):

@@ -222,6 +222,7 @@ def test_reports_sum_per_day_and_per_user_and_export_csv(key, user, django_user_
     chart = usage.usage_chart_data(days=days)
     assert chart["t"] == [int(datetime(2026, 3, d, tzinfo=UTC).timestamp()) for d in (3, 4)]
     assert chart["prompt"] == [20, 47] and chart["cached"] == [0, 30] and chart["output"] == [5, 3]
+    assert chart["refused"] == [0, 3]  # by the key's limits and by a busy model, per day
 
     lines = list(usage.usage_csv(rows=rows))
     assert lines[0] == (
