@@ -595,13 +595,11 @@ def test_the_status_line_shows_the_latest_event_not_a_stale_action(tiny_alias):
     """Issue 25 §7: after "unload done" a request loaded the model on demand: the line says so,
     not "unload done" beside a resident badge; a load that the model has since left memory after
     says that too. An action that is still the latest event reads as before."""
-    from models_app.catalogue import selectors
-
     iid = tiny_alias.instance_id
 
     def line(views, action):
         actions = {"tiny": {"action": action, "state": "done", "error": "", "at": 1}}
-        return selectors.alias_live_state(alias=tiny_alias, views=views, actions=actions).last_action
+        return live_state.alias_live_state(alias=tiny_alias, views=views, actions=actions).last_action
 
     assert line({iid: _view(iid)}, "unload") == "loaded on demand since the unload"
     assert line({iid: _view(iid, state="loading")}, "unload") == "loaded on demand since the unload"
