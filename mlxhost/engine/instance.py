@@ -103,6 +103,7 @@ class Instance:
             batch_capacity=self.effective_capacity(spec),
             arrivals=lambda: self.lane.permits,
             burst_wait_s=config.burst_wait_s,
+            speculation=config.speculation,
             reload_after_faults=config.reload_after_faults,
             embed_wait_s=config.embed_wait_s,
         )

@@ -155,6 +155,9 @@ class FakeModel:
         self._backend.encode_calls += 1
         return [ord(ch) for ch in text]
 
+    def encode_output(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
     ) -> Iterator[TokenStep | StepEnd]:
@@ -228,10 +231,10 @@ class FakeModel:
         # One shared mutable cache cannot hold several sequences (SES-5).
         return not self.shared_cache and self._backend.batching
 
-    def open_batch(self, capacity: int) -> FakeBatch | None:
+    def open_batch(self, capacity: int, *, speculation: bool = False) -> FakeBatch | None:
         if not self.can_batch():
             return None
-        return FakeBatch(self._backend, self.spec.instance_id, capacity)
+        return FakeBatch(self._backend, self.spec.instance_id, capacity, speculation=speculation)
 
     def close(self) -> None:
         self.closed = True
@@ -259,10 +262,13 @@ class FakeBatch:
     Like mlx-lm's BatchGenerator, each returned token is already in the sequence's cache.
     """
 
-    def __init__(self, backend: FakeBackend, instance_id: int, capacity: int) -> None:
+    def __init__(
+        self, backend: FakeBackend, instance_id: int, capacity: int, *, speculation: bool = False
+    ) -> None:
         self._backend = backend
         self._instance_id = instance_id
         self.capacity = capacity
+        self.speculation = speculation
         self.closed = False
         self._sequences: dict[int, _FakeSequence] = {}
         self._next_handle = 0
@@ -272,7 +278,14 @@ class FakeBatch:
         return not self._backend.exclusive_seeds or sampling.seed is None
 
     def insert(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        kv: object | None,
+        cached: int,
+        *,
+        prediction_ids: Sequence[int] | None = None,
+        max_draft: int | None = None,
     ) -> int:
         backend = self._backend
         cache = FakeCache() if kv is None else _fake(kv)
@@ -316,6 +329,9 @@ class FakeBatch:
             else:
                 steps.append(BatchStep(handle, text, token, logprob=logprob))
         return steps
+
+    def speculation_stats(self, handle: int) -> None:
+        return None
 
     def remove(self, handle: int) -> SequenceCache:
         cache = self._sequences.pop(handle).cache
