@@ -257,6 +257,14 @@ class Instance:
                 "inputs": stats.inputs_embedded,
                 "tokens": stats.tokens_embedded,
             },
+            # Speculative decoding (docs/speculation.md), over the batch's finished rows that
+            # could draft: tokens drafted, drafted tokens accepted, decode passes, tokens emitted.
+            "speculation": {
+                "drafted": stats.drafted_tokens,
+                "accepted": stats.accepted_tokens,
+                "passes": stats.speculation_passes,
+                "emitted": stats.speculation_emitted,
+            },
             "load_progress": {
                 "done": self.progress.done,
                 "total": self.progress.total,
