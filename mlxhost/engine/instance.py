@@ -16,6 +16,7 @@ from mlxhost.engine.errors import ModelLoadError, WeightsChangedError
 from mlxhost.engine.lane import Lane
 from mlxhost.engine.limits import physical_memory_bytes
 from mlxhost.engine.sessions import SessionCache, tier_figures
+from mlxhost.engine.stats import speculation_figures
 from mlxhost.engine.weights import folder_fingerprint
 from mlxhost.engine.worker import CallJob, EmbedJob, GenerateJob, InstanceWorker, WriteJob
 
@@ -259,12 +260,12 @@ class Instance:
             },
             # Speculative decoding (docs/speculation.md), over the batch's finished rows that
             # could draft: tokens drafted, drafted tokens accepted, decode passes, tokens emitted.
-            "speculation": {
-                "drafted": stats.drafted_tokens,
-                "accepted": stats.accepted_tokens,
-                "passes": stats.speculation_passes,
-                "emitted": stats.speculation_emitted,
-            },
+            "speculation": speculation_figures(
+                stats.drafted_tokens,
+                stats.accepted_tokens,
+                stats.speculation_passes,
+                stats.speculation_emitted,
+            ),
             "load_progress": {
                 "done": self.progress.done,
                 "total": self.progress.total,

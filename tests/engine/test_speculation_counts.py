@@ -29,7 +29,11 @@ def text_of(events) -> str:
 
 def speculation_of(engine) -> dict:
     (snap,) = engine.snapshot()
-    return snap["speculation"]
+    counts = dict(snap["speculation"])
+    drafted, accepted, passes, emitted = (counts[k] for k in ("drafted", "accepted", "passes", "emitted"))
+    assert counts.pop("acceptance") == (round(accepted / drafted, 4) if drafted else None)
+    assert counts.pop("tokens_per_pass") == (round(emitted / passes, 3) if passes else None)
+    return counts
 
 
 async def run(engine, backend, req, pieces=PIECES):
