@@ -141,3 +141,13 @@ async def test_rows_with_and_without_predictions_count_apart_in_one_batch(engine
     await lane_idle(engine)
     assert speculation_of(engine)["accepted"] == 4
     assert speculation_of(engine)["emitted"] == 10
+
+
+async def test_a_grammar_row_never_drafts_even_with_a_right_prediction(engine, backend):
+    """docs/speculation.md: a grammar's matcher must never see drafts that may be rejected."""
+    pieces = ['{"a"', ": 1}"]
+    req = replace(predicted("r1", '{"a": 1}', max_tokens=32), json_format="")
+    text, done = await run(engine, backend, req, pieces=pieces)
+    assert text == '{"a": 1}'
+    assert (done.usage.accepted_prediction_tokens, done.usage.rejected_prediction_tokens) == (0, 0)
+    assert speculation_of(engine) == {"drafted": 0, "accepted": 0, "passes": 0, "emitted": 0}
