@@ -88,7 +88,9 @@ async def readyz(request: HttpRequest) -> HttpResponse:
             # Names bound in this engine (routing truth here) plus the database's view.
             bound = [name for name in item["aliases"] if not name.startswith("instance:")]
             item["aliases"] = sorted({*bound, *names.get(item["instance_id"], [])})
-        body["models"] = models
+        # Each model's speculation figures (drafted, accepted, acceptance...) from its instance here.
+        figures = {item["instance_id"]: item.get("speculation") for item in instances}
+        body["models"] = [{**model, "speculation": figures.get(model["instance_id"])} for model in models]
         body["instances"] = instances
         # Every engine of the fleet as it last reported (this one included), and their total.
         body["fleet"] = await sync_to_async(control.fleet_view)()

@@ -58,6 +58,15 @@ INSTANCE_GAUGES: tuple[tuple[str, str, Any], ...] = (
     ("mlxhost_instance_idle_seconds", "Seconds since the last request left.", lambda s: s["idle_s"]),
 )
 
+# Speculative decoding per instance (docs/speculation.md), over finished requests that could draft:
+# acceptance is accepted / drafted, tokens per pass emitted / passes.
+SPECULATION_COUNTERS = (
+    ("drafted_tokens", "drafted", "Tokens drafted (prompt lookup or a prediction) for verify passes."),
+    ("accepted_tokens", "accepted", "Drafted tokens the model accepted."),
+    ("passes", "passes", "Decode passes of requests that could draft."),
+    ("emitted_tokens", "emitted", "Tokens those passes produced (accepted drafts plus the model's own)."),
+)
+
 
 @api_endpoint(dialect="openai", methods=("GET", "HEAD"), public=True)
 async def metrics(request: HttpRequest) -> HttpResponse:
@@ -229,6 +238,10 @@ def _instance_metrics(engine: Engine) -> Iterator[Metric]:
         (GaugeMetricFamily(name, text, labels=["instance"]), read) for name, text, read in INSTANCE_GAUGES
     ]
     generated = CounterMetricFamily("mlxhost_tokens_generated", "Tokens generated.", labels=["instance"])
+    speculation = [
+        (CounterMetricFamily(f"mlxhost_speculation_{name}", text, labels=["instance"]), key)
+        for name, key, text in SPECULATION_COUNTERS
+    ]
     cache_counters = [
         (CounterMetricFamily(f"mlxhost_prefix_cache_{key}", text, labels=["instance", "tier"]), key)
         for key, text in (
@@ -259,6 +272,8 @@ def _instance_metrics(engine: Engine) -> Iterator[Metric]:
         for family, read in gauges:
             family.add_metric([instance], read(snap))
         generated.add_metric([instance], snap["tokens_generated"])
+        for counter, key in speculation:
+            counter.add_metric([instance], snap["speculation"][key])
         for tier, cache in snap["prefix_cache"].items():
             for counter, key in cache_counters:
                 counter.add_metric([instance, tier], cache[key])
@@ -268,6 +283,7 @@ def _instance_metrics(engine: Engine) -> Iterator[Metric]:
         for reason, count in reasons.items():
             unloads.add_metric([str(instance_id), reason], count)
     yield from (bound, state, *(family for family, _ in gauges), generated, unloads)
+    yield from (counter for counter, _ in speculation)
     yield from (counter for counter, _ in cache_counters)
     yield from (gauge for gauge, _ in cache_gauges)
     budget = engine.config.memory_budget_bytes

@@ -177,6 +177,21 @@ class ModelAlias(BaseModel):
             "thinking parameter. Models without thinking markers ignore it."
         ),
     )
+    # Speculative decoding in the batch (docs/speculation.md): greedy and seeded text is the same
+    # either way; it only changes how many tokens one forward pass may produce.
+    speculation = models.BooleanField(
+        default=True,
+        help_text=(
+            "Draft tokens from the request's own prompt and output (prompt lookup) or its prediction, "
+            "and check them in one pass: the same text, sooner when the answer repeats its input."
+        ),
+    )
+    speculation_max_k = models.PositiveSmallIntegerField(
+        "most drafted tokens per step",
+        default=8,
+        validators=[MinValueValidator(1), MaxValueValidator(16)],
+        help_text="The cap on tokens drafted for one request in one decode step (1 to 16).",
+    )
     chat_template_kwargs = models.JSONField(
         "chat template options",
         default=dict,

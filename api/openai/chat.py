@@ -70,7 +70,12 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        # OpenAI's shape: the prediction counts are there with or without a prediction.
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": usage.accepted_prediction_tokens,
+            "rejected_prediction_tokens": usage.rejected_prediction_tokens,
+        },
     }
 
 

@@ -136,6 +136,11 @@ class ChatCompletionInput(TextSamplingInput):
     # Warm-session scoping (SES-2/3): only HMAC fingerprints of these are kept.
     prompt_cache_key = serializers.CharField(required=False, allow_null=True, max_length=1024)
     cache_salt = serializers.CharField(required=False, allow_null=True, max_length=1024)
+    # OpenAI Predicted Outputs: the answer's expected text, drafted from (docs/speculation.md).
+    prediction = serializers.JSONField(required=False, allow_null=True)
+
+    def validate_prediction(self, value: Any) -> str | None:
+        return prediction_text(value)
 
     def validate_tools(self, value: Any) -> tool_inputs.ToolSet:
         return tool_inputs.tools_list(
@@ -157,6 +162,36 @@ class ChatCompletionInput(TextSamplingInput):
             raise serializers.ValidationError({"top_logprobs": "needs logprobs set to true."})
         attrs["logprobs"] = (attrs.get("top_logprobs") or 0) if attrs.get("logprobs") else None
         return attrs
+
+
+PREDICTION_SHAPE = (
+    'prediction must be {"type": "content", "content": TEXT}, where TEXT is a string or a list of '
+    '{"type": "text", "text": STRING} parts.'
+)
+
+
+def prediction_text(value: Any) -> str | None:
+    """The text of an OpenAI `prediction` (`{"type": "content", "content": ...}`), None for none.
+
+    Raises:
+        serializers.ValidationError: any other shape.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "content" or set(value) != {"type", "content"}:
+        raise serializers.ValidationError(PREDICTION_SHAPE)
+    content = value["content"]
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not all(
+        isinstance(part, dict)
+        and part.get("type") == "text"
+        and isinstance(part.get("text"), str)
+        and set(part) == {"type", "text"}
+        for part in content
+    ):
+        raise serializers.ValidationError(PREDICTION_SHAPE)
+    return "".join(part["text"] for part in content)
 
 
 def first_error(errors: Any, path: str = "") -> tuple[str, str]:

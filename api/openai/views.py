@@ -121,6 +121,7 @@ def _chat_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
         json_format=data.get("response_format"),
         effort=data.get("reasoning_effort"),
         key=caller.key,
+        prediction=data.get("prediction"),
     )
 
 

@@ -38,6 +38,9 @@ class EngineConfig:
     # A batch about to start waits at most this long for requests of the same burst that are
     # still loading or templating, so they are prefilled together (0 turns it off).
     burst_wait_s: float = 0.25
+    # Speculative decoding in the batch (docs/speculation.md): a batch drafts for the turns
+    # whose alias allows it (their own cap on k). False: batches never draft, whatever the alias.
+    speculation: bool = True
     # The most KV cache bytes one request may need (prompt + max_tokens); None: what the memory
     # budget, or the machine's RAM without one, leaves beside the model's weights.
     max_request_kv_bytes: int | None = None

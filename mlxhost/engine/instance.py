@@ -16,6 +16,7 @@ from mlxhost.engine.errors import ModelLoadError, WeightsChangedError
 from mlxhost.engine.lane import Lane
 from mlxhost.engine.limits import physical_memory_bytes
 from mlxhost.engine.sessions import SessionCache, tier_figures
+from mlxhost.engine.stats import speculation_figures
 from mlxhost.engine.weights import folder_fingerprint
 from mlxhost.engine.worker import CallJob, EmbedJob, GenerateJob, InstanceWorker, WriteJob
 
@@ -103,6 +104,7 @@ class Instance:
             batch_capacity=self.effective_capacity(spec),
             arrivals=lambda: self.lane.permits,
             burst_wait_s=config.burst_wait_s,
+            speculation=config.speculation,
             reload_after_faults=config.reload_after_faults,
             embed_wait_s=config.embed_wait_s,
         )
@@ -256,6 +258,14 @@ class Instance:
                 "inputs": stats.inputs_embedded,
                 "tokens": stats.tokens_embedded,
             },
+            # Speculative decoding (docs/speculation.md), over the batch's finished rows that
+            # could draft: tokens drafted, drafted tokens accepted, decode passes, tokens emitted.
+            "speculation": speculation_figures(
+                stats.drafted_tokens,
+                stats.accepted_tokens,
+                stats.speculation_passes,
+                stats.speculation_emitted,
+            ),
             "load_progress": {
                 "done": self.progress.done,
                 "total": self.progress.total,

@@ -44,6 +44,10 @@ class GenerateJob:
     owns_session: bool = False  # ...and whether the job took it out of the cache (SES-5)
     disk: tuple[DiskTier, DiskEntry] | None = None  # or a saved KV to load instead (the disk tier)
     done: Done | None = None  # the terminal event `post_done` made; `on_end`'s receiver posts it
+    # Speculation (docs/speculation.md): the most tokens a step may draft for it (0: none), and
+    # the client's predicted output as token ids (OpenAI Predicted Outputs), its draft source.
+    max_draft: int = 0
+    prediction_ids: tuple[int, ...] = ()
 
     def start_kv(self, model: LoadedModel) -> tuple[object | None, int]:
         """The cache this job starts from and how many prompt tokens it holds (worker thread).
@@ -126,6 +130,12 @@ class WorkerStats:
     embedding_passes: int = 0
     inputs_embedded: int = 0
     tokens_embedded: int = 0
+    # Speculative decoding (docs/speculation.md), summed over the batch's finished rows that
+    # could draft: tokens drafted, drafted tokens accepted, decode passes, tokens those emitted.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    speculation_passes: int = 0
+    speculation_emitted: int = 0
 
 
 @dataclass(slots=True)
@@ -146,8 +156,11 @@ def post_done(
     finish: str,
     count: int,
     stop_sequence: str | None = None,
+    prediction: tuple[int, int] = (0, 0),
 ) -> None:
     """Make the terminal `Done` with usage and timings (and the matched stop string), and count it.
+
+    `prediction` is (accepted, rejected) tokens of the job's prediction, for its usage.
 
     It goes out with `on_end`: the engine releases the lane slot, then posts it (`job.done`).
     """
@@ -169,7 +182,13 @@ def post_done(
         prefill_tps=(len(job.prompt_ids) - turn.cached) / prefill_s,
         decode_tps=decode_tps,
     )
-    usage = Usage(prompt_tokens=len(job.prompt_ids), completion_tokens=count, cached_tokens=turn.cached)
+    usage = Usage(
+        prompt_tokens=len(job.prompt_ids),
+        completion_tokens=count,
+        cached_tokens=turn.cached,
+        accepted_prediction_tokens=prediction[0],
+        rejected_prediction_tokens=prediction[1],
+    )
     # `finish` is one of the backend's StepEnd reasons or the worker's own, all FinishReasons.
     # Not posted here: the engine posts it after the job's slot is released (`job.done`), so a
     # client that sends its next request the moment it has this answer finds the slot free.

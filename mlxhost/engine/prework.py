@@ -35,6 +35,9 @@ class Prepared:
     sampling: SamplingParams
     disk: DiskEntry | None = None  # the parent's saved KV, checked, when memory no longer holds it
     reader: AnswerReader | None = None  # reads tool calls and reasoning out of the answer
+    # Speculation (docs/speculation.md): drafts per step allowed (0: none) and the prediction's ids.
+    max_draft: int = 0
+    prediction_ids: tuple[int, ...] = ()
 
 
 class Prework:
@@ -91,7 +94,22 @@ class Prework:
         )
         disk = await self.probe_disk(instance, request.session, prompt_ids)
         reader = prompts.reader_for(model, rendered, request.call_id_prefix)
-        return Prepared(prompt_ids, sampling, disk, reader)
+        max_draft = max(0, request.max_draft) if self.config.speculation else 0
+        prediction = await self.prediction_ids(model, request, sampling) if max_draft else ()
+        return Prepared(prompt_ids, sampling, disk, reader, max_draft, prediction)
+
+    async def prediction_ids(
+        self, model: LoadedModel, request: GenerationRequest, sampling: SamplingParams
+    ) -> tuple[int, ...]:
+        """The prediction's token ids, as the model's output would hold them (no special
+        tokens). An answer of `max_tokens` tokens covers at most `chars_per_token` characters
+        each, so text past twice that could never be followed in order and is not tokenized."""
+        text = request.prediction
+        if not text:
+            return ()
+        if model.chars_per_token:
+            text = text[: 2 * model.chars_per_token * sampling.max_tokens]
+        return tuple(await self.tokenizers.run(model.encode_output, text))
 
     async def check_answer(self, instance: Instance | None, request: GenerationRequest) -> None:
         """Compile `request`'s grammars on the loaded model, if there is one; see `Engine.check_answer`."""

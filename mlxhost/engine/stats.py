@@ -150,3 +150,18 @@ class EngineStats:
         if stats is None:
             stats = self._requests[key] = RequestStats()
         return stats
+
+
+def speculation_figures(
+    drafted: int, accepted: int, passes: int, emitted: int
+) -> dict[str, float | int | None]:
+    """Speculation counts as the snapshot shows them (docs/speculation.md), with the acceptance
+    rate (accepted / drafted) and tokens per decode pass (emitted / passes); None before any."""
+    return {
+        "drafted": drafted,
+        "accepted": accepted,
+        "passes": passes,
+        "emitted": emitted,
+        "acceptance": round(accepted / drafted, 4) if drafted else None,
+        "tokens_per_pass": round(emitted / passes, 3) if passes else None,
+    }

@@ -217,6 +217,7 @@ class Turn:
             loop.call_soon_threadsafe(self._job_ended, result, job.done, len(prompt_ids))
 
         job = GenerateJob(generation, prompt_ids, entered_at, on_end, prepared.sampling)
+        job.max_draft, job.prediction_ids = prepared.max_draft, prepared.prediction_ids
         if lease is not None:
             job.session_kv, job.session_tokens = lease.entry.kv, lease.entry.tokens
             job.reuse_tokens, job.owns_session = lease.reuse_tokens, lease.owned

@@ -185,6 +185,11 @@ class GenerationRequest:
     template_options: tuple[tuple[str, object], ...] = ()
     # Render without a generation prompt and continue the last (assistant) message.
     continue_final: bool = False
+    # Speculative decoding (docs/speculation.md): the most tokens one decode step may draft for
+    # this turn (the alias's cap; 0: never drafts), and the client's predicted output (OpenAI
+    # Predicted Outputs), the draft source while the answer follows it.
+    max_draft: int = 8
+    prediction: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +231,10 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    # With a prediction (OpenAI Predicted Outputs): its drafted tokens the model accepted, and
+    # the drafted ones it did not (docs/speculation.md); 0 without one.
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -50,6 +50,7 @@ class InstanceWorker:
         batch_capacity: int = 1,
         arrivals: Callable[[], int] = lambda: 0,
         burst_wait_s: float = 0.0,
+        speculation: bool = False,
         reload_after_faults: int = 3,
         embed_wait_s: float = 0.0,
     ) -> None:
@@ -65,7 +66,7 @@ class InstanceWorker:
         self._fifo = Fifo(clock, arrivals)
         # In the order they are offered the FIFO's head: a generation joins the batch when it can.
         self._schedulers: tuple[Scheduler, ...] = (
-            BatchedScheduler(self, clock, burst_wait_s),
+            BatchedScheduler(self, clock, burst_wait_s, speculation=speculation),
             EmbeddingScheduler(self, clock, embed_wait_s),
             ExclusiveScheduler(self, clock),
         )

@@ -111,6 +111,7 @@ def engine_config_from(
         housekeeping_interval_s=_float(env, "MLXHOST_HOUSEKEEPING_INTERVAL_S", base.housekeeping_interval_s),
         memory_budget_bytes=_limit(env, "MLXHOST_MEMORY_BUDGET_BYTES"),
         burst_wait_s=_float(env, "MLXHOST_BURST_WAIT_MS", base.burst_wait_s * 1000) / 1000,
+        speculation=_bool(env, "MLXHOST_SPECULATION", base.speculation),
         max_request_kv_bytes=_limit(env, "MLXHOST_MAX_REQUEST_KV_BYTES"),
         tokenize_threads=max(1, _int(env, "MLXHOST_TOKENIZE_THREADS", base.tokenize_threads)),
         idle_trim_s=_idle_trim(env, base.idle_trim_s),

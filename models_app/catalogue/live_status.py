@@ -172,6 +172,9 @@ class StatusBuilder:
             "load_progress": progress,
             "requests_finished": snap["requests_finished"],
             "stalled_s": snap["stalled_s"],
+            # Speculative decoding (docs/speculation.md): accepted / drafted, and tokens per pass.
+            "speculation_acceptance": (snap.get("speculation") or {}).get("acceptance"),
+            "tokens_per_pass": (snap.get("speculation") or {}).get("tokens_per_pass"),
         }
 
     def _rate(self, instance_id: int, tokens: int, now: float) -> float:

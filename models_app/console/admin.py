@@ -238,6 +238,7 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
         ),
         ("Limits", {"fields": ("max_output_tokens", "max_input_tokens")}),
         ("Chat template", {"fields": ("enable_thinking", "chat_template_kwargs")}),
+        ("Speculative decoding", {"fields": ("speculation", "speculation_max_k")}),
         ("History", {"fields": ("created_at", "updated_at")}),
     )
 

@@ -37,6 +37,7 @@ ALIAS_FORM_FIELDS = (
     "name", "description", "model", "enabled",
     *ALIAS_SAMPLING_FIELDS,
     "max_output_tokens", "max_input_tokens", "enable_thinking", "chat_template_kwargs",
+    "speculation", "speculation_max_k",
 )  # fmt: skip
 FOLDERS_FOUND_HELP = (
     "A folder relative to MODELS_ROOT, for a local source. Found there: the {count} folder(s) that look "
@@ -106,6 +107,8 @@ ALIAS_LABELS = {
     "max_input_tokens": "Input token limit",
     "enable_thinking": "Thinking",
     "chat_template_kwargs": "Chat template options",
+    "speculation": "Speculative decoding",
+    "speculation_max_k": "Most drafted tokens per step",
 }
 ALIAS_HELP = {
     "name": "A slug (letters, digits, - and _; up to 64), unique: clients put it in the request's model.",
@@ -126,6 +129,10 @@ ALIAS_HELP = {
     "thinking parameter. Models without thinking markers ignore it.",
     "chat_template_kwargs": "A JSON object of at most 16 keywords for the chat template, such as "
     '{"reasoning_effort": "low"}. Empty ({}): none.',
+    "speculation": "On (default): each decode step may draft tokens from the request's own prompt and "
+    "output, or from its prediction (OpenAI Predicted Outputs), and check them in one pass. Greedy and "
+    "seeded text stays the same; only the speed changes. Off: one token per step.",
+    "speculation_max_k": "1 to 16 (default 8): the most tokens drafted for one request in one step.",
 }
 
 

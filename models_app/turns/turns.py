@@ -77,6 +77,7 @@ class TurnRequest:
     effort: str | None = None  # the reasoning effort asked for, one of `specs.EFFORTS` (API-9)
     key: KeyIdentity | None = None  # the API key it counts against (None: a browser session)
     call_id_prefix: str = "call_"  # how the surface's provider starts tool call ids ("toolu_")
+    prediction: str | None = None  # the client's predicted output (OpenAI Predicted Outputs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +175,8 @@ def generation_request(
         template_options=specs.template_options_for(alias, thinking=turn.thinking, effort=turn.effort),
         continue_final=turn.continue_final,
         call_id_prefix=turn.call_id_prefix,
+        max_draft=alias.speculation_max_k if alias.speculation else 0,
+        prediction=turn.prediction,
     )
 
 

@@ -57,6 +57,14 @@
     return Number(value).toFixed(digits === undefined ? 1 : digits);
   }
 
+  // Speculative decoding (docs/speculation.md): the share of drafted tokens accepted and the
+  // tokens per decode pass, as a tooltip of the tokens/s cells; "" before any drafting.
+  function speculationTitle(view) {
+    if (!view || view.speculation_acceptance == null) return "";
+    return "speculation: " + Math.round(view.speculation_acceptance * 100) + "% of drafted tokens accepted, " +
+      formatNumber(view.tokens_per_pass, 2) + " tokens per pass";
+  }
+
   function socketUrl(path) {
     return (location.protocol === "https:" ? "wss://" : "ws://") + location.host + path;
   }
@@ -237,6 +245,7 @@
     ago: ago,
     formatBytes: formatBytes,
     formatNumber: formatNumber,
+    speculationTitle: speculationTitle,
     loadProgress: loadProgress,
     showState: showState,
     slug: slug,
@@ -412,7 +421,7 @@
       el("td", { className: "kind", "data-label": "Kind", text: view.kind || "chat" }),
       state,
       el("td", { className: "num lane", "data-label": "Active / queued / capacity", text: lane + (view.draining ? " (draining)" : "") }),
-      el("td", { className: "num tps", "data-label": "Tokens/s", text: formatNumber(view.tokens_per_s) }),
+      el("td", { className: "num tps", "data-label": "Tokens/s", title: speculationTitle(view), text: formatNumber(view.tokens_per_s) }),
       el("td", { className: "num ttft", "data-label": "TTFT (ms, incl. queue)" }, ttft),
       el("td", {
         className: "num warm",

@@ -7,7 +7,7 @@ import time
 import openai
 import pytest
 
-from tests.e2e.conftest import endless, holding_stream, instance_snapshot
+from tests.e2e.conftest import endless, holding_stream, instance_snapshot, set_lane
 from tests.support import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -49,6 +49,27 @@ def test_sdk_non_streaming_matches_streaming_under_greedy(client, tiny_alias):
     assert whole.choices[0].message.content == streamed
     assert whole.object == "chat.completion"
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+
+def test_sdk_prediction_is_accepted_and_reported_in_usage(
+    client, daphne_server, api_key, tiny_alias, tiny_eos_id
+):
+    """OpenAI Predicted Outputs through the SDK's own `prediction=` (docs/speculation.md): the
+    same greedy text, the prediction's tokens accepted, the counts in completion_tokens_details."""
+    set_lane(daphne_server, api_key, tiny_alias, concurrency=4, queue_depth=4)  # the batch drafts
+    kwargs = {"model": "tiny", "messages": HELLO, "max_tokens": 24, "logit_bias": {str(tiny_eos_id): -100}}
+    plain = client.chat.completions.create(**kwargs)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    assert plain.usage.completion_tokens_details.rejected_prediction_tokens == 0
+    predicted = client.chat.completions.create(prediction={"type": "content", "content": text}, **kwargs)
+    assert predicted.choices[0].message.content == text
+    details = predicted.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 0, details
+    assert details.accepted_prediction_tokens < predicted.usage.completion_tokens == 24
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(prediction={"type": "text", "content": text}, **kwargs)
+    assert bad.value.body["param"] == "prediction"
 
 
 def test_sdk_lists_models(client, tiny_alias):

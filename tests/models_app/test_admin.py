@@ -43,6 +43,8 @@ ALIAS_FORM = {
     "max_tokens": "256",
     "max_output_tokens": "1024",
     "max_input_tokens": "",
+    "speculation": "on",
+    "speculation_max_k": "8",
 }
 MODELS_URL = "/admin/models_app/model/"
 

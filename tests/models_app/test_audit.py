@@ -105,6 +105,8 @@ def test_an_admin_form_save_is_recorded_once(admin_client, tiny_alias, sent):
         "max_output_tokens": "1024",
         "max_input_tokens": "",
         "chat_template_kwargs": "{}",
+        "speculation": "on",
+        "speculation_max_k": "8",
     }
     response = admin_client.post(url, form)
     assert response.status_code == 302, response.content.decode()[:2000]

@@ -63,6 +63,16 @@ class BatchStep:
     logprob: TokenLogprob | None = None  # with `token_id`, when the request asked for logprobs
 
 
+class DraftCounts(Protocol):
+    """One row's speculation counts (docs/speculation.md): tokens drafted, drafted tokens
+    accepted, decode passes it took part in, and tokens those passes emitted for it."""
+
+    drafted: int
+    accepted: int
+    passes: int
+    emitted: int
+
+
 class BatchRunner(Protocol):
     """A continuous batch of sequences that share decode steps; driven by one worker thread.
 
@@ -77,19 +87,34 @@ class BatchRunner(Protocol):
         ...
 
     def insert(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        kv: object | None,
+        cached: int,
+        *,
+        prediction_ids: Sequence[int] | None = None,
+        max_draft: int | None = None,
     ) -> int:
         """Add a sequence and return its handle; it starts on the next `step()`.
 
         `kv` (None = a fresh cache) already holds exactly `prompt_ids[:cached]`; the rest of
-        the prompt is fed on top of it. The batch owns `kv` from now on.
+        the prompt is fed on top of it. The batch owns `kv` from now on. In a speculating batch
+        (`open_batch(..., speculation=True)`) the sequence drafts at most `max_draft` tokens a
+        step (0: never; None: the batch's own cap), from `prediction_ids` where given.
         """
+        ...
+
+    def speculation_stats(self, handle: int) -> DraftCounts | None:
+        """A sequence's speculation counts while it runs and until the step after the one that
+        ended it (or after `remove`); None when it never could draft."""
         ...
 
     def step(self) -> list[BatchStep]:
         """Run one decode step (plus a bounded slice of pending prompt processing).
 
-        Returns at most one `BatchStep` per sequence; sequences still in prefill may have none.
+        Returns one `BatchStep` per sequence, or several in order where a speculating step
+        accepted drafted tokens; sequences still in prefill may have none.
         """
         ...
 
@@ -163,6 +188,11 @@ class LoadedModel(Protocol):
         """Tokenize raw text (legacy completions)."""
         ...
 
+    def encode_output(self, text: str) -> list[int]:
+        """Tokenize text as the model's own output would hold it: no special tokens (a
+        prediction's drafts, OpenAI Predicted Outputs)."""
+        ...
+
     def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
     ) -> Iterator[TokenStep | StepEnd]:
@@ -201,8 +231,9 @@ class LoadedModel(Protocol):
 
     def memory_bytes(self) -> int: ...
 
-    def open_batch(self, capacity: int) -> BatchRunner | None:
-        """A batch of up to `capacity` sequences, or None when this model cannot batch.
+    def open_batch(self, capacity: int, *, speculation: bool = False) -> BatchRunner | None:
+        """A batch of up to `capacity` sequences, or None when this model cannot batch; with
+        `speculation` its sequences may draft tokens (docs/speculation.md).
 
         Optional: the worker treats a model without this method as single-stream. A model that
         has it may also define `can_batch() -> bool`, asked once per load: when false, the

@@ -9,7 +9,18 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mlxhost.engine.backends.base import BatchStep, ProgressCallback, SequenceCache, StepEnd, TokenStep
+from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
+
+# The batch, its caches and its pieces live in fake_batch.py; still imported from here.
+from mlxhost.engine.backends.fake_batch import BYTES_PER_TOKEN as BYTES_PER_TOKEN
+from mlxhost.engine.backends.fake_batch import DEFAULT_MAX_DRAFT as DEFAULT_MAX_DRAFT
+from mlxhost.engine.backends.fake_batch import DEFAULT_WORD as DEFAULT_WORD
+from mlxhost.engine.backends.fake_batch import FAULT as FAULT
+from mlxhost.engine.backends.fake_batch import GENERATED_ID_BASE as GENERATED_ID_BASE
+from mlxhost.engine.backends.fake_batch import FakeBatch as FakeBatch
+from mlxhost.engine.backends.fake_batch import FakeCache as FakeCache
+from mlxhost.engine.backends.fake_batch import FakeDraftCounts as FakeDraftCounts
+from mlxhost.engine.backends.fake_batch import _fake, fake_logprob
 
 # The embedding model lives in fake_embedding.py; its ids and vectors are still imported from here.
 from mlxhost.engine.backends.fake_embedding import EMBED_END as EMBED_END
@@ -17,7 +28,6 @@ from mlxhost.engine.backends.fake_embedding import EMBED_START as EMBED_START
 from mlxhost.engine.backends.fake_embedding import FakeEmbedder
 from mlxhost.engine.backends.fake_embedding import fake_vector as fake_vector
 from mlxhost.engine.errors import InvalidRequestError
-from mlxhost.engine.types import TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -25,26 +35,11 @@ if TYPE_CHECKING:
 
     from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, Tool
 
-DEFAULT_WORD = "tok "
-GENERATED_ID_BASE = 100_000  # generated ids never collide with prompt characters
-BYTES_PER_TOKEN = 64
-# A script piece that makes that step fail like a sequence's own sampler raising.
-FAULT = "\x00fault"
 # The fake's thinking and tool-call markers (models with `knows_tools`; thinking always).
 THINK = ("<think>", "</think>")
 TOOL_CALL = ("<tool_call>", "</tool_call>")
 # A JSON schema holding this key does not compile, as a schema a grammar engine refuses.
 UNCOMPILABLE = "x-fake-uncompilable"
-
-
-def fake_logprob(text: str, top: int | None) -> TokenLogprob | None:
-    """The fake's logprobs for a generated piece: -0.5 for it, then `top` lower alternatives."""
-    if top is None:
-        return None
-    alternatives = tuple(TopLogprob(f"alt{i}", tuple(f"alt{i}".encode()), -1.0 - i) for i in range(top))
-    return TokenLogprob(
-        text, tuple(text.encode()), -0.5, (TopLogprob(text, tuple(text.encode()), -0.5), *alternatives)[:top]
-    )
 
 
 class FakeSplitter:
@@ -89,19 +84,6 @@ class FakeSplitter:
     def parse_calls(self, text: str, tools: tuple[Tool, ...]) -> list[tuple[str, str]]:
         value = json.loads(text)
         return [(str(value["name"]), json.dumps(value["arguments"]))]
-
-
-def _fake(kv: object) -> FakeCache:
-    assert isinstance(kv, FakeCache)
-    return kv
-
-
-class FakeCache:
-    """The tokens a fake model has been fed; 64 bytes per token."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.disposed = False
 
 
 class FakeModel:
@@ -154,6 +136,9 @@ class FakeModel:
     def encode(self, text: str) -> list[int]:
         self._backend.encode_calls += 1
         return [ord(ch) for ch in text]
+
+    def encode_output(self, text: str) -> list[int]:
+        return self.encode(text)
 
     def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
@@ -228,102 +213,13 @@ class FakeModel:
         # One shared mutable cache cannot hold several sequences (SES-5).
         return not self.shared_cache and self._backend.batching
 
-    def open_batch(self, capacity: int) -> FakeBatch | None:
+    def open_batch(self, capacity: int, *, speculation: bool = False) -> FakeBatch | None:
         if not self.can_batch():
             return None
-        return FakeBatch(self._backend, self.spec.instance_id, capacity)
+        return FakeBatch(self._backend, self.spec.instance_id, capacity, speculation=speculation)
 
     def close(self) -> None:
         self.closed = True
-
-
-class _FakeSequence:
-    def __init__(self, cache: FakeCache, pieces: list[str] | None, max_tokens: int) -> None:
-        self.cache = cache
-        self.pieces = pieces
-        self.max_tokens = max_tokens
-        self.produced = 0
-        self.logprobs: int | None = None
-
-    @property
-    def at_end(self) -> bool:
-        # A finished script ends like a model emitting its end-of-sequence token: "stop".
-        return self.pieces is not None and self.produced >= len(self.pieces)
-
-
-class FakeBatch:
-    """The fake `BatchRunner`: every sequence follows its own script (taken in insert order).
-
-    One gate pass per step for the whole batch; a step where every sequence only ends
-    (its script is done) needs none, as the exclusive fake's final `StepEnd` needs none.
-    Like mlx-lm's BatchGenerator, each returned token is already in the sequence's cache.
-    """
-
-    def __init__(self, backend: FakeBackend, instance_id: int, capacity: int) -> None:
-        self._backend = backend
-        self._instance_id = instance_id
-        self.capacity = capacity
-        self.closed = False
-        self._sequences: dict[int, _FakeSequence] = {}
-        self._next_handle = 0
-        backend.batches.append(self)
-
-    def accepts(self, sampling: SamplingParams) -> bool:
-        return not self._backend.exclusive_seeds or sampling.seed is None
-
-    def insert(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
-    ) -> int:
-        backend = self._backend
-        cache = FakeCache() if kv is None else _fake(kv)
-        assert len(cache.tokens) == cached, "the cache must hold exactly the cached prefix"
-        fed = list(prompt_ids[cached:])
-        backend.history.append((self._instance_id, fed, sampling))
-        cache.tokens.extend(fed)
-        handle, self._next_handle = self._next_handle, self._next_handle + 1
-        script = backend.next_script(prompt_ids)
-        self._sequences[handle] = _FakeSequence(cache, script, sampling.max_tokens)
-        self._sequences[handle].logprobs = sampling.logprobs
-        return handle
-
-    def step(self) -> list[BatchStep]:
-        backend = self._backend
-        if not self._sequences:
-            return []
-        if not all(sequence.at_end for sequence in self._sequences.values()):
-            backend.wait_for_gate()
-        if backend.batch_step_failures:
-            backend.batch_step_failures -= 1
-            raise RuntimeError("fake batch step failure")
-        backend.batch_steps.append(len(self._sequences))
-        steps = []
-        for handle, sequence in list(self._sequences.items()):
-            if sequence.at_end:
-                steps.append(BatchStep(handle, "", None, "stop", self.remove(handle)))
-                continue
-            index = sequence.produced
-            if sequence.pieces is not None and sequence.pieces[index] == FAULT:
-                steps.append(BatchStep(handle, "", None, "error", self.remove(handle), failed=True))
-                continue
-            token = GENERATED_ID_BASE + index
-            sequence.cache.tokens.append(token)
-            sequence.produced += 1
-            backend.tokens_generated += 1
-            text = sequence.pieces[index] if sequence.pieces is not None else DEFAULT_WORD
-            logprob = fake_logprob(text, sequence.logprobs)
-            if sequence.produced >= sequence.max_tokens:
-                steps.append(BatchStep(handle, text, token, "length", self.remove(handle), logprob=logprob))
-            else:
-                steps.append(BatchStep(handle, text, token, logprob=logprob))
-        return steps
-
-    def remove(self, handle: int) -> SequenceCache:
-        cache = self._sequences.pop(handle).cache
-        return SequenceCache(cache, tuple(cache.tokens))
-
-    def close(self) -> None:
-        self.closed = True
-        self._sequences.clear()
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +249,10 @@ class FakeBackend:
     `tokenize_calls` tokenizing, and `before_render(messages)` runs inside templating and
     embedding tokenization (a test holds a request in preparation there). Models batch (`FakeBatch`)
     unless `batching` is false; `batch_steps` records the size of every batch step and
-    `batches` every batch opened. `generate_failures` makes the next exclusive generations
+    `batches` every batch opened. A batch opened with `speculation` drafts only from a
+    prediction (`_FakeSequence.accepted_drafts`: accepted while it equals the script's next
+    pieces), and its accepted pieces come out in the same step, as the mlx batch's do;
+    `predictions` records every insert's prediction ids. `generate_failures` makes the next exclusive generations
     raise, `batch_step_failures` the next batch steps (nobody to blame), and a script piece
     `FAULT` fails that one sequence (as its own sampler raising); `recoveries` counts
     `recover()` calls. `vocab_size` and `context_length` are what the
@@ -396,6 +295,7 @@ class FakeBackend:
         self.kv_bytes_per_token = 0  # unknown: no KV cost check, unless a test sets BYTES_PER_TOKEN
         self.batch_steps: list[int] = []
         self.batches: list[FakeBatch] = []
+        self.predictions: list[tuple[int, ...]] = []  # every batch insert's prediction ids
         self.knows_tools = False  # models render tools natively and mark calls with TOOL_CALL
         self.markers = False  # models mark thinking (THINK) and, with knows_tools, calls
         self.renders: list[tuple[list[Message], list[Tool], dict[str, object]]] = []

@@ -55,6 +55,7 @@ class Batch:
         self._stats = stats
         self._clock = clock
         self._sequences: dict[int, _Sequence] = {}
+        self._last_steps: dict[int, BatchStep] = {}  # this step's ending steps, by handle
 
     def __len__(self) -> int:
         return len(self._sequences)
@@ -80,7 +81,14 @@ class Batch:
         reuse = 0
         try:
             kv, reuse = job.start_kv(self.model)  # the cached prefix, as on the exclusive path
-            handle = self.runner.insert(job.prompt_ids, sampling, kv, reuse)
+            handle = self.runner.insert(
+                job.prompt_ids,
+                sampling,
+                kv,
+                reuse,
+                prediction_ids=job.prediction_ids or None,
+                max_draft=job.max_draft,
+            )
         except Exception:
             logger.exception("inserting generation %s into the batch failed", generation.request_id)
             self._fail(job)
@@ -105,8 +113,12 @@ class Batch:
         if self._sequences:
             steps = self.runner.step()
             now = self._clock()
+            # A speculating step may return several tokens of one sequence, the last one ending
+            # it; a text stop on an earlier one takes that last step's cache (already extracted).
+            self._last_steps = {step.handle: step for step in steps if step.finish_reason is not None}
             for step in steps:
                 self._advance(step, now)
+            self._last_steps = {}
         self._sync_stats()
 
     def fail_all(self) -> None:
@@ -126,6 +138,8 @@ class Batch:
         self._sync_stats()
 
     def _advance(self, step: BatchStep, now: float) -> None:
+        if step.handle not in self._sequences:
+            return  # a speculating step's tokens past a stop string that already ended it
         if step.failed:  # its own sampler or processors raised: it fails alone, the batch goes on
             sequence = self._sequences.pop(step.handle)
             if step.cache is not None:
@@ -154,7 +168,8 @@ class Batch:
             # next text, so the token ids add up to completion_tokens; as on the exclusive path.
             sequence.job.generation.post_threadsafe(self._delta(sequence, text))
         if stopped:  # a text stop string: the sequence leaves the batch now, cleanly ("stop")
-            cache = step.cache if step.finish_reason is not None else self.runner.remove(step.handle)
+            last = self._last_steps.get(step.handle, step)
+            cache = last.cache if last.finish_reason is not None else self.runner.remove(step.handle)
             self._end(step.handle, "stop", cache)
         elif step.finish_reason is not None:
             self._end(step.handle, step.finish_reason, step.cache, sequence.matcher.flush())
@@ -167,12 +182,30 @@ class Batch:
             if tail or sequence.unsent:
                 job.generation.post_threadsafe(self._delta(sequence, tail))
             matched = sequence.matcher.matched if finish == "stop" else None
-            post_done(job, sequence.turn, self._stats, self._clock(), finish, sequence.count, matched)
+            prediction = self._count_drafts(handle, job)
+            post_done(
+                job, sequence.turn, self._stats, self._clock(), finish, sequence.count, matched, prediction
+            )
             if cache is not None and self._holds_its_tokens(job, cache):
                 nbytes = self.model.cache_nbytes(cache.kv)
                 result = JobResult(finish, cache.kv, cache.tokens, nbytes, touched=True)
         finally:
             job.on_end(result)  # exactly once, whatever failed above: the lane slot must come back
+
+    def _count_drafts(self, handle: int, job: GenerateJob) -> tuple[int, int]:
+        """Add an ending sequence's speculation counts to the worker's; its prediction's
+        (accepted, rejected) tokens for its usage ((0, 0) without a prediction)."""
+        counts = self.runner.speculation_stats(handle)
+        if counts is None:
+            return 0, 0
+        stats = self._stats
+        stats.drafted_tokens += counts.drafted
+        stats.accepted_tokens += counts.accepted
+        stats.speculation_passes += counts.passes
+        stats.speculation_emitted += counts.emitted
+        if not job.prediction_ids:
+            return 0, 0
+        return counts.accepted, counts.drafted - counts.accepted
 
     def _holds_its_tokens(self, job: GenerateJob, cache: SequenceCache) -> bool:
         """Whether the batch's cache holds exactly the tokens it says (SES-1): a warm session
@@ -218,10 +251,13 @@ class BatchedScheduler(Scheduler):
     drained. Busy while the batch holds a sequence; each `step()` is one decode step of them all.
     """
 
-    def __init__(self, host: Host, clock: Callable[[], float], burst_wait_s: float) -> None:
+    def __init__(
+        self, host: Host, clock: Callable[[], float], burst_wait_s: float, *, speculation: bool = False
+    ) -> None:
         self._host = host
         self._clock = clock
         self.burst_wait_s = burst_wait_s
+        self.speculation = speculation  # batches draft for the jobs that allow it (docs/speculation.md)
         self._batch: Batch | None = None
         self._unbatchable: LoadedModel | None = None  # the model whose open_batch said no
 
@@ -308,7 +344,7 @@ class BatchedScheduler(Scheduler):
     def _open(self, model: LoadedModel, capacity: int) -> Batch | None:
         open_batch = getattr(model, "open_batch", None)  # optional in the backend protocol
         try:
-            runner = open_batch(capacity) if open_batch is not None else None
+            runner = open_batch(capacity, speculation=self.speculation) if open_batch is not None else None
         except Exception:
             logger.exception("opening a batch failed; serving one request at a time")
             runner = None

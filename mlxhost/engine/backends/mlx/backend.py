@@ -29,6 +29,7 @@ from mlxhost.engine.backends.mlx.batch import (
     with_context,
 )
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
+from mlxhost.engine.backends.mlx.drafting import SpeculationConfig
 from mlxhost.engine.backends.mlx.embedding import MlxEmbedder, load_embedder
 from mlxhost.engine.backends.mlx.grammar import (
     MlxSplitter,
@@ -114,6 +115,9 @@ class MlxModel:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text))
+
+    def encode_output(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def splitter(self, prompt_ids: Sequence[int]) -> MlxSplitter | None:
         return splitter_for(self._tokenizer, self._markers, prompt_ids)
@@ -214,11 +218,17 @@ class MlxModel:
             hasattr(layer, "merge") for layer in make_prompt_cache(self._model)
         )
 
-    def open_batch(self, capacity: int) -> MlxBatch | None:
+    def open_batch(self, capacity: int, *, speculation: bool = False) -> MlxBatch | None:
         """A `BatchGenerator` of `capacity` sequences; None when the cache cannot merge (no batching)."""
         if self._model is None or not self.can_batch():
             return None
-        return MlxBatch(self._model, self._tokenizer, capacity, vocabulary=self.vocabulary)
+        return MlxBatch(
+            self._model,
+            self._tokenizer,
+            capacity,
+            vocabulary=self.vocabulary,
+            speculation=SpeculationConfig() if speculation else None,
+        )
 
     def memory_bytes(self) -> int:
         return self._bytes

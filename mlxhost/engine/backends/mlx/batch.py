@@ -220,17 +220,19 @@ class MlxBatch:
         cached: int,
         *,
         prediction_ids: Sequence[int] | None = None,
+        max_draft: int | None = None,
     ) -> int:
         """Add a sequence; returns its handle. With speculation on, `prediction_ids` (the
         client's predicted output, OpenAI Predicted Outputs) is its draft source; without,
-        drafts come from its own prompt and output."""
+        drafts come from its own prompt and output. `max_draft` caps its drafts per step below
+        the batch's own cap (0: it never drafts; None: the batch's cap)."""
         suffix = len(prompt_ids) - cached
         # Fed alone while the batch decodes, within the per-step prefill budget (`prefill_step`
         # tokens between two steps, as a prefill chunk has): the running streams wait no longer.
         if self._decoding and suffix > 0 and self._fed_alone + suffix <= self._prefill_step:
             self._fed_alone += suffix
             handle = self._insert_started(prompt_ids, sampling, kv, cached)
-            self._plan(handle, prompt_ids, sampling, prediction_ids)
+            self._plan(handle, prompt_ids, sampling, prediction_ids, max_draft)
             return handle
         sampler_guard, sampler = self._sampler(sampling)
         guard = _Guard()
@@ -246,7 +248,7 @@ class MlxBatch:
         self._guards[uid] = (sampler_guard, guard)
         if sampling.logprobs is not None:
             self._top[int(uid)] = sampling.logprobs
-        self._plan(int(uid), prompt_ids, sampling, prediction_ids)
+        self._plan(int(uid), prompt_ids, sampling, prediction_ids, max_draft)
         return int(uid)
 
     def _plan(
@@ -255,13 +257,16 @@ class MlxBatch:
         prompt_ids: Sequence[int],
         sampling: SamplingParams,
         prediction: Sequence[int] | None,
+        max_draft: int | None = None,
     ) -> None:
         if self._speculative is None or handle < 0:
             return
         plan = RowPlan(
             prompt_length=len(prompt_ids),
             prediction=tuple(prediction) if prediction else None,
-            speculate=sampling.grammar is None,  # a grammar's matcher must not see rejected drafts
+            # a grammar's matcher must not see rejected drafts
+            speculate=sampling.grammar is None and max_draft != 0,
+            max_draft=max_draft,
             sequential=sampling.seed is not None and sampling.temperature != 0,  # its own key
         )
         self._speculative.register(handle, plan)

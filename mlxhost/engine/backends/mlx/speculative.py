@@ -68,12 +68,14 @@ if TYPE_CHECKING:
 class RowPlan:
     """What the batch knows of a row before it decodes: its prompt length (the rest of its
     cache tokens are output), an explicit prediction, whether it may draft at all (not under
-    a grammar), and whether its sampler draws from its own key (must be called in order)."""
+    a grammar), whether its sampler draws from its own key (must be called in order), and its
+    own cap on drafts per step."""
 
     prompt_length: int
     prediction: tuple[int, ...] | None = None
     speculate: bool = True
     sequential: bool = False
+    max_draft: int | None = None  # its own cap below the batch's (an alias's setting)
 
 
 class SpeculativeGenerationBatch(GenerationBatch):
@@ -147,6 +149,9 @@ class SpeculativeGenerationBatch(GenerationBatch):
         for r, drafter in enumerate(drafters):
             remaining = self.max_tokens[r] - self._num_tokens[r]
             limit = min(self.config.max_draft, remaining - 1)
+            cap = self.plans[self.uids[r]].max_draft if drafter is not None else None
+            if cap is not None:
+                limit = min(limit, cap)
             draft = drafter.draft(limit, pending[r]) if drafter is not None else []
             candidates.append(draft)
             acceptances.append(drafter.acceptance if drafter is not None else 0.0)
