@@ -5,7 +5,7 @@ from __future__ import annotations
 from mlxhost.engine.config import EngineConfig
 from mlxhost.engine.disk import remove_saved
 from mlxhost.engine.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
-from mlxhost.engine.engine import Engine, Permit, instance_id_of_name, is_internal_name
+from mlxhost.engine.engine import Engine, Permit
 from mlxhost.engine.errors import (
     OVERLOADED_CODES,
     DrainingError,
@@ -27,6 +27,7 @@ from mlxhost.engine.errors import (
     WrongModelKindError,
 )
 from mlxhost.engine.generation import Generation
+from mlxhost.engine.names import instance_id_of_name, is_internal_name
 from mlxhost.engine.retention import Retention
 from mlxhost.engine.sessions import SessionQuery, SessionScoper
 from mlxhost.engine.stats import Histogram, RequestStats

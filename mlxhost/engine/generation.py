@@ -125,6 +125,7 @@ class Generation:
         self._on_cancel: Callable[[], None] | None = None
         self.terminal: Done | Failed | None = None  # the terminal event, once posted
         self._end_listeners: list[Callable[[Done | Failed], None]] = []
+        self._ender: Callable[[Done | Failed], None] | None = None  # its turn's end (turn.Turn)
 
     @property
     def request_id(self) -> str:
@@ -145,13 +146,23 @@ class Generation:
         except Exception:  # a listener's bug must never stop the answer
             logger.exception("end listener %r failed", listener)
 
+    def end_through(self, ender: Callable[[Done | Failed], None] | None) -> None:
+        """Hand terminal events posted here to `ender` (the engine's `Turn`), which ends the turn
+        in order, then clears it and posts the event again (None: post terminal events as given)."""
+        self._ender = ender
+
     def post(self, event: Event) -> None:
-        """Loop side: hand one event to the reader; a Delta joins an unread Delta at the tail."""
-        if isinstance(event, Done | Failed) and self.terminal is None:
-            self.terminal = event
-            listeners, self._end_listeners = self._end_listeners, []
-            for listener in listeners:
-                self._notify(listener, event)
+        """Loop side: hand one event to the reader; a Delta joins an unread Delta at the tail.
+        A terminal event goes to the turn that owns this generation first, when one does."""
+        if isinstance(event, Done | Failed):
+            if self._ender is not None:
+                self._ender(event)
+                return
+            if self.terminal is None:
+                self.terminal = event
+                listeners, self._end_listeners = self._end_listeners, []
+                for listener in listeners:
+                    self._notify(listener, event)
         events = self._events
         if isinstance(event, Delta):
             if events and isinstance(events[-1], _DeltaRun):

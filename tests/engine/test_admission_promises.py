@@ -9,6 +9,7 @@ import pytest
 from mlxhost.engine import (
     Done,
     DrainingError,
+    Failed,
     LaneSettings,
     QueueFullError,
     RequestCancelledError,
@@ -123,3 +124,24 @@ async def test_the_slot_is_free_before_the_answer_is_posted(engine, backend, bat
     events = await asyncio.wait_for(collect(generation), 5)
     assert isinstance(events[-1], Done)
     assert active_at_done == [0]
+
+
+async def test_a_failed_answer_is_also_posted_after_the_slot_is_released(engine, backend):
+    """API-3 (issue 26): a worker's Failed waits for its job's end like a Done, so the turn's one
+    end frees the slot (and counts it) before the client hears it."""
+    backend.generate_failures = 1
+    model = spec(1, lane=LaneSettings(capacity=1, queue_depth=0))
+    await engine.load(model)
+    generation = await engine.submit(request("a", spec_=model, max_tokens=2))
+    active_at_end = []
+    real_post = generation.post
+
+    def post(event):
+        if isinstance(event, Failed) and generation.terminal is None:
+            active_at_end.append(lane_of(engine)["active"])
+        real_post(event)
+
+    generation.post = post
+    events = await asyncio.wait_for(collect(generation), 5)
+    assert isinstance(events[-1], Failed) and events[-1].code == "generation_failed"
+    assert active_at_end[-1] == 0
