@@ -185,7 +185,11 @@ class EditReport:
     def _setting_words(self) -> str:
         spec = self.speculation_setting
         if not spec.get("field"):
-            return "ModelAlias has no `speculation` field: mlxhost ran with the engine's default, no third system."
+            related = f" (fields named speculation…: {spec['fields']})" if spec.get("fields") else ""
+            return (
+                f"ModelAlias has no `speculation` field{related}: mlxhost ran with the engine's default, no third"
+                " system."
+            )
         if spec.get("off") is None:
             return f"`speculation` = {spec.get('on')!r} (no value found that turns it off: no third system)."
         return (
@@ -274,7 +278,9 @@ class EditReport:
             f"- decode tok/s: (a) {self.figure('predicted-plain', OURS):.1f}, (b) {self.figure('predicted', OURS):.1f};"
             f" (b) ÷ (a) {ratio:.2f} [per run: {', '.join(f'{r:.2f}' for r in ratios)}]",
             f"- `usage.completion_tokens_details`: accepted_prediction_tokens {accepted or 'not reported'},"
-            f" rejected_prediction_tokens {rejected or 'not reported'}; (b)'s text equals (a)'s in {same}/{len(pred)}"
+            f" rejected_prediction_tokens {rejected or 'not reported'}"
+            + ("" if accepted or rejected else " (the server may ignore `prediction`)")
+            + f"; (b)'s text equals (a)'s in {same}/{len(pred)}"
             + (f"; **failed**: {failed}" if failed else ""),
         ]
 

@@ -62,8 +62,9 @@ if field is not None and off is not None:
     services.alias_register(name={nospec!r}, local_path={folder!r}, source_kind='local', speculation=off,
                             **settings)
 on = ModelAlias.objects.get(name={alias!r})
-print('SPEC=' + json.dumps({{'field': field is not None, 'on': getattr(on, 'speculation', None), 'off': off}},
-                           default=str))
+related = sorted(f.name for f in ModelAlias._meta.get_fields() if f.name.startswith('specul'))
+print('SPEC=' + json.dumps({{'field': field is not None, 'on': getattr(on, 'speculation', None), 'off': off,
+                            'fields': related}}, default=str))
 print('KEY=' + services.apikey_create(owner=user, name='bench')[1])
 """
 
@@ -212,7 +213,9 @@ class Bench:
 
     def predicted(self, client: Client, tag: str, run: int) -> None:
         """The 1-user edit without a prediction, then again with its own answer as the prediction."""
+        before = client.speculation_counters()
         plain = client.wave([body(edit_messages(0, tag), self.args.edit_tokens, cache_salt=f"{tag}-a")])
+        plain.counters = _deltas(before, client.speculation_counters())
         self.report.add("predicted-plain", OURS, run, plain)
         if plain.failures:
             print(f"  run {run + 1} predicted: the plain request failed: {plain.errors}", flush=True)
