@@ -314,11 +314,13 @@ def _derived(total: dict[str, float], tokens: int) -> str:
         values = [v for name, v in total.items() if word in name.split("{")[0] and "rate" not in name]
         return sum(values) if values else None
 
-    drafted, accepted, passes = pick("drafted"), pick("accepted"), pick("passes")
+    drafted, accepted, passes, emitted = pick("drafted"), pick("accepted"), pick("passes"), pick("emitted")
     out = []
     if drafted and accepted is not None:
         out.append(f"acceptance {accepted / drafted:.2f}")
-    if passes:
+    if passes and emitted is not None:
+        out.append(f"{emitted / passes:.2f} tokens per pass")
+    elif passes:
         out.append(f"{tokens / passes:.2f} completion tokens per pass")
     return f" → {', '.join(out)}" if out else ""
 

@@ -133,6 +133,7 @@ class Client:
         """mlxhost's `mlxhost_speculation_*` samples from /metrics ({} for mlx_lm.server or none)."""
         if not self.headers:
             return {}
+        time.sleep(0.2)  # the counters take a request when it ends: let the last one land
         try:
             text = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=10).text
         except httpx.HTTPError:
