@@ -326,9 +326,12 @@ def _derived(total: dict[str, float], tokens: int) -> str:
 
 
 def _short(counters: dict[str, float]) -> str:
-    return ", ".join(
-        f"`{name.removeprefix('mlxhost_speculation_')}` {value:+g}" for name, value in counters.items()
-    )
+    """`drafted_tokens +68, accepted_tokens +22, …`: each counter summed over its labels (one model here)."""
+    summed: dict[str, float] = {}
+    for name, value in counters.items():
+        short = name.split("{")[0].removeprefix("mlxhost_speculation_").removesuffix("_total")
+        summed[short] = summed.get(short, 0.0) + value
+    return ", ".join(f"{name} {value:+g}" for name, value in summed.items())
 
 
 def _first_difference(a: str, b: str) -> str:
