@@ -14,7 +14,7 @@ CHROMIUM := /usr/bin/chromium
 DEB_PACKAGE := bash scripts/deb_package.sh
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: precommit typecheck fix run test test-celery test-chaos test-agents test-fleet fleet haproxy agent-clis ai-sdk install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean bench-embeddings
+.PHONY: precommit typecheck fix run test test-celery test-chaos test-agents test-fleet fleet haproxy agent-clis ai-sdk install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean bench-embeddings bench-edit
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
@@ -110,6 +110,13 @@ bench: install-dev openblas
 	$(PY) benchmarks/bench_concurrency.py $(BENCH_ARGS)
 	$(PY) benchmarks/bench_chat.py $(BENCH_CHAT_ARGS)
 	$(PY) benchmarks/bench_disk.py --write
+
+# The edit workload of issue 27 (a Python file back with one function renamed, 1 and 4 users),
+# Predicted Outputs and 8 stories at once, mlxhost vs mlx_lm.server; appends to benchmarks/RESULTS.md.
+# `make bench-edit BENCH_EDIT_ARGS=--quick` smoke-tests without writing.
+BENCH_EDIT_ARGS ?= --write
+bench-edit: install-dev openblas
+	$(PY) benchmarks/bench_edit.py $(BENCH_EDIT_ARGS)
 
 # Embedding throughput: batched (1, 8, 64 inputs per request, 8 concurrent requests) against one
 # input at a time, on all-MiniLM-L6-v2; appends to benchmarks/RESULTS.md (see benchmarks/README.md).

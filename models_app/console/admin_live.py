@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from django.contrib import admin
 from django.utils.html import format_html
 
-from models_app.console import live_state as states
+from models_app.console.live_state import AliasLiveState, alias_live_state, live_views, model_live_state
 from models_app.models import Model, ModelAlias
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ CANNOT_BATCH_NOTE = (
 )
 
 
-def live_state_html(live: states.AliasLiveState) -> SafeString:
+def live_state_html(live: AliasLiveState) -> SafeString:
     """The state badge, with a progress bar while loading and the reason of an error."""
     badge = format_html('<span class="mlxhost-state mlxhost-state-{}">{}</span>', live.state, live.label)
     if live.state == "loading":
@@ -51,7 +51,7 @@ def live_state_html(live: states.AliasLiveState) -> SafeString:
     return badge
 
 
-def live_load_text(live: states.AliasLiveState, *, short: bool = False) -> str:
+def live_load_text(live: AliasLiveState, *, short: bool = False) -> str:
     if not live.resident_counts:
         return DASH
     if short:
@@ -63,7 +63,7 @@ def live_load_text(live: states.AliasLiveState, *, short: bool = False) -> str:
     return text
 
 
-def last_action_html(live: states.AliasLiveState) -> SafeString | str:
+def last_action_html(live: AliasLiveState) -> SafeString | str:
     if not live.last_action:
         return DASH
     return format_html(
@@ -75,16 +75,16 @@ def live_state_of(
     obj: Model | ModelAlias,
     views: Mapping[int, Mapping[str, Any]] | None,
     actions: Mapping[str, Mapping[str, Any]],
-) -> states.AliasLiveState:
+) -> AliasLiveState:
     """The live state of a model, or of an alias (its model's, unless it is disabled)."""
     if isinstance(obj, Model):
-        return states.model_live_state(model=obj, views=views, actions=actions)
-    return states.alias_live_state(alias=obj, views=views, actions=actions)
+        return model_live_state(model=obj, views=views, actions=actions)
+    return alias_live_state(alias=obj, views=views, actions=actions)
 
 
 def live_context(obj: Model | ModelAlias) -> dict[str, Any]:
     """What a change page shows of `obj`'s live state (live_change_form.html), from a fresh read."""
-    live = live_state_of(obj, *states.live_views())
+    live = live_state_of(obj, *live_views())
     return {
         "live": live,
         "live_state_html": live_state_html(live),
@@ -97,10 +97,10 @@ class LiveColumns:
     """The changelist's live columns for one request: one status read per page, one state per row."""
 
     def __init__(self) -> None:
-        self.views, self.actions = states.live_views()
-        self._states: dict[tuple[str, int], states.AliasLiveState] = {}
+        self.views, self.actions = live_views()
+        self._states: dict[tuple[str, int], AliasLiveState] = {}
 
-    def state_of(self, obj: Model | ModelAlias) -> states.AliasLiveState:
+    def state_of(self, obj: Model | ModelAlias) -> AliasLiveState:
         key = (type(obj).__name__, obj.pk)
         if key not in self._states:
             self._states[key] = live_state_of(obj, self.views, self.actions)
