@@ -54,7 +54,8 @@ class Prework:
         Raises:
             ModelLoadError: it could not be loaded, or was unloaded again before this returned.
         """
-        await self.residency.ensure_loaded(instance)
+        if instance.state != "ready":  # the residency pass (the budget, evictions, the load)
+            await self.residency.ensure_loaded(instance)
         model = instance.model
         if model is None:  # unloaded between the load wait and now; the client may retry
             raise ModelLoadError(UNLOADED_MESSAGE)
