@@ -157,3 +157,4 @@ async def test_one_chat_request_crosses_few_files_and_no_engine_module_twice(
     for group in cycles:
         print("cycle:\n" + "\n".join(f"  {edge}" for edge in cycle_edges(recorder, group)))  # noqa: T201
     assert list(crossed)[-1].startswith(WORKER_FILES), crossed
+    assert cycles == [], [cycle_edges(recorder, group) for group in cycles]
