@@ -9,9 +9,9 @@ from asgiref.sync import sync_to_async
 
 from api.auth import api_endpoint, may_see_internals
 from mlxhost.runtime import engine_if_started
-from mlxhost.runtime.status import instance_status
 from mlxhost.wire import json_response
 from models_app.catalogue import control, selectors
+from models_app.catalogue.live_status import instance_status
 
 if TYPE_CHECKING:
     from django.http import HttpRequest, HttpResponse

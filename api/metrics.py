@@ -23,8 +23,8 @@ from prometheus_client.core import (
 
 from api.auth import api_endpoint, may_see_internals
 from api.errors import INVALID_KEY_MESSAGE, ApiError
-from mlxhost.runtime import engine_if_started
-from models_app.persistence.persistence import persistence_if_started
+from mlxhost.runtime import PROCESS, engine_if_started
+from models_app.persistence.persistence import PERSISTENCE
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -65,7 +65,7 @@ async def metrics(request: HttpRequest) -> HttpResponse:
     if not settings.MLXHOST_METRICS_PUBLIC and not await may_see_internals(request):
         raise ApiError(401, INVALID_KEY_MESSAGE, "authentication_error", "invalid_api_key")
     return HttpResponse(
-        render(engine_if_started(), persistence_if_started()), content_type=CONTENT_TYPE_LATEST
+        render(engine_if_started(), PROCESS.peek(PERSISTENCE)), content_type=CONTENT_TYPE_LATEST
     )
 
 

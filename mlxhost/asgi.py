@@ -16,8 +16,8 @@ from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from api.routing import websocket_urlpatterns  # noqa: E402
+from mlxhost import composition  # noqa: E402
 from mlxhost.daphne_options import configure_daphne_websockets, configure_status_phrases  # noqa: E402
-from mlxhost.runtime import control, persistence, status, usage  # noqa: E402, F401  (they register their hooks)
 from mlxhost.runtime.lifecycle import ServeThroughShutdown, schedule_engine_start  # noqa: E402
 
 # Daphne serves no static files itself; the admin's CSS and the dashboard's JS come from here.
@@ -35,5 +35,7 @@ configure_daphne_websockets(max_frame_bytes=settings.MLXHOST_WS_MAX_FRAME_BYTES)
 configure_status_phrases()  # 529's status line reads "Overloaded", not "Unknown Status"
 
 # Daphne installs its asyncio reactor before importing this module, so the engine starts on
-# the server's own loop as soon as it runs (pinned aliases load; /readyz reports progress).
+# the server's own loop as soon as it runs (pinned aliases load; /readyz reports progress), with
+# every hook of the one list in `mlxhost.composition`.
+composition.install()
 schedule_engine_start()

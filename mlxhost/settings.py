@@ -219,7 +219,7 @@ REST_FRAMEWORK: dict[str, object] = {
 }
 # Chat's `reasoning_effort`, Responses' `reasoning.effort` and Messages' `output_config.effort`
 # take one set of values: one schema component.
-SPECTACULAR_SETTINGS = {"ENUM_NAME_OVERRIDES": {"EffortEnum": "models_app.catalogue.selectors.EFFORTS"}}
+SPECTACULAR_SETTINGS = {"ENUM_NAME_OVERRIDES": {"EffortEnum": "models_app.catalogue.specs.EFFORTS"}}
 
 # Local model folders must live under this root; a request's `model` is never a path.
 MODELS_ROOT = Path(env.str("MODELS_ROOT", default=str(VAR_DIR / "models"))).resolve()

@@ -45,17 +45,17 @@ def fresh_usage():
 
     from models_app.accounting import limits, usage
 
-    usage.set_recorder(None)
+    runtime.PROCESS.put(usage.RECORDER, None)
     limiter = None
     if settings.REDIS_URL:
         prefix = f"{settings.MLXHOST_LIMITS_PREFIX}:{uuid.uuid4().hex[:8]}"
         limiter = limits.RedisLimiter(settings.REDIS_URL, prefix=prefix)
-    limits.set_limiter(limiter)
+    runtime.PROCESS.put(limits.LIMITER, limiter)
     yield
-    if (recorder := usage.recorder_if_started()) is not None:
+    if (recorder := runtime.PROCESS.peek(usage.RECORDER)) is not None:
         recorder.close()
-    usage.set_recorder(None)
-    limits.set_limiter(None)
+    runtime.PROCESS.put(usage.RECORDER, None)
+    runtime.PROCESS.put(limits.LIMITER, None)
     if limiter is not None:
         redis_keys_delete(settings.REDIS_URL, f"{limiter.prefix}:*")
         limiter.close()
@@ -172,9 +172,9 @@ def tiny_alias(tiny_model_dir):
 async def mlx_engine():
     """A fresh engine on this test's event loop, installed as the process engine."""
     engine = Engine(EngineConfig(backend="mlx"))
-    runtime.set_engine(engine)
+    runtime.PROCESS.put(runtime.ENGINE, engine)
     yield engine
-    runtime.set_engine(None)
+    runtime.PROCESS.put(runtime.ENGINE, None)
     await engine.shutdown()
     await settle_persistence()
 
@@ -182,13 +182,13 @@ async def mlx_engine():
 async def settle_persistence() -> None:
     """Let this test's stored responses land before the database is flushed (PostgreSQL deadlocks
     when a TRUNCATE meets an in-flight insert), then drop the process's persistence state."""
-    from models_app.persistence.persistence import persistence_if_started, set_persistence
+    from models_app.persistence.persistence import PERSISTENCE
 
-    store = persistence_if_started()
+    store = runtime.PROCESS.peek(PERSISTENCE)
     if store is not None:
         await store.wait_idle(timeout_s=15)
         store.close()
-        set_persistence(None)
+        runtime.PROCESS.put(PERSISTENCE, None)
 
 
 @pytest.fixture

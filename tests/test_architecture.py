@@ -277,13 +277,51 @@ def test_models_app_never_imports_the_api(graph: Graph) -> None:
 
 
 def test_runtime_never_imports_the_api(graph: Graph) -> None:
-    """The runtime serves the API layer, not the other way round: api registers its own hooks
-    (socket shutdown) and gets the engine from `mlxhost.runtime.get_engine()`."""
+    """The runtime serves the API layer, not the other way round: the composition root lists api's
+    hooks (socket shutdown), and api gets the engine from `mlxhost.runtime.get_engine()`."""
     bad = [
         f"{item.source}:{item.line} imports {item.target}"
         for item in graph.imports
         if item.source.startswith("mlxhost.runtime") and item.target.split(".")[0] == "api"
     ]
+    assert not bad, "\n".join(bad)
+
+
+# The layers, lowest first: each may import the ones before it and never one after it, counting
+# TYPE_CHECKING and function-local imports too (issue 26, docs/architecture.md "One direction").
+LAYERS = ("mlxhost.engine", "mlxhost.runtime", "models_app", "api")
+# Above every layer: it lists the hooks of all of them, so nothing in a layer may import it.
+COMPOSITION_ROOT = ("mlxhost.composition", "mlxhost.asgi")
+
+
+def _in(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def _layer_of(module: str) -> int | None:
+    return next((rank for rank, package in enumerate(LAYERS) if _in(module, package)), None)
+
+
+def upward_imports(graph: Graph) -> list[str]:
+    """Every import from a layer to one above it, or into the composition root."""
+    bad = []
+    for item in graph.imports:
+        source, target = _layer_of(item.source), _layer_of(item.target)
+        if source is None:
+            continue
+        if (target is not None and target > source) or any(
+            _in(item.target, root) for root in COMPOSITION_ROOT
+        ):
+            bad.append(f"{item.source}:{item.line} imports {item.target} ({item.kind})")
+    return bad
+
+
+def test_the_layers_import_in_one_direction_only(graph: Graph) -> None:
+    """Issue 26: api -> models_app -> mlxhost.runtime -> mlxhost.engine, never back. The runtime
+    (settings, the one engine, the lifecycle) knows nothing of the database; the use cases that join
+    the engine to it (reconcile, the status publisher, the write-behind flush, on-demand binding) live
+    in models_app, and `mlxhost.composition` lists their hooks."""
+    bad = upward_imports(graph)
     assert not bad, "\n".join(bad)
 
 
@@ -345,3 +383,28 @@ def test_relative_and_package_imports_resolve(tmp_path: Path) -> None:
     assert edges["pkg.sub"] == {"pkg.other"}
     assert edges["pkg.other"] == {"pkg.sub"}
     assert find_cycles(edges) == [["pkg.other", "pkg.sub", "pkg.other"]]
+
+
+def test_an_upward_import_is_reported_whatever_its_kind(tmp_path: Path) -> None:
+    root = tmp_path
+    for name, text in {
+        "mlxhost/__init__.py": "",
+        "mlxhost/engine/__init__.py": "",
+        "mlxhost/runtime/__init__.py": "from mlxhost import engine\n",
+        "mlxhost/composition.py": "import api.views\n",
+        "models_app/__init__.py": "",
+        "models_app/turns.py": (
+            "from typing import TYPE_CHECKING\nfrom mlxhost import runtime\n"
+            "if TYPE_CHECKING:\n    from api import views\n"
+        ),
+        "api/__init__.py": "",
+        "api/views.py": "def f():\n    from mlxhost.composition import HOOKS\n",
+        "mlxhost/engine/worker.py": "def f():\n    from models_app import turns\n",
+    }.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert sorted(upward_imports(build_graph(root))) == [
+        "api.views:2 imports mlxhost.composition (local)",
+        "mlxhost.engine.worker:2 imports models_app.turns (local)",
+        "models_app.turns:4 imports api.views (type_checking)",
+    ]

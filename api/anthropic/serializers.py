@@ -12,7 +12,7 @@ from api.fields import JsonInput
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, optional_float, stop_list_field
 from mlxhost.engine import Message, Tool, ToolCall, ToolChoice
-from models_app.catalogue.selectors import EFFORTS
+from models_app.catalogue.specs import EFFORTS
 
 MAX_STOP_SEQUENCES = 16
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for `thinking.budget_tokens`

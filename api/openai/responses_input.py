@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from rest_framework import serializers
@@ -9,10 +10,12 @@ from rest_framework import serializers
 from api import tools as tool_inputs
 from api.fields import JsonInput, MetadataField
 from api.openai.serializers import StrictBooleanField
-from api.sampling import SamplingInput, max_tokens_field
-from models_app.catalogue.selectors import EFFORTS
+from api.sampling import SamplingInput, max_tokens_field, sampling_overrides
+from mlxhost.engine import ToolChoice
+from models_app.catalogue.specs import EFFORTS
 from models_app.turns.conversations import namespaced_name
 from models_app.turns.item_references import reference_turn
+from models_app.turns.response_request import ResponseRequest
 
 if TYPE_CHECKING:
     from mlxhost.engine import Tool
@@ -245,3 +248,29 @@ class ResponsesInput(SamplingInput):
         attrs["include"] = attrs.get("include") or []
         attrs["echo"] = {name: self.initial_data.get(name) for name in ECHOED}
         return attrs
+
+
+def response_request(data: dict[str, Any]) -> ResponseRequest:
+    """The Responses use case's input from a body `ResponsesInput` validated."""
+    tools: tool_inputs.ToolSet | None = data.get("tools")
+    choice: ToolChoice = data.get("tool_choice") or ToolChoice()
+    return ResponseRequest(
+        model=data["model"],
+        turns=tuple(data["turns"]),
+        sampling=sampling_overrides(data),
+        instructions=data.get("instructions"),
+        previous_response_id=data.get("previous_response_id"),
+        store=data["store"],
+        metadata=data.get("metadata") or {},
+        max_output_tokens=data.get("max_tokens"),
+        temperature=data.get("temperature"),
+        top_p=data.get("top_p"),
+        retention_s=data.get("retention_s"),
+        cache_salt=data.get("cache_salt"),
+        prompt_cache_key=data.get("prompt_cache_key"),
+        effort=(data.get("reasoning") or {}).get("effort"),
+        tools=tools.tools if tools else (),
+        namespaced=tools.namespaced if tools else {},
+        tool_choice=replace(choice, single=data.get("parallel_tool_calls") is False),
+        json_format=data.get("json_format"),
+    )

@@ -9,9 +9,8 @@ from asgiref.sync import sync_to_async
 from api.auth import api_endpoint, caller_of
 from api.openai.input_items import input_items, input_items_page
 from api.openai.responses import ResponseTurn, response_collect, response_shape, response_sse
-from api.openai.responses_input import ENGINE_NAMES, ResponsesInput
+from api.openai.responses_input import ENGINE_NAMES, ResponsesInput, response_request
 from api.openai.views import body_for_turn, sse_response, validated
-from api.sampling import sampling_overrides
 from api.tools import ToolSet
 from mlxhost.engine import Usage
 from mlxhost.wire import json_response
@@ -30,7 +29,7 @@ async def responses_create(request: HttpRequest) -> HttpResponseBase:
     """POST /v1/responses (OpenAI-compatible; continues a stored chain by `previous_response_id`)."""
     data = validated(ResponsesInput, await body_for_turn(request))
     caller = caller_of(request)
-    started = await response_start(data, caller.owner_id, sampling_overrides(data), key=caller.key)
+    started = await response_start(response_request(data), caller.owner_id, key=caller.key)
     response = response_shape(data, started)
     tools = data.get("tools") or ToolSet()
     if data["stream"]:

@@ -11,7 +11,7 @@ from api import tools as tool_inputs
 from api.fields import JsonInput, MetadataField
 from api.sampling import MAX_STOP_SEQUENCES, SamplingInput
 from mlxhost.engine import Message, ToolCall
-from models_app.catalogue.selectors import EFFORTS
+from models_app.catalogue.specs import EFFORTS
 
 ROLE_ALIASES = {"developer": "system"}
 UNSUPPORTED_OPTIONS = {

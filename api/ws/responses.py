@@ -16,10 +16,9 @@ from django.conf import settings
 from api.auth import Caller, authenticate_raw, in_wire_names, presented_key
 from api.errors import ApiError, as_api_error, error_body
 from api.openai.responses import response_events, response_shape
-from api.openai.responses_input import ENGINE_NAMES, ResponsesInput
+from api.openai.responses_input import ENGINE_NAMES, ResponsesInput, response_request
 from api.openai.views import validated
 from api.parsing import loads_object
-from api.sampling import sampling_overrides
 from api.ws import CLOSE_FORBIDDEN, CLOSE_TOO_BIG, CLOSE_UNAUTHENTICATED
 from api.ws.auth import headers_of, origin_allowed, session_user
 from api.ws.tracking import TrackedConsumer
@@ -181,9 +180,8 @@ class ResponsesConsumer(TrackedConsumer):
         assert self.caller is not None, "turns start only after auth"
         try:
             started = await response_start(
-                data,
+                response_request(data),
                 self.caller.owner_id,
-                sampling_overrides(data),
                 key=self.caller.key,
                 response_id=response_id,
                 on_queued=on_queued,

@@ -2,7 +2,7 @@
 
 Every accepted socket is held here until it disconnects; as shutdown begins they are pinned, and
 after the drain and the flush each one is closed with 1001 and its ASGI task ended. The two
-shutdown hooks are registered with `mlxhost.runtime.lifecycle` when this module is imported.
+shutdown hooks (`pin_open_sockets`, `close_sockets_at_stop`) are in `mlxhost.composition.HOOKS`.
 """
 
 from __future__ import annotations
@@ -76,11 +76,7 @@ async def close_open_sockets(timeout: float) -> int:
     return len(sockets)
 
 
-async def _close_sockets_at_stop() -> None:
+async def close_sockets_at_stop() -> None:
+    """The stop hook: close every open socket after the drain and the flush (OPS-5)."""
     if closed := await close_open_sockets(lifecycle.STOP_GRACE_S):
         logger.info("closed %d open WebSocket(s)", closed)
-
-
-# Shutdown (OPS-5): hold the sockets as it begins, close them after the drain and the flush.
-lifecycle.on_shutdown_begin(pin_open_sockets)
-lifecycle.on_stop(_close_sockets_at_stop, stage=lifecycle.StopStage.CLOSE)

@@ -16,16 +16,30 @@ uses `save_prompt_cache` / `load_prompt_cache`).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
-import secrets
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+# What a request may reuse, fingerprinted per tenant (SES-3): in scoping.py, still imported from here.
+from mlxhost.engine.scoping import SessionQuery, SessionScoper
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+
+__all__ = [
+    "Outcome",
+    "SessionCache",
+    "SessionEntry",
+    "SessionLease",
+    "SessionQuery",
+    "SessionScoper",
+    "SessionStats",
+    "Tier",
+    "TierStats",
+    "reusable_prefix",
+    "tier_figures",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -36,54 +50,6 @@ Outcome = Literal["hit", "partial", "disk", "cold_replay", "fresh"]
 Tier = Literal["response_id", "cache_key", "warm_any", "prefix"]
 
 _PREFIX_CHUNK = 256  # tuple slices compare in C; only the mismatching chunk is walked in Python
-
-
-@dataclass(frozen=True, slots=True)
-class SessionQuery:
-    """What a request may reuse; every field except the ids is a fingerprint, never a raw value."""
-
-    domain: str  # fingerprint of (tenant, cache salt): the cache domain
-    instructions: str  # fingerprint of the instructions / system prompt
-    previous_response_id: str | None = None  # tier 1
-    cache_key: str | None = None  # tier 2: tenant-scoped fingerprint of prompt_cache_key
-    warm_any: bool = False  # tier 3 (Anthropic messages): any warm slot of the instance
-
-
-class SessionScoper:
-    """Fingerprints under a per-boot secret; raw keys and salts never leave this object."""
-
-    __slots__ = ("_secret",)
-
-    def __init__(self, secret: bytes | None = None) -> None:
-        self._secret = secret if secret is not None else secrets.token_bytes(32)
-
-    def __repr__(self) -> str:
-        return "SessionScoper(<secret>)"
-
-    def query(
-        self,
-        *,
-        tenant: str,
-        salt: str | None = None,
-        instructions: str = "",
-        previous_response_id: str | None = None,
-        prompt_cache_key: str | None = None,
-        warm_any: bool = False,
-    ) -> SessionQuery:
-        """Build a `SessionQuery` bound to `tenant` (SES-3): another tenant gets other fingerprints."""
-        salt = salt or ""
-        key = None if prompt_cache_key is None else self._mac("key", tenant, salt, prompt_cache_key)
-        return SessionQuery(
-            domain=self._mac("domain", tenant, salt),
-            instructions=self._mac("instr", instructions),
-            previous_response_id=previous_response_id,
-            cache_key=key,
-            warm_any=warm_any,
-        )
-
-    def _mac(self, *parts: str) -> str:
-        message = "\0".join(parts).encode()
-        return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
 
 @dataclass(slots=True)

@@ -1,10 +1,13 @@
-"""This process's engine and its lifecycle: built lazily, started and stopped with registered hooks.
+"""This process's engine and its lifecycle: one `Process` that holds what exists once per process
+and runs the start and stop hooks it was given.
 
-The lifecycle knows nothing of what runs beside the engine. Each part registers itself:
-`mlxhost.runtime.persistence` (write-behind store), `mlxhost.runtime.usage` (usage tallies),
-`mlxhost.runtime.control` (reconcile, the control listener), `mlxhost.runtime.status` (the
-status publisher), and `api.ws.tracking` (socket shutdown). Start hooks run in registration order once the server's loop runs; stop hooks run
-after the drain, by stage and then in registration order (OPS-5).
+The lifecycle knows nothing of what runs beside the engine. The composition root
+(`mlxhost.composition.HOOKS`) lists every hook in one place and installs them: the write-behind
+store, control (reconcile, the listener), the status publisher, the usage flush and the sockets'
+close. Start hooks run in their listed order once the server's loop runs; stop hooks run after
+the drain, by stage and then in listed order (OPS-5). The process-wide objects (the engine, the
+write-behind store, the usage recorder, the limiter, the admin actions) are `Shared` slots held
+by `PROCESS`: built on first use, swapped by tests with `PROCESS.put`.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import logging
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from django.conf import settings
 
@@ -27,6 +31,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 # Identifies this process's lifetime on every stored response (REG-4).
 BOOT_ID = uuid.uuid4().hex
 
@@ -35,6 +41,7 @@ BOOT_ID = uuid.uuid4().hex
 STOP_GRACE_S = 5.0
 
 StartHook = Callable[[Engine], None]
+ShutdownHook = Callable[[], None]
 StopHook = Callable[[], Awaitable[None]]
 
 
@@ -45,12 +52,68 @@ class StopStage(IntEnum):
     CLOSE = 2  # then close what clients still hold open (WebSockets)
 
 
-_engine: Engine | None = None
-_start_hooks: list[StartHook] = []
-_shutdown_hooks: list[Callable[[], None]] = []
-_stop_hooks: list[tuple[StopStage, StopHook]] = []
-_start_tasks: set[asyncio.Task[Any]] = set()
-_stop_task: asyncio.Task[None] | None = None
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What runs beside the engine: `start` hooks get the engine once the server's loop runs and
+    start background work with `spawn`; `shutdown_begin` hooks run the moment shutdown begins,
+    before the server cancels its connections; `stop` hooks are awaited after the drain, by stage."""
+
+    start: tuple[StartHook, ...] = ()
+    shutdown_begin: tuple[ShutdownHook, ...] = ()
+    stop: tuple[tuple[StopStage, StopHook], ...] = ()
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Shared(Generic[T]):
+    """One object the whole process shares, held by `PROCESS` and built by `build` on first use
+    (None: nothing builds it; its owner puts it)."""
+
+    name: str
+    build: Callable[[], T] | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Process:
+    """This serving process: its shared objects, its installed hooks and its background tasks."""
+
+    shared: dict[Shared[Any], Any] = field(default_factory=dict)
+    hooks: Hooks = field(default_factory=Hooks)
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    stop_task: asyncio.Task[None] | None = None
+
+    def get(self, slot: Shared[T]) -> T:
+        """`slot`'s object, built now if nothing has built or put one yet."""
+        if (value := self.peek(slot)) is None:
+            if slot.build is None:
+                raise LookupError(f"nothing has put the process's {slot.name}")
+            value = self.shared[slot] = slot.build()
+        return value
+
+    def peek(self, slot: Shared[T]) -> T | None:
+        """`slot`'s object if something built it; probes and metrics use this so they build nothing."""
+        return cast("T | None", self.shared.get(slot))
+
+    def put(self, slot: Shared[T], value: T | None) -> None:
+        """Swap `slot`'s object (None: the next `get` builds a fresh one)."""
+        if value is None:
+            self.shared.pop(slot, None)
+        else:
+            self.shared[slot] = value
+
+    def install(self, hooks: Hooks) -> None:
+        """Add `hooks` after those installed already (the composition root installs one list)."""
+        self.hooks = Hooks(
+            start=(*self.hooks.start, *hooks.start),
+            shutdown_begin=(*self.hooks.shutdown_begin, *hooks.shutdown_begin),
+            stop=(*self.hooks.stop, *hooks.stop),
+        )
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task[Any]:
+        """Run `coro` in the background until it ends or the engine stops (which cancels it)."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self.tasks.add(task)  # keep a reference until done, or the task may be collected
+        task.add_done_callback(self.tasks.discard)
+        return task
 
 
 # The engine ---------------------------------------------------------------------------------------
@@ -62,60 +125,35 @@ def runtime_settings() -> RuntimeSettings:
     return value
 
 
+def _build_engine() -> Engine:
+    config = runtime_settings()
+    if not config.run_engine:
+        raise EngineClosedError("This process does not serve models (MLXHOST_RUN_ENGINE=false).")
+    return Engine(config.engine)
+
+
+# Tests put one with a fake backend or a fresh loop.
+ENGINE: Shared[Engine] = Shared("engine", _build_engine)
+PROCESS = Process()
+
+
 def get_engine() -> Engine:
     """This process's engine, built on first use (never in AppConfig.ready, which runs for migrate too).
 
     Raises:
         EngineClosedError: this process serves no models (`MLXHOST_RUN_ENGINE=false`).
     """
-    global _engine
-    if _engine is None:
-        config = runtime_settings()
-        if not config.run_engine:
-            raise EngineClosedError("This process does not serve models (MLXHOST_RUN_ENGINE=false).")
-        _engine = Engine(config.engine)
-    return _engine
+    return PROCESS.get(ENGINE)
 
 
 def engine_if_started() -> Engine | None:
     """The engine if something already built it; probes use this so they never load models."""
-    return _engine
-
-
-def set_engine(engine: Engine | None) -> None:
-    """Swap the process engine (tests install one with a fake backend or a fresh loop)."""
-    global _engine
-    _engine = engine
-
-
-# Hooks --------------------------------------------------------------------------------------------
-
-
-def on_start(hook: StartHook) -> StartHook:
-    """Run `hook(engine)` when the engine starts, on the server's loop; it starts background work
-    with `spawn` and returns at once. Usable as a decorator."""
-    _start_hooks.append(hook)
-    return hook
-
-
-def on_shutdown_begin(hook: Callable[[], None]) -> Callable[[], None]:
-    """Run `hook()` the moment shutdown begins, before the server cancels its connections."""
-    _shutdown_hooks.append(hook)
-    return hook
-
-
-def on_stop(hook: StopHook, *, stage: StopStage) -> StopHook:
-    """Await `hook()` after the engine has drained, in `stage` (OPS-5); a failing hook is logged."""
-    _stop_hooks.append((stage, hook))
-    return hook
+    return PROCESS.peek(ENGINE)
 
 
 def spawn(coro: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task[Any]:
-    """Run `coro` in the background until it ends or the engine stops (which cancels it)."""
-    task = asyncio.get_running_loop().create_task(coro, name=name)
-    _start_tasks.add(task)  # keep a reference until done, or the task may be collected
-    task.add_done_callback(_start_tasks.discard)
-    return task
+    """Run `coro` in the background on `PROCESS` until it ends or the engine stops."""
+    return PROCESS.spawn(coro, name=name)
 
 
 # Start and stop -----------------------------------------------------------------------------------
@@ -125,7 +163,7 @@ async def engine_start() -> None:
     """Build the engine, start its housekeeping, then run every start hook in order (ADM-3)."""
     engine = get_engine()
     spawn(engine.housekeeping(), name="engine-housekeeping")
-    for hook in list(_start_hooks):
+    for hook in PROCESS.hooks.start:
         hook(engine)
     # What is imported by now lives as long as the process: keep it out of the cyclic collector,
     # whose full passes over it stalled the loop for ~100 ms (refusals in a burst, RELIABILITY.md).
@@ -141,7 +179,7 @@ async def engine_stop() -> None:
     to finish, then are aborted, and each still ends with its terminal event. Bounded: a wedged
     load or hook is logged and left behind, never waited for without end.
     """
-    started = list(_start_tasks)
+    started = list(PROCESS.tasks)
     for task in started:  # control messages, status, housekeeping: nothing new starts
         task.cancel()
     if started:
@@ -155,7 +193,7 @@ async def engine_stop() -> None:
             logger.error("the engine did not stop in time; exiting anyway")
         except Exception:  # the process exits either way; say why it was not clean
             logger.exception("draining the engine failed")
-    for _stage, hook in sorted(_stop_hooks, key=lambda item: item[0]):  # stable: registration order
+    for _stage, hook in sorted(PROCESS.hooks.stop, key=lambda item: item[0]):  # stable: listed order
         try:
             await hook()
         except Exception:
@@ -198,15 +236,14 @@ def _start_on_running_loop() -> None:
 def _drain_before_shutdown() -> Any:
     from twisted.internet.defer import Deferred
 
-    global _stop_task
-    if _stop_task is None:
-        for hook in list(_shutdown_hooks):  # before daphne's own trigger cancels the consumers' tasks
+    if PROCESS.stop_task is None:
+        for hook in PROCESS.hooks.shutdown_begin:  # before daphne's own trigger cancels the consumers' tasks
             try:
                 hook()
             except Exception:
                 logger.exception("shutdown hook %s failed", getattr(hook, "__qualname__", hook))
-        _stop_task = asyncio.ensure_future(engine_stop())
-    return Deferred.fromFuture(_stop_task)
+        PROCESS.stop_task = asyncio.ensure_future(engine_stop())
+    return Deferred.fromFuture(PROCESS.stop_task)
 
 
 class ServeThroughShutdown:
@@ -229,7 +266,7 @@ class ServeThroughShutdown:
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
-            if _stop_task is None:  # not the shutdown (it starts before daphne cancels)
+            if PROCESS.stop_task is None:  # not the shutdown (it starts before daphne cancels)
                 task.cancel()
             task.add_done_callback(_report_unexpected)
             raise

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from django.conf import settings
 
+from mlxhost.runtime import PROCESS, Shared
+
 if TYPE_CHECKING:
     import redis
     import redis.asyncio as aioredis
@@ -281,19 +283,15 @@ class RedisLimiter:
                 self._sync = None
 
 
-_limiter: Limiter | None = None
+def _build_limiter() -> Limiter:
+    url = settings.REDIS_URL
+    return RedisLimiter(url, prefix=settings.MLXHOST_LIMITS_PREFIX) if url else LocalLimiter()
+
+
+# This process's limiter (tests put one on their own Redis prefix).
+LIMITER: Shared[Limiter] = Shared("limiter", _build_limiter)
 
 
 def limiter() -> Limiter:
     """This process's limiter: Redis's when REDIS_URL is set, else one of its own."""
-    global _limiter
-    if _limiter is None:
-        url = settings.REDIS_URL
-        _limiter = RedisLimiter(url, prefix=settings.MLXHOST_LIMITS_PREFIX) if url else LocalLimiter()
-    return _limiter
-
-
-def set_limiter(value: Limiter | None) -> None:
-    """Swap the process's limiter (tests install one on their own Redis prefix)."""
-    global _limiter
-    _limiter = value
+    return PROCESS.get(LIMITER)

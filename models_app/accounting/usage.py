@@ -33,6 +33,7 @@ from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from mlxhost.engine import Done
+from mlxhost.runtime import PROCESS, Shared
 from models_app.accounting import limits
 from models_app.models import ApiKey, UsageDay
 
@@ -341,22 +342,21 @@ def usage_csv(*, rows: QuerySet[UsageDay]) -> Iterator[str]:
         )
 
 
-_recorder: UsageRecorder | None = None
+def _build_recorder() -> UsageRecorder:
+    return UsageRecorder(flush_interval_s=settings.MLXHOST_USAGE_FLUSH_S)
+
+
+# This process's usage recorder, built from settings on first use (tests start each with an empty one).
+RECORDER: Shared[UsageRecorder] = Shared("usage recorder", _build_recorder)
 
 
 def recorder() -> UsageRecorder:
     """This process's usage recorder, built from settings on first use."""
-    global _recorder
-    if _recorder is None:
-        _recorder = UsageRecorder(flush_interval_s=settings.MLXHOST_USAGE_FLUSH_S)
-    return _recorder
+    return PROCESS.get(RECORDER)
 
 
-def recorder_if_started() -> UsageRecorder | None:
-    return _recorder
-
-
-def set_recorder(value: UsageRecorder | None) -> None:
-    """Swap the process's recorder (tests start each with an empty one)."""
-    global _recorder
-    _recorder = value
+async def flush_usage() -> None:
+    """Write the last tallies and stop the flusher (after the stored responses' flush, KEY-2, OPS-5)."""
+    store = PROCESS.peek(RECORDER)
+    if store is not None:
+        await store.aclose()

@@ -2,7 +2,7 @@
 
 The database is the desired state. Whatever process edits an alias (the admin, a management
 command, a shell) announces it on the channel layer once the transaction commits; every engine
-process listens (`mlxhost/runtime/control.py`), reconciles with the database and runs the requested action
+process listens (`models_app/catalogue/reconcile.py`), reconciles with the database and runs the requested action
 through its writer path (LANE-4). Engines publish their live state to the cache and to the
 dashboard's channel-layer group, so the admin and the dashboard show it from any process.
 """
@@ -42,7 +42,7 @@ ACTIONS: tuple[Action, ...] = ("load", "unload", "reload")
 STATUS_KEY = "engine-status:{boot_id}"
 STATUS_INDEX_KEY = "engine-status:index"
 STATUS_TTL_S = 15  # an engine that stopped publishing drops out after this
-# An instance's live state in words: the status publisher (`mlxhost.runtime.status`) sends the
+# An instance's live state in words: the status publisher (`models_app.catalogue.live_status`) sends the
 # label with each instance, so the admin, the dashboard and its script only render it (ADM-2).
 LIVE_LABELS = {
     "unloaded": "not loaded",

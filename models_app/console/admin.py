@@ -22,6 +22,7 @@ from models_app.console import admin_keys as admin_keys  # registers the API key
 from models_app.console.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
 from models_app.console.forms import MODEL_FORM_FIELDS as MODEL_FORM_FIELDS
 from models_app.console.forms import ModelAliasForm, ModelForm
+from models_app.console.live_state import AliasLiveState, alias_live_state, live_views, model_live_state
 from models_app.models import InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 from models_app.turns import transcripts
 
@@ -57,7 +58,7 @@ CANNOT_BATCH_NOTE = (
 # Live state, rendered ----------------------------------------------------------------------------
 
 
-def live_state_html(live: selectors.AliasLiveState) -> SafeString:
+def live_state_html(live: AliasLiveState) -> SafeString:
     """The state badge, with a progress bar while loading and the reason of an error."""
     badge = format_html('<span class="mlxhost-state mlxhost-state-{}">{}</span>', live.state, live.label)
     if live.state == "loading":
@@ -83,7 +84,7 @@ def live_state_html(live: selectors.AliasLiveState) -> SafeString:
     return badge
 
 
-def live_load_text(live: selectors.AliasLiveState, *, short: bool = False) -> str:
+def live_load_text(live: AliasLiveState, *, short: bool = False) -> str:
     if not live.resident_counts:
         return DASH
     if short:
@@ -95,7 +96,7 @@ def live_load_text(live: selectors.AliasLiveState, *, short: bool = False) -> st
     return text
 
 
-def last_action_html(live: selectors.AliasLiveState) -> SafeString | str:
+def last_action_html(live: AliasLiveState) -> SafeString | str:
     if not live.last_action:
         return DASH
     return format_html(
@@ -107,16 +108,16 @@ class _LiveColumns:
     """The changelist's live columns for one request: one status read per page, one state per row."""
 
     def __init__(self) -> None:
-        self.views, self.actions = selectors.live_views()
-        self._states: dict[tuple[str, int], selectors.AliasLiveState] = {}
+        self.views, self.actions = live_views()
+        self._states: dict[tuple[str, int], AliasLiveState] = {}
 
-    def state_of(self, obj: Model | ModelAlias) -> selectors.AliasLiveState:
+    def state_of(self, obj: Model | ModelAlias) -> AliasLiveState:
         key = (type(obj).__name__, obj.pk)
         if key not in self._states:
             if isinstance(obj, Model):
-                state = selectors.model_live_state(model=obj, views=self.views, actions=self.actions)
+                state = model_live_state(model=obj, views=self.views, actions=self.actions)
             else:
-                state = selectors.alias_live_state(alias=obj, views=self.views, actions=self.actions)
+                state = alias_live_state(alias=obj, views=self.views, actions=self.actions)
             self._states[key] = state
         return self._states[key]
 
@@ -157,7 +158,7 @@ def _live_columns(request: HttpRequest) -> _LiveColumns:
     return columns
 
 
-def _live_context(live: selectors.AliasLiveState) -> dict[str, Any]:
+def _live_context(live: AliasLiveState) -> dict[str, Any]:
     return {
         "live": live,
         "live_state_html": live_state_html(live),
@@ -294,8 +295,8 @@ class ModelAdmin(_ModelAdminBase):
         obj: Model | None = None,
     ) -> HttpResponse:
         if obj is not None and obj.pk is not None:
-            views, actions = selectors.live_views()
-            live = selectors.model_live_state(model=obj, views=views, actions=actions)
+            views, actions = live_views()
+            live = model_live_state(model=obj, views=views, actions=actions)
             add_alias = reverse("admin:models_app_modelalias_add") + f"?model={obj.pk}"
             context.update(
                 _live_context(live),
@@ -385,8 +386,8 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
         obj: ModelAlias | None = None,
     ) -> HttpResponse:
         if obj is not None and obj.pk is not None:
-            views, actions = selectors.live_views()
-            live = selectors.alias_live_state(alias=obj, views=views, actions=actions)
+            views, actions = live_views()
+            live = alias_live_state(alias=obj, views=views, actions=actions)
             model_url = reverse("admin:models_app_model_change", args=(quote(obj.model_id),))
             context.update(_live_context(live), model_url=model_url, model_name=obj.model.name)
         return super().render_change_form(request, context, add, change, form_url, obj)

@@ -13,7 +13,8 @@ from django.core.exceptions import ValidationError
 from django.utils.html import format_html, format_html_join
 
 from mlxhost.engine import ALIAS_SAMPLING_FIELDS
-from models_app.catalogue import selectors, services
+from models_app.catalogue import services
+from models_app.catalogue.folders import model_folders_available
 from models_app.models import ApiKey, Model, ModelAlias
 
 if TYPE_CHECKING:
@@ -182,7 +183,7 @@ class ModelForm(_ModelFormBase):
         super().__init__(*args, **kwargs)
         local_path = self.fields.get("local_path")
         if local_path is not None:  # absent when the admin shows the page read-only
-            folders = selectors.model_folders_available()
+            folders = model_folders_available()
             local_path.widget = DatalistInput(folders)
             local_path.help_text = (
                 FOLDERS_FOUND_HELP.format(count=len(folders)) if folders else NO_FOLDERS_HELP

@@ -18,7 +18,7 @@ from django.views.decorators.http import require_http_methods, require_safe
 
 from mlxhost.wire import json_response
 from models_app.catalogue import control, selectors, services
-from models_app.console import status_history
+from models_app.console import live_state, status_history
 from models_app.turns import transcripts
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def models_page(request: HttpRequest) -> HttpResponse:
     can_act = request.user.has_perm(CHANGE_MODEL)
     rows = [
         model_row(
-            model, selectors.model_live_state(model=model, views=views, actions=actions), can_act=can_act
+            model, live_state.model_live_state(model=model, views=views, actions=actions), can_act=can_act
         )
         for model in selectors.models_with_aliases()
     ]
@@ -194,7 +194,7 @@ def serving_names(model: Model) -> list[str]:
     return [alias.name for alias in model.aliases.all() if alias.enabled]
 
 
-def model_row(model: Model, live: selectors.AliasLiveState, *, can_act: bool) -> dict[str, Any]:
+def model_row(model: Model, live: live_state.AliasLiveState, *, can_act: bool) -> dict[str, Any]:
     """One model as the Models page renders it, and the facts its script needs to follow it."""
     aliases = list(model.aliases.all())
     serving = serving_names(model)

@@ -6,7 +6,7 @@ from typing import Any
 
 from django import template
 
-from models_app.catalogue import selectors
+from models_app.console import live_state
 
 register = template.Library()
 
@@ -14,4 +14,4 @@ register = template.Library()
 @register.inclusion_tag("admin/models_app/_models_up.html")
 def models_up_summary() -> dict[str, Any]:
     """How many models are up now, linking to the live Models page."""
-    return {"summary": selectors.models_up()}
+    return {"summary": live_state.models_up()}

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mlxhost.engine import EmbeddingRequest, WrongModelKindError
-from mlxhost.runtime.control import engine_for
 from models_app.accounting import usage
 from models_app.catalogue import lookups
 from models_app.models import Model
+from models_app.turns.binding import engine_for
 from models_app.turns.turns import key_admit, overload_counted
 
 if TYPE_CHECKING:

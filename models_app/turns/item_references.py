@@ -49,9 +49,10 @@ async def turns_resolved(turns: list[dict[str, Any]], *, owner_id: int) -> list[
             turn = await _turn_of(index, turn["id"], owner_id)
             previous = resolved[-1] if resolved else None
             if "tool_calls" in turn and not turn["content"] and previous and previous["role"] == "assistant":
-                previous.setdefault("tool_calls", []).extend(turn["tool_calls"])  # one assistant turn
+                # One assistant turn; a new list, so the request's own turns stay as they came.
+                previous["tool_calls"] = [*previous.get("tool_calls", []), *turn["tool_calls"]]
                 continue
-        resolved.append(turn)
+        resolved.append(dict(turn))
     return resolved
 
 

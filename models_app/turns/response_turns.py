@@ -6,10 +6,10 @@ It runs inside the turn service (`models_app.turns.turns`) as that turn's `TurnH
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from mlxhost.engine import Done, Failed, Message, ToolCall, ToolChoice, Usage
+from mlxhost.engine import Done, Failed, Message, ToolCall, Usage
 from mlxhost.runtime import BOOT_ID
 from models_app.catalogue import control
 from models_app.models import StoredResponse
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from mlxhost.engine import Engine, Permit, Retention, Role
     from models_app.accounting.identity import KeyIdentity
     from models_app.models import ModelAlias
+    from models_app.turns.response_request import ResponseRequest
 
 # The id is not echoed: a foreign id and a missing one answer the very same bytes (PER-6).
 NOT_FOUND = "No response found with that id."
@@ -174,8 +175,8 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
     }
 
 
-async def _parent(data: dict[str, Any], owner_id: int) -> StoredResponse | None:
-    public_id = data.get("previous_response_id")
+async def _parent(request: ResponseRequest, owner_id: int) -> StoredResponse | None:
+    public_id = request.previous_response_id
     if not public_id:
         return None
     try:
@@ -207,9 +208,11 @@ class ResponseHooks(TurnHooks):
     """One Responses turn's steps: load the chain and retain the instance under the permit, and
     store the turn when it ends (PER-1), letting the instance go once the row lands (REG-6/7)."""
 
-    def __init__(self, data: dict[str, Any], owner_id: int, response_id: str) -> None:
-        self.data = data
+    def __init__(self, request: ResponseRequest, owner_id: int, response_id: str) -> None:
+        self.request = request
         self.owner_id = owner_id
+        # The input turns, with each item reference replaced by the turn it names once `prepare` ran.
+        self.turns: list[dict[str, Any]] = [dict(turn) for turn in request.turns]
         self.response_id = response_id
         self.instructions: str | None = None
         self.history: list[dict[str, str]] = []  # earlier turns, through the parent's answer
@@ -218,16 +221,11 @@ class ResponseHooks(TurnHooks):
         self.created_at = 0
 
     @property
-    def namespaced(self) -> dict[str, tuple[str, str]]:
-        tools = self.data.get("tools")
-        return tools.namespaced if tools else {}
-
-    @property
     def conversation(self) -> list[dict[str, str]]:
-        return [*self.history, *(t for t in self.data["turns"] if t["role"] != "system")]
+        return [*self.history, *(t for t in self.turns if t["role"] != "system")]
 
     def messages(self) -> tuple[Message, ...]:
-        system = [t["content"] for t in self.data["turns"] if t["role"] == "system"]
+        system = [t["content"] for t in self.turns if t["role"] == "system"]
         instructions = "\n".join([self.instructions, *system] if self.instructions else system)
         head: tuple[Message, ...] = (Message(role="system", content=instructions),) if instructions else ()
         # Input roles arrive normalised to the engine's (responses_input.INPUT_ROLES); system ones are above.
@@ -239,17 +237,15 @@ class ResponseHooks(TurnHooks):
     ) -> TurnRequest:
         # The permit comes before the chain (LANE-3): loading it may wait up to 2 s for a pending
         # write (PER-2), and a full lane answers 429 before any 404, 400 or 503 about the parent.
-        parent = await _parent(self.data, self.owner_id)
+        parent = await _parent(self.request, self.owner_id)
         try:
-            self.data["turns"] = await item_references.turns_resolved(
-                self.data["turns"], owner_id=self.owner_id
-            )
+            self.turns = await item_references.turns_resolved(self.turns, owner_id=self.owner_id)
         except item_references.ItemNotFoundError as exc:
             raise ChainError(400, str(exc), code="item_not_found", param=exc.param) from None
         if parent is not None:
             self.instructions, self.history = conversations.conversation_of(parent=parent)
-        if self.data.get("instructions") is not None:
-            self.instructions = self.data["instructions"]  # omitted: the chain's instructions carry over
+        if self.request.instructions is not None:
+            self.instructions = self.request.instructions  # omitted: the chain's instructions carry over
         # Retained from now until the row lands, so the instance outlives its pending persist (REG-6).
         retention = engine.retain(permit.instance_id)
         try:
@@ -260,11 +256,11 @@ class ResponseHooks(TurnHooks):
         self.alias, self.retention = alias, retention
         await live_responses.started(self.response_id, self.owner_id)
         cache = CacheScope(
-            salt=self.data.get("cache_salt"),
-            prompt_cache_key=self.data.get("prompt_cache_key"),
+            salt=self.request.cache_salt,
+            prompt_cache_key=self.request.prompt_cache_key,
             instructions=self.instructions or "",
-            previous_response_id=self.data.get("previous_response_id"),
-            keep_on_disk=bool(self.data["store"]),
+            previous_response_id=self.request.previous_response_id,
+            keep_on_disk=self.request.store,
         )
         return TurnRequest(
             turn.model,
@@ -272,8 +268,8 @@ class ResponseHooks(TurnHooks):
             turn.sampling,
             messages=self.messages(),
             cache=cache,
-            effort=(self.data.get("reasoning") or {}).get("effort"),
-            **_structure(self.data),
+            effort=self.request.effort,
+            **_structure(self.request),
         )
 
     def refused(self) -> None:
@@ -289,7 +285,7 @@ class ResponseHooks(TurnHooks):
         live_responses.ended(self.response_id)
         retention = self.retention
         assert retention is not None and self.alias is not None, "ended() after prepare()"
-        if not self.data["store"]:
+        if not self.request.store:
             retention.release()
             return None
         return persistence().record(
@@ -300,7 +296,7 @@ class ResponseHooks(TurnHooks):
         )
 
     def _record(self, result: TurnResult, retention: Retention) -> ResponseRecord:
-        data, alias = self.data, self.alias
+        request, alias = self.request, self.alias
         assert alias is not None
         status = response_status(result.event)
         done = result.event if isinstance(result.event, Done) else None
@@ -314,23 +310,25 @@ class ResponseHooks(TurnHooks):
             weights_fingerprint=retention.fingerprint,
             weights_key=retention.weights_key,
             boot_id=BOOT_ID,
-            previous_response_id=data.get("previous_response_id") or "",
+            previous_response_id=request.previous_response_id or "",
             request={
-                "input": data["turns"],
+                "input": self.turns,
                 "instructions": self.instructions,
                 "conversation": self.conversation,
-                "metadata": data.get("metadata") or {},
-                "max_output_tokens": data.get("max_tokens"),
-                "temperature": data.get("temperature"),
-                "top_p": data.get("top_p"),
+                "metadata": dict(request.metadata),
+                "max_output_tokens": request.max_output_tokens,
+                "temperature": request.temperature,
+                "top_p": request.top_p,
                 # The server's figures for the turn, so the chat page shows them after a reload.
                 "timings": _timings(done),
             },
-            output=output_items(self.response_id, result.text, status, done, namespaced=self.namespaced),
+            output=output_items(
+                self.response_id, result.text, status, done, namespaced=dict(request.namespaced)
+            ),
             output_text=result.text,
             usage=usage_body(usage) or {},
             status=status,
-            retention_s=data.get("retention_s") or 0,
+            retention_s=request.retention_s or 0,
             created_at=float(self.created_at),
         )
 
@@ -355,28 +353,25 @@ class StartedResponse:
     instructions: str | None
 
 
-def _structure(data: dict[str, Any]) -> dict[str, Any]:
-    """The tools, tool choice and JSON format of a validated Responses body, as TurnRequest fields."""
+def _structure(request: ResponseRequest) -> dict[str, Any]:
+    """The tools, tool choice and JSON format of a Responses turn, as TurnRequest fields."""
     return {
-        "tools": data["tools"].tools if data.get("tools") else (),
-        "tool_choice": replace(
-            data.get("tool_choice") or ToolChoice(), single=data.get("parallel_tool_calls") is False
-        ),
-        "json_format": data.get("json_format"),
+        "tools": request.tools,
+        "tool_choice": request.tool_choice,
+        "json_format": request.json_format,
         "format_param": "text.format",
     }
 
 
 async def response_start(
-    data: dict[str, Any],
+    request: ResponseRequest,
     owner_id: int,
-    sampling: dict[str, Any],
     *,
     key: KeyIdentity | None = None,
     response_id: str | None = None,
     on_queued: Callable[[int], Awaitable[None]] | None = None,
 ) -> StartedResponse:
-    """Start a Responses turn from a validated `ResponsesInput` body: take a lane permit, load
+    """Start the Responses turn `request` asks for: take a lane permit, load
     the stored chain, check the weights, retain the instance, submit, and wait for admission.
 
     Raises:
@@ -386,10 +381,12 @@ async def response_start(
         ModelAlias.DoesNotExist: no enabled alias has that name.
     """
     response_id = response_id or new_response_id()
-    hooks = ResponseHooks(data, owner_id, response_id)
+    hooks = ResponseHooks(request, owner_id, response_id)
     # The tools and format ride along from the start: their grammars are checked before the
     # permit (`turn_start`), the chain only adds messages.
-    turn = TurnRequest(model=data["model"], owner_id=owner_id, sampling=sampling, key=key, **_structure(data))
+    turn = TurnRequest(
+        model=request.model, owner_id=owner_id, sampling=request.sampling, key=key, **_structure(request)
+    )
     started = await turn_start(turn, request_id=response_id, hooks=hooks, on_queued=on_queued)
     hooks.created_at = started.created_at
     return StartedResponse(started, hooks.instructions)

@@ -31,12 +31,12 @@ from mlxhost.engine import (
     WrongModelKindError,
 )
 from mlxhost.engine import GenerationRequest as EngineRequest
-from mlxhost.runtime.control import engine_for
 from mlxhost.runtime.lifecycle import engine_if_started
 from models_app.accounting import limits, usage
 from models_app.accounting.limits import KeyLimits
-from models_app.catalogue import lookups, selectors
+from models_app.catalogue import lookups, specs
 from models_app.models import Model, ModelAlias
+from models_app.turns.binding import engine_for
 
 if TYPE_CHECKING:
     import asyncio
@@ -74,7 +74,7 @@ class TurnRequest:
     format_param: str = "response_format"  # the field that holds it, for errors
     continue_final: bool = False  # continue the last (assistant) message instead of answering it
     thinking: bool | None = None  # the request turns the template's thinking on or off (None: the alias's)
-    effort: str | None = None  # the reasoning effort asked for, one of `selectors.EFFORTS` (API-9)
+    effort: str | None = None  # the reasoning effort asked for, one of `specs.EFFORTS` (API-9)
     key: KeyIdentity | None = None  # the API key it counts against (None: a browser session)
     call_id_prefix: str = "call_"  # how the surface's provider starts tool call ids ("toolu_")
 
@@ -161,7 +161,7 @@ def generation_request(
     return EngineRequest(
         request_id=request_id,
         binding=alias.name,
-        sampling=selectors.sampling_params_for(alias=alias, overrides=turn.sampling),
+        sampling=specs.sampling_params_for(alias=alias, overrides=turn.sampling),
         messages=turn.messages,
         prompt=turn.prompt,
         session=session,
@@ -171,7 +171,7 @@ def generation_request(
         tool_choice=turn.tool_choice,
         json_format=turn.json_format,
         format_param=turn.format_param,
-        template_options=selectors.template_options_for(alias, thinking=turn.thinking, effort=turn.effort),
+        template_options=specs.template_options_for(alias, thinking=turn.thinking, effort=turn.effort),
         continue_final=turn.continue_final,
         call_id_prefix=turn.call_id_prefix,
     )

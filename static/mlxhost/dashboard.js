@@ -375,7 +375,7 @@
   };
 
   Dashboard.prototype.fillRow = function (tr, status, view) {
-    var label = view.label; // the engine's status publisher names the state (mlxhost.runtime.status)
+    var label = view.label; // the engine's status publisher names the state (models_app.catalogue.live_status)
     tr.className = "state-" + view.state;
     var state = el("td", { className: "state" }, [el("span", { className: "badge badge-" + slug(label), text: label })]);
     if (view.state === "loading") state.append(loadProgress(view.load_progress || { done: 0, total: 0 }));

@@ -91,7 +91,7 @@
   };
 
   // The instance serving a model: what an engine serves under its aliases (a swap may be ahead of
-  // the page), else its registered instance. The same rule as selectors.model_live_state.
+  // the page), else its registered instance. The same rule as live_state.model_live_state.
   function viewFor(model, views) {
     var bound = [];
     views.forEach(function (view) {

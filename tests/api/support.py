@@ -107,7 +107,8 @@ async def set_lane(alias, **fields: Any):
     """Set lane settings (`concurrency`, `queue_depth`, `queue_timeout_s`) on the model `alias`
     serves, then reconcile this process's engine, as its control listener does on the commit's
     `models.changed` message (only control binds, REG-5)."""
-    from mlxhost.runtime import control, engine_if_started
+    from mlxhost.runtime import engine_if_started
+    from models_app.catalogue import reconcile as control
 
     saved = await save_alias(alias, **fields)
     if (engine := engine_if_started()) is not None:

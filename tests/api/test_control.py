@@ -13,10 +13,11 @@ from django.conf import settings
 from django.core.cache import cache
 
 from mlxhost.engine.backends.mlx.tiny import build_tiny_model
-from mlxhost.runtime import control as engine_control
-from mlxhost.runtime import status as engine_status
-from models_app.catalogue import control, selectors, services
+from models_app.catalogue import control, selectors, services, specs
+from models_app.catalogue import live_status as engine_status
+from models_app.catalogue import reconcile as engine_control
 from models_app.models import ModelAlias
+from models_app.turns import binding
 from tests.api.support import act, capacity_of, save_alias, set_lane, settled
 from tests.support import eventually, register_alias, watch_group_joins
 
@@ -109,7 +110,7 @@ async def test_a_request_that_read_the_old_row_cannot_undo_a_swap(tiny_alias, re
 
     stale = await sync_to_async(selectors.alias_resolve)(name="tiny")  # read before the swap
     old_id = stale.instance_id
-    await engine_control.bind_on_demand(mlx_engine, "tiny")
+    await binding.bind_on_demand(mlx_engine, "tiny")
     assert mlx_engine.resolve("tiny") == old_id
     moved = await sync_to_async(services.alias_register)(name="tiny", local_path="tiny-reload")
     assert moved.instance_id != old_id
@@ -126,13 +127,13 @@ async def test_a_request_that_read_the_old_row_cannot_undo_a_swap(tiny_alias, re
         pass
     assert generation.instance_id == moved.instance_id
     assert mlx_engine.resolve("tiny") == moved.instance_id  # still the new weights
-    await engine_control.bind_on_demand(mlx_engine, "tiny")  # a no-op for a bound name
+    await binding.bind_on_demand(mlx_engine, "tiny")  # a no-op for a bound name
     assert mlx_engine.resolve("tiny") == moved.instance_id
 
 
 async def test_alias_edits_reach_the_engine_without_a_request(tiny_alias, mlx_engine, listening):
     """ADM-3, REG-5: a saved edit reconciles the engine: new lane capacity, then unbind on disable."""
-    await mlx_engine.load(selectors.model_spec_for(alias=tiny_alias), name="tiny")
+    await mlx_engine.load(specs.model_spec_for(alias=tiny_alias), name="tiny")
     instance = mlx_engine.registry.resolve("tiny")
     assert instance.lane.probe().capacity == 1
     await save_alias(tiny_alias, concurrency=3)  # no reconcile here: the listener does it
@@ -156,7 +157,7 @@ async def test_a_deleted_model_leaves_the_engine_and_readyz(tiny_alias, mlx_engi
     unbound and torn down on the next reconcile: no "#N unbound · not loaded" row is left in the
     status the dashboard draws, nor an instance in /readyz."""
     model = await sync_to_async(lambda: tiny_alias.model)()
-    spec = await sync_to_async(selectors.model_spec_for)(model=model)
+    spec = await sync_to_async(specs.model_spec_for)(model=model)
     await sync_to_async(services.alias_delete)(alias=tiny_alias)
     await engine_control.reconcile(mlx_engine)
     await mlx_engine.serve([], spec)  # the admin's Load of a model with no alias
@@ -269,7 +270,7 @@ async def test_an_admin_only_process_serves_no_models(tiny_alias, api_key, setti
     from mlxhost import runtime
 
     settings.MLXHOST_RUNTIME = dataclasses.replace(settings.MLXHOST_RUNTIME, run_engine=False)
-    runtime.set_engine(None)
+    runtime.PROCESS.put(runtime.ENGINE, None)
     response = await AsyncClient().post(
         "/v1/chat/completions",
         data='{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}',

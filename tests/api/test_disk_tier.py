@@ -38,12 +38,12 @@ async def boot(kv_dir):
             await engines[-1].shutdown()  # the previous boot ends: its memory tier is gone
         config.setdefault("kv_dir", str(kv_dir))
         engine = Engine(EngineConfig(backend="mlx", session_secret=SECRET, **config))
-        runtime.set_engine(engine)
+        runtime.PROCESS.put(runtime.ENGINE, engine)
         engines.append(engine)
         return engine
 
     yield make
-    runtime.set_engine(None)
+    runtime.PROCESS.put(runtime.ENGINE, None)
     for engine in engines:
         await engine.shutdown()
     await settle_persistence()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from models_app.catalogue import selectors
+from models_app.catalogue import specs
 from tests.api.support import bearer, post_json
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
@@ -38,13 +38,13 @@ def surfaces(api_key: str, effort: str) -> list[tuple[str, dict, dict]]:
 @pytest.fixture
 def template_calls(monkeypatch) -> list[dict]:
     calls: list[dict] = []
-    original = selectors.template_options_for
+    original = specs.template_options_for
 
     def spy(alias, **kwargs):
         calls.append(kwargs)
         return original(alias, **kwargs)
 
-    monkeypatch.setattr(selectors, "template_options_for", spy)
+    monkeypatch.setattr(specs, "template_options_for", spy)
     return calls
 
 

@@ -16,7 +16,7 @@ from django.test import AsyncClient
 from api.errors import LOAD_FAILED_MESSAGE, as_api_error, failed_error
 from mlxhost import runtime
 from mlxhost.engine import Engine, EngineConfig, Failed, InvalidModelFolderError, ModelLoadError
-from mlxhost.runtime import control as engine_control
+from models_app.catalogue import reconcile as engine_control
 from models_app.models import ModelAlias
 from tests.api.support import ScriptedGeneration, StreamReader, every_auth, post_chat, set_lane, settled
 from tests.api.support import post_any as post
@@ -66,9 +66,9 @@ async def test_a_missing_parent_releases_the_permit(tiny_alias, api_key, mlx_eng
 async def draining_engine():
     """An engine whose admin drains abort running streams after 0.3 s (DRAIN_TIMEOUT_S)."""
     engine = Engine(EngineConfig(backend="mlx", drain_timeout_s=0.3))
-    runtime.set_engine(engine)
+    runtime.PROCESS.put(runtime.ENGINE, engine)
     yield engine
-    runtime.set_engine(None)
+    runtime.PROCESS.put(runtime.ENGINE, None)
     await engine.shutdown()
 
 
@@ -273,6 +273,7 @@ async def test_a_turn_whose_caller_gives_up_while_queued_is_cancelled_not_left_t
 ):
     """LANE-6: when the queue-position callback fails (the socket closed under it), the queued
     turn is cancelled; before, it stayed queued and later ran its whole answer for nobody."""
+    from models_app.turns.response_request import ResponseRequest
     from models_app.turns.response_turns import response_start
 
     await set_lane(tiny_alias, concurrency=1, queue_depth=2)
@@ -282,10 +283,10 @@ async def test_a_turn_whose_caller_gives_up_while_queued_is_cancelled_not_left_t
     async def socket_closed(_position: int) -> None:
         raise ConnectionError("Attempt to send on a closed protocol")
 
-    data = {"model": "tiny", "turns": [{"role": "user", "content": "hi"}], "store": False}
+    request = ResponseRequest(model="tiny", turns=({"role": "user", "content": "hi"},), store=False)
     try:
         with pytest.raises(ConnectionError):
-            await response_start(data, tenant, {}, response_id="resp_gone", on_queued=socket_closed)
+            await response_start(request, tenant, response_id="resp_gone", on_queued=socket_closed)
         assert mlx_engine.snapshot()[0]["lane"]["queued"] == 0  # out of the queue at once
         await eventually(lambda: "resp_gone" not in mlx_engine.turns.live, timeout=30)  # and forgotten
     finally:

@@ -54,9 +54,9 @@ async def test_healthz_is_public_and_minimal():
 
 async def test_readyz_lists_instances_with_lane_counters_for_key_holders(tiny_alias, api_key, mlx_engine):
     """OPS-2, LANE-9: per-instance state and lane counters, for callers with a key."""
-    from models_app.catalogue import selectors
+    from models_app.catalogue import specs
 
-    spec = await services_call(selectors.model_spec_for, alias=tiny_alias)
+    spec = await services_call(specs.model_spec_for, alias=tiny_alias)
     await mlx_engine.load(spec, name="tiny")
     response = await AsyncClient().get("/readyz", headers={"Authorization": f"Bearer {api_key}"})
     assert response.status_code == 200
@@ -79,9 +79,9 @@ async def test_readyz_lists_instances_with_lane_counters_for_key_holders(tiny_al
 async def test_readyz_without_credentials_says_only_the_status(tiny_alias, mlx_engine):
     """OPS-2: an anonymous probe learns ready or not and how many models are in each state, never
     which models, instances or counters."""
-    from models_app.catalogue import selectors
+    from models_app.catalogue import specs
 
-    await mlx_engine.load(await services_call(selectors.model_spec_for, alias=tiny_alias), name="tiny")
+    await mlx_engine.load(await services_call(specs.model_spec_for, alias=tiny_alias), name="tiny")
     response = await AsyncClient().get("/readyz")
     assert response.status_code == 200
     assert response.json() == {"status": "ok", "states": {"ok": 1}}  # how many, never which
@@ -141,10 +141,10 @@ def broken_alias(tiny_model_dir, settings):
 async def load_both(mlx_engine, *aliases) -> None:
     """Load each alias's model; a failing load leaves its instance in `error`."""
     from mlxhost.engine import EngineError
-    from models_app.catalogue import selectors
+    from models_app.catalogue import specs
 
     for alias in aliases:
-        spec = await services_call(selectors.model_spec_for, alias=alias)
+        spec = await services_call(specs.model_spec_for, alias=alias)
         with contextlib.suppress(EngineError):
             await mlx_engine.load(spec, name=alias.name)
 

@@ -137,7 +137,7 @@ async def test_a_hot_swapped_alias_refuses_the_chain_and_an_alias_of_the_same_we
     tiny_alias, tiny_model_b_dir, alice, mlx_engine
 ):
     """REG-4: continuing on other weights is a 400; another alias of the same weights may continue."""
-    from mlxhost.runtime import control
+    from models_app.catalogue import reconcile as control
 
     first = await alice.ok(input="hello", max_output_tokens=3)
     await sync_to_async(register_alias)(name="twin", folder="tiny-llama")
@@ -282,7 +282,7 @@ async def test_a_turn_cancelled_inside_prepare_leaks_no_retention_and_no_live_en
     lane permit, this host's live entry and the shared one."""
     import asyncio
 
-    from api.openai.responses_input import ResponsesInput
+    from api.openai.responses_input import ResponsesInput, response_request
     from api.openai.views import validated
     from models_app.turns import live_responses
     from models_app.turns.response_turns import response_start
@@ -302,7 +302,9 @@ async def test_a_turn_cancelled_inside_prepare_leaks_no_retention_and_no_live_en
     monkeypatch.setattr(live_responses.cache, "adelete", delete)
     data = validated(ResponsesInput, {"model": "tiny", "input": "hi", "max_output_tokens": 2})
     data["stream"] = True
-    task = asyncio.create_task(response_start(data, user.pk, {}, response_id="resp_prepare_cancel"))
+    task = asyncio.create_task(
+        response_start(response_request(data), user.pk, response_id="resp_prepare_cancel")
+    )
     await asyncio.wait_for(entered.wait(), 30)
     (instance,) = mlx_engine.registry.instances()
     assert mlx_engine.registry.holds(instance).retentions == 1  # taken inside prepare

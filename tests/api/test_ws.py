@@ -241,8 +241,8 @@ async def test_the_dashboard_socket_pushes_each_published_status_to_staff(
 ):
     """ADM-2: staff sockets join the dashboard group and get every engine status as it is published;
     anyone else is refused before accept."""
-    from mlxhost.runtime import control as engine_control
-    from mlxhost.runtime import status as engine_status
+    from models_app.catalogue import live_status as engine_status
+    from models_app.catalogue import reconcile as engine_control
     from models_app.catalogue.control import ENGINE_GROUP
 
     staff = await django_user_model.objects.acreate(username="root", is_staff=True, is_superuser=True)
@@ -288,9 +288,9 @@ async def test_the_dashboard_socket_pushes_each_published_status_to_staff(
 
 
 def selectors_spec(alias):
-    from models_app.catalogue import selectors
+    from models_app.catalogue import specs
 
-    return selectors.model_spec_for(alias=alias)
+    return specs.model_spec_for(alias=alias)
 
 
 async def test_a_full_lane_sends_an_overloaded_error_frame(tiny_alias, api_key, mlx_engine, tiny_eos_id):

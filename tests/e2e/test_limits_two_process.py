@@ -17,6 +17,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.db import connections
 
+from mlxhost.runtime import PROCESS
 from models_app.accounting import limits, usage
 from models_app.catalogue import services
 from tests.api.support import post_json
@@ -43,7 +44,7 @@ async def test_a_key_over_its_limit_is_refused_by_a_second_process_too(
     429 `rate_limit_exceeded` and Retry-After (and Anthropic's `rate_limit_error`), and a key whose
     daily tokens this process flushed is refused there as well."""
     here = limits.RedisLimiter(REDIS_URL, prefix=shared_prefix)
-    limits.set_limiter(here)
+    PROCESS.put(limits.LIMITER, here)
     _, raw = await sync_to_async(services.apikey_create)(owner=user, name="shared", requests_per_minute=2)
     _, thrifty = await sync_to_async(services.apikey_create)(owner=user, name="thrifty", tokens_per_day=5)
     env = {

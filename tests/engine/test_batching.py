@@ -399,6 +399,29 @@ async def test_the_burst_wait_is_bounded_and_a_lone_request_never_waits(make_eng
     assert backend.batch_steps.count(2) == 0  # r0 and r1 never shared a step
 
 
+async def test_the_burst_wait_ends_on_the_engines_clock(make_engine, backend, fake_clock):
+    """LANE-1: `burst_wait_s` is read on the clock the engine was given, not the wall clock.
+
+    The wait would last 30 s on the wall clock; advancing the engine's clock past it ends it, and
+    r0 starts alone while r1 is still templating.
+    """
+    engine = make_engine(clock=fake_clock, burst_wait_s=30.0)
+    release = hold_slow_renders(backend)
+    x = batching(4)
+    held = asyncio.create_task(engine.submit(request("r1", spec_=x, text="slow", max_tokens=2)))
+    await until(lambda: backend.render_calls == 1, what="r1 to hold its permit, templating")
+    first = asyncio.create_task(engine.submit(request("r0", spec_=x, text="fast", max_tokens=2)))
+    await until(lambda: engine.get(1).stats.gathering, what="the worker to gather the burst")
+    assert backend.batch_steps == []
+    fake_clock.advance(31.0)
+    events = await asyncio.wait_for(collect(await first), 3.0)
+    assert isinstance(events[-1], Done) and events[-1].usage.completion_tokens == 2  # while r1 is held
+    assert engine.get(1).stats.burst_waits == 1 and not held.done()
+    release.set()
+    second = await collect(await held)
+    assert isinstance(second[-1], Done) and backend.batch_steps.count(2) == 0
+
+
 @pytest.mark.parametrize(("can_batch", "served"), [(True, (3, 0, 4)), (False, (1, 2, 1))])
 async def test_a_model_that_cannot_batch_is_served_one_at_a_time(engine, backend, can_batch, served):
     """LANE-1 (issue 25): a lane capacity above 1 on a model that cannot batch is clamped to 1, so

@@ -183,7 +183,11 @@ async def test_the_byte_bound_evicts_the_oldest_files(boot, backend, kv_dir, tmp
     await until(lambda: disk_stats(engine)["written"] == 1, what="the first save")
     backend.enqueue(["Hi"])
     await turn(engine, "b", (Message("user", "a different conversation"),))
-    await until(lambda: disk_stats(engine)["written"] == 2, what="the second save")
+    # `written` counts the save before the eviction that makes room runs: wait for both.
+    await until(
+        lambda: disk_stats(engine)["written"] == 2 and disk_stats(engine)["evicted"] == 1,
+        what="the second save and the eviction it makes",
+    )
     names = sorted(p.name for p in folder(kv_dir).iterdir())
     assert names == [f"b{RECORD_SUFFIX}", f"b{KV_SUFFIX}"]
     assert disk_stats(engine)["evicted"] == 1

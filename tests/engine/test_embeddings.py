@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 
 import pytest
 
@@ -19,6 +20,7 @@ from mlxhost.engine import (
 from mlxhost.engine.backends.fake import EMBED_END, EMBED_START, fake_vector
 from mlxhost.engine.embeddings import plan_passes, truncated
 from tests.engine.conftest import collect, lane_idle, lane_of, request, spec, until
+from tests.support import FakeClock
 
 NAME = "embedder"
 
@@ -67,6 +69,45 @@ async def test_concurrent_requests_share_one_forward_pass(make_engine, backend):
     for group, result in zip(texts, results, strict=True):
         assert [list(v) for v in result.vectors] == [list(fake_vector(ids_of(t), 8)) for t in group]
         assert result.prompt_tokens == sum(len(ids_of(t)) for t in group)
+
+
+class WorkerClock(FakeClock):
+    """The engine's clock, counting the reads the worker threads make of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.worker_reads = 0
+
+    def __call__(self) -> float:
+        if threading.current_thread().name.startswith("mlxhost-worker-"):
+            self.worker_reads += 1
+        return super().__call__()
+
+
+async def test_the_wait_for_requests_still_tokenizing_ends_on_the_engines_clock(make_engine, backend):
+    """API-14: `embed_wait_s` is read on the clock the engine was given, not the wall clock.
+
+    e0 reaches the worker while e-held still tokenizes (holding a permit): the worker waits for it,
+    reading the engine's clock as it polls, and advancing that clock past the 30 s ends the wait.
+    """
+    clock = WorkerClock()
+    engine = make_engine(clock=clock, embed_wait_s=30.0)
+    engine.bind(NAME, embedding_spec(capacity=8))
+    release = threading.Event()
+    backend.before_render = lambda _: backend.tokenize_calls > 1 or release.wait(timeout=30)
+    held = asyncio.create_task(engine.embed(embed_request("e-held", "held")))
+    await until(lambda: backend.tokenize_calls == 1, what="e-held to tokenize, holding its permit")
+    reads = clock.worker_reads
+    first = asyncio.create_task(engine.embed(embed_request("e0", "first")))
+    await until(lambda: clock.worker_reads >= reads + 3, what="the worker to wait on the engine's clock")
+    assert backend.embed_passes == [] and lane_of(engine)["permits"] == 1
+    clock.advance(31.0)
+    result = await asyncio.wait_for(first, 3.0)
+    assert [list(v) for v in result.vectors] == [list(fake_vector(ids_of("first"), 8))]
+    assert backend.embed_passes == [[ids_of("first")]] and not held.done()
+    release.set()
+    await held
+    assert len(backend.embed_passes) == 2
 
 
 async def test_requests_arriving_during_a_pass_share_the_next_one(engine, backend):

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse, urlunparse
 
 import pytest
 import redis
 
+from mlxhost.runtime import PROCESS
 from models_app.models import StoredResponse
 from models_app.persistence import persistence as persistence_module
-from models_app.persistence.persistence import Persistence
-from tests.models_app.support import make_record, off_loop
+from tests.models_app.support import build_persistence, make_record, off_loop
 from tests.support import eventually, wait_until
+
+if TYPE_CHECKING:
+    from models_app.persistence.persistence import Persistence
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.celery, pytest.mark.timeout(180)]
 
@@ -25,15 +29,15 @@ def make_store(celery_publishes, queue):
     def build(broker_url: str, **options) -> Persistence:
         options.setdefault("poll_s", 0.05)
         options.setdefault("hard_timeout_s", 150.0)  # these tests never want the breaker
-        store = Persistence(broker_url=broker_url, queue=queue, **options)
-        persistence_module.set_persistence(store)
+        store = build_persistence(broker_url=broker_url, queue=queue, **options)
+        PROCESS.put(persistence_module.PERSISTENCE, store)
         built.append(store)
         return store
 
     yield build
     for store in built:
         store.close()
-    persistence_module.set_persistence(None)
+    PROCESS.put(persistence_module.PERSISTENCE, None)
 
 
 @off_loop

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 
 from django.db import connections
 
-from models_app.persistence.persistence import ResponseRecord
+from mlxhost.runtime.config import PersistenceSettings
+from models_app.persistence.persistence import Persistence, ResponseRecord
+from models_app.persistence.records import StoreWiring
+
+_SETTINGS = {field.name for field in dataclasses.fields(PersistenceSettings)}
+
+
+def build_persistence(**options) -> Persistence:
+    """A `Persistence` from keyword options: the settings' fields (`poll_s`, `hard_timeout_s`, …)
+    and the wiring's (`publish`, `eager`, `clock`, `shared`, `late_limit`, …)."""
+    config = PersistenceSettings(**{k: v for k, v in options.items() if k in _SETTINGS})
+    return Persistence(config, StoreWiring(**{k: v for k, v in options.items() if k not in _SETTINGS}))
 
 
 def make_record(owner_id: int, *, text: str = "Hello there.", **overrides) -> ResponseRecord:

@@ -6,7 +6,9 @@ import re
 
 import pytest
 
-from mlxhost.runtime.status import live_fields
+from models_app.catalogue import folders
+from models_app.catalogue.live_status import live_fields
+from models_app.console import live_state
 from models_app.models import ApiKey, Model, ModelAlias, StoredResponse
 from tests.support import register_alias
 
@@ -321,7 +323,6 @@ def test_the_add_form_offers_model_folders(admin_client, tiny_model_dir):
 
 def test_model_folders_are_listed_two_levels_down(tmp_path):
     """ADM-1: config.json + *.safetensors marks a model folder; deeper and incomplete folders are skipped."""
-    from models_app.catalogue import selectors
 
     def model(folder):
         folder.mkdir(parents=True)
@@ -334,7 +335,7 @@ def test_model_folders_are_listed_two_levels_down(tmp_path):
     (tmp_path / "config-only").mkdir()
     (tmp_path / "config-only" / "config.json").write_text("{}")
     model(tmp_path / ".hidden")
-    assert selectors.model_folders_available(root=tmp_path) == ["org/nested", "plain"]
+    assert folders.model_folders_available(root=tmp_path) == ["org/nested", "plain"]
 
 
 @pytest.mark.parametrize(
@@ -561,10 +562,9 @@ def test_model_and_alias_pages_show_the_prefix_cache(admin_client, tiny_alias):
 
 def test_live_state_selector_maps_each_engine_state(tiny_alias):
     """OPS-4: the selector turns an engine's instance view into the state the admin shows."""
-    from models_app.catalogue import selectors
 
     def state(views, actions=None):
-        return selectors.alias_live_state(alias=tiny_alias, views=views, actions=actions or {})
+        return live_state.alias_live_state(alias=tiny_alias, views=views, actions=actions or {})
 
     iid = tiny_alias.instance_id
     assert state(None).state == "unreported"

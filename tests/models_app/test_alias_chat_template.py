@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from models_app.catalogue.selectors import template_options_for
+from models_app.catalogue.specs import template_options_for
 from models_app.console.forms import ModelAliasForm
 
 pytestmark = pytest.mark.django_db

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from mlxhost.runtime.status import live_fields
 from models_app.catalogue import control
+from models_app.catalogue.live_status import live_fields
 from tests.support import register_alias
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from mlxhost.engine import detect_kind
-from models_app.catalogue import selectors
+from models_app.catalogue import specs
 from models_app.models import Model
 from tests.models_app.test_admin import MODEL_FORM, MODELS_URL
 from tests.support import register_alias
@@ -61,8 +61,8 @@ def test_saving_a_local_model_detects_its_kind_and_the_spec_carries_it(minilm_fo
     tiny = register_alias(name="tiny", folder="tiny-llama")
     assert minilm.model.kind == Model.Kind.EMBEDDING
     assert tiny.model.kind == Model.Kind.CHAT
-    assert selectors.model_spec_for(alias=minilm).kind == "embedding"
-    assert selectors.model_spec_for(alias=tiny).kind == "chat"
+    assert specs.model_spec_for(alias=minilm).kind == "embedding"
+    assert specs.model_spec_for(alias=tiny).kind == "chat"
 
 
 @pytest.mark.django_db

@@ -10,8 +10,8 @@ import time
 import pytest
 from django.contrib.auth.models import Permission
 
-from mlxhost.runtime.status import idle_unload_fields, live_fields
 from models_app.catalogue import control
+from models_app.catalogue.live_status import idle_unload_fields, live_fields
 from models_app.console.forms import ALIAS_FORM_FIELDS, MODEL_FORM_FIELDS, ModelAliasForm, ModelForm
 from models_app.models import ModelAlias
 from tests.support import register_alias

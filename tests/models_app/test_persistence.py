@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from mlxhost.engine import Engine, EngineConfig
 from mlxhost.engine.backends.fake import FakeBackend
+from mlxhost.runtime import PROCESS
 from models_app.catalogue import services
 from models_app.models import InstanceTombstone, StoredResponse
 from models_app.persistence import persistence as persistence_module
@@ -21,7 +22,7 @@ from models_app.persistence import tasks
 from models_app.persistence.persistence import Persistence, ResponseRecord, StorageTimeoutError
 from models_app.persistence.publishing import CeleryPublisher
 from tests.engine.conftest import spec
-from tests.models_app.support import drop, make_record, off_loop
+from tests.models_app.support import build_persistence, drop, make_record, off_loop
 from tests.support import FakeClock, eventually
 
 DAY = 24 * 3600
@@ -35,15 +36,15 @@ def make_store():
     def build(**options) -> Persistence:
         options.setdefault("poll_s", 0.02)
         options.setdefault("wait_s", 2.0)
-        store = Persistence(**options)
-        persistence_module.set_persistence(store)
+        store = build_persistence(**options)
+        PROCESS.put(persistence_module.PERSISTENCE, store)
         built.append(store)
         return store
 
     yield build
     for store in built:
         store.close()
-    persistence_module.set_persistence(None)
+    PROCESS.put(persistence_module.PERSISTENCE, None)
 
 
 def closed_port() -> int:
@@ -421,7 +422,7 @@ async def test_embedded_default_sweeps_in_the_web_process(user, make_store):
 async def test_server_start_runs_one_monitor_and_the_embedded_sweeper(make_store):
     """PER-4 / PER-5: starting the server starts the breaker's monitor and, without a broker, the
     sweeper; a second start, or a record, adds no second one."""
-    from mlxhost.runtime.persistence import start_persistence
+    from models_app.persistence.lifecycle import start_persistence
 
     store = make_store()
     start_persistence()

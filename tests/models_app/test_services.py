@@ -13,7 +13,7 @@ from django.core.management import call_command
 from django.db import connection
 from django.utils import timezone
 
-from models_app.catalogue import selectors, services
+from models_app.catalogue import selectors, services, specs
 from models_app.models import ApiKey, ModelAlias, ModelInstance, StoredResponse
 
 pytestmark = [pytest.mark.django_db]
@@ -61,7 +61,7 @@ def test_two_aliases_of_the_same_weights_share_one_instance(tiny_model_dir):
     b = services.alias_register(name="b", source_kind="local", local_path="./tiny-llama/")
     assert a.instance_id == b.instance_id
     assert ModelInstance.objects.count() == 1
-    assert selectors.model_spec_for(alias=a) == selectors.model_spec_for(alias=b)
+    assert specs.model_spec_for(alias=a) == specs.model_spec_for(alias=b)
 
 
 def test_changed_weights_get_a_new_monotonic_instance_id(tiny_model_dir, settings):
@@ -88,7 +88,7 @@ def test_hub_alias_requires_a_pinned_revision():
     alias = services.alias_register(
         name="hub", source_kind="hub", hf_repo="mlx-community/SmolLM2-135M-Instruct", hf_revision="abc123"
     )
-    spec = selectors.model_spec_for(alias=alias)
+    spec = specs.model_spec_for(alias=alias)
     assert (spec.source, spec.revision) == ("mlx-community/SmolLM2-135M-Instruct", "abc123")
 
 
@@ -127,9 +127,7 @@ def test_local_path_must_stay_under_models_root(path, tiny_model_dir):
 
 def test_sampling_merge_prefers_request_then_alias(tiny_alias):
     tiny_alias.temperature, tiny_alias.top_p, tiny_alias.max_tokens = 0.3, 0.9, 40
-    params = selectors.sampling_params_for(
-        alias=tiny_alias, overrides={"top_p": 0.5, "seed": 7, "stop": ["x"]}
-    )
+    params = specs.sampling_params_for(alias=tiny_alias, overrides={"top_p": 0.5, "seed": 7, "stop": ["x"]})
     assert (params.temperature, params.top_p, params.max_tokens, params.seed, params.stop) == (
         0.3,
         0.5,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxhost.runtime.status import idle_unload_fields, instance_live_state, live_fields
 from models_app.catalogue.control import LIVE_LABELS
+from models_app.catalogue.live_status import idle_unload_fields, instance_live_state, live_fields
 from tests.support import eventually
 
 
@@ -58,8 +58,8 @@ async def test_an_admin_action_is_reported_at_once(monkeypatch):
     """ADM-7: the publisher reports as soon as an action starts or ends, not at its next tick."""
     import asyncio
 
-    from mlxhost.runtime import status
-    from mlxhost.runtime.control import Actions
+    from models_app.catalogue import live_status as status
+    from models_app.catalogue.reconcile import Actions
 
     class NoInstances:
         def snapshot(self) -> list:
@@ -84,8 +84,8 @@ async def test_the_status_names_each_instance_kind_and_counts_embedded_tokens_pe
     input tokens it read."""
     from mlxhost.engine import EmbeddingRequest, Engine, EngineConfig, LaneSettings, ModelSpec
     from mlxhost.engine.backends.fake import FakeBackend
-    from mlxhost.runtime.control import Actions
-    from mlxhost.runtime.status import StatusBuilder
+    from models_app.catalogue.live_status import StatusBuilder
+    from models_app.catalogue.reconcile import Actions
 
     engine = Engine(EngineConfig(backend="fake"), backend=FakeBackend())
     try:

@@ -14,7 +14,9 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 from mlxhost.engine.backends.base import BatchStep, SequenceCache
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
+from mlxhost.engine.backends.mlx.drafting import SpeculationConfig, SpeculationStats
 from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
+from mlxhost.engine.backends.mlx.speculative import RowPlan, SpeculativeGenerationBatch
 from mlxhost.engine.errors import GrammarFailedError
 
 if TYPE_CHECKING:
@@ -170,6 +172,7 @@ class MlxBatch:
         prefill_step: int = PREFILL_STEP,
         prefill_step_alone: int = PREFILL_STEP_ALONE,
         vocabulary: Vocabulary | None = None,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         self.capacity = capacity
         self._vocabulary = vocabulary
@@ -196,6 +199,13 @@ class MlxBatch:
         self._fed_alone = 0  # prompt tokens fed by `_insert_started` since the last step
         self._samplers: dict[tuple[float, float, float, int], tuple[_Guard, Any]] = {}
         self._guards: dict[int, tuple[_Guard, _Guard]] = {}  # handle -> (its sampler's, its own)
+        # Speculation (docs/speculation.md): the generator's decode step verifies drafts.
+        self._speculative: SpeculativeGenerationBatch | None = None
+        self._ended_stats: dict[int, SpeculationStats] = {}  # rows that ended in the last step
+        self.speculation_totals = SpeculationStats()  # every row's counts, summed as rows end
+        if speculation is not None:
+            self._speculative = SpeculativeGenerationBatch.start(model, self._generator.sampler, speculation)
+            self._generator._generation_batch = self._speculative
 
     def accepts(self, sampling: SamplingParams) -> bool:
         # Every request can share the batch: a seeded one gets a sampler of its own (its own
@@ -203,14 +213,25 @@ class MlxBatch:
         return True
 
     def insert(
-        self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
+        self,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        kv: object | None,
+        cached: int,
+        *,
+        prediction_ids: Sequence[int] | None = None,
     ) -> int:
+        """Add a sequence; returns its handle. With speculation on, `prediction_ids` (the
+        client's predicted output, OpenAI Predicted Outputs) is its draft source; without,
+        drafts come from its own prompt and output."""
         suffix = len(prompt_ids) - cached
         # Fed alone while the batch decodes, within the per-step prefill budget (`prefill_step`
         # tokens between two steps, as a prefill chunk has): the running streams wait no longer.
         if self._decoding and suffix > 0 and self._fed_alone + suffix <= self._prefill_step:
             self._fed_alone += suffix
-            return self._insert_started(prompt_ids, sampling, kv, cached)
+            handle = self._insert_started(prompt_ids, sampling, kv, cached)
+            self._plan(handle, prompt_ids, sampling, prediction_ids)
+            return handle
         sampler_guard, sampler = self._sampler(sampling)
         guard = _Guard()
         (uid,) = self._generator.insert(
@@ -225,7 +246,43 @@ class MlxBatch:
         self._guards[uid] = (sampler_guard, guard)
         if sampling.logprobs is not None:
             self._top[int(uid)] = sampling.logprobs
+        self._plan(int(uid), prompt_ids, sampling, prediction_ids)
         return int(uid)
+
+    def _plan(
+        self,
+        handle: int,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        prediction: Sequence[int] | None,
+    ) -> None:
+        if self._speculative is None or handle < 0:
+            return
+        plan = RowPlan(
+            prompt_length=len(prompt_ids),
+            prediction=tuple(prediction) if prediction else None,
+            speculate=sampling.grammar is None,  # a grammar's matcher must not see rejected drafts
+            sequential=sampling.seed is not None and sampling.temperature != 0,  # its own key
+        )
+        self._speculative.register(handle, plan)
+
+    def speculation_stats(self, handle: int) -> SpeculationStats | None:
+        """A row's drafted / accepted / passes counts: while it runs, and on the step that ends
+        it (until the next step). None without speculation or for a row that never drafts."""
+        if handle in self._ended_stats:
+            return self._ended_stats[handle]
+        if self._speculative is None:
+            return None
+        drafter = self._speculative.drafters.get(handle)
+        return drafter.stats if drafter is not None else None
+
+    def _release(self, handle: int) -> None:
+        if self._speculative is None:
+            return
+        drafter = self._speculative.release(handle)
+        if drafter is not None:
+            self._ended_stats[handle] = drafter.stats
+            self.speculation_totals.add(drafter.stats)
 
     def _insert_started(
         self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
@@ -299,6 +356,7 @@ class MlxBatch:
 
     def step(self) -> list[BatchStep]:
         self._fed_alone = 0
+        self._ended_stats.clear()
         if self._first:  # first tokens sampled at insert go out at once, before a batch step
             first, self._first = list(self._first.values()), {}
             for step in first:
@@ -336,6 +394,7 @@ class MlxBatch:
                 del self._guards[response.uid]
                 self._top.pop(response.uid, None)
                 decoding.discard(response.uid)
+                self._release(response.uid)
                 cache = SequenceCache(response.prompt_cache, tuple(response.all_tokens))
             steps.append(BatchStep(response.uid, text, token, finish, cache, logprob=spelled(logprob, text)))
         if faulted:
@@ -365,6 +424,7 @@ class MlxBatch:
         self._guards.pop(handle, None)
         self._top.pop(handle, None)
         self._decoding.discard(handle)
+        self._release(handle)
         kv, tokens = caches[handle]
         return SequenceCache(kv, tuple(tokens))
 

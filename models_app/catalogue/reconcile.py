@@ -3,8 +3,9 @@
 `run_control_listener` joins the engine group on the channel layer: a `models.changed` message
 reconciles the engine with the database, a `models.action` message loads, unloads or reloads a
 model through its instance's writer path (LANE-4). The message vocabulary lives in
-`models_app.catalogue.control`; the live status is `mlxhost.runtime.status`. Registered on import: when the
-engine starts, the listener runs and the engine is reconciled (pinned models load).
+`models_app.catalogue.control`; the live status is `models_app.catalogue.live_status`. Installed
+by `mlxhost.composition`: when the engine starts, the listener runs and the engine is reconciled
+(pinned models load).
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from mlxhost.engine import (
     Engine,
     EngineError,
     ModelSpec,
-    UnknownModelError,
     instance_id_of_name,
     is_internal_name,
 )
 from mlxhost.runtime import lifecycle
-from models_app.catalogue import control, hotcache, selectors, services
+from mlxhost.runtime.lifecycle import Shared
+from models_app.catalogue import control, hotcache, selectors, services, specs
 from models_app.models import Model, ModelAlias
 from models_app.turns import live_responses
 
@@ -54,7 +55,7 @@ def _served_instance_ids() -> set[int]:
 def _desired() -> dict[str, tuple[ModelSpec, bool]]:
     """Every enabled alias -> (the spec of its model, whether that model is pinned)."""
     return {
-        alias.name: (selectors.model_spec_for(alias=alias), alias.model.pinned)
+        alias.name: (specs.model_spec_for(alias=alias), alias.model.pinned)
         for alias in selectors.aliases_enabled()
     }
 
@@ -63,7 +64,8 @@ async def reconcile(engine: Engine, *, load_pinned: bool = True) -> None:
     """Make the engine match the database: drop removed or disabled aliases, apply changed
     settings or weights to bound ones (REG-5, hot swap), and load pinned models.
 
-    Only control binds (this, `bind_on_demand` and the admin actions); requests resolve."""
+    Only control binds (this, `models_app.turns.binding.bind_on_demand` and the admin actions);
+    requests resolve."""
     desired = await sync_to_async(_desired)()
     served = await sync_to_async(_served_instance_ids)()
     bound = set(engine.bound_names())
@@ -83,41 +85,6 @@ async def reconcile(engine: Engine, *, load_pinned: bool = True) -> None:
             if pinned and instance.state != "ready":
                 loads.append(_load_logged(engine, name, spec))
     await asyncio.gather(*loads)
-
-
-async def bind_on_demand(engine: Engine, name: str) -> None:
-    """Bind the alias `name` as the database has it now, unless the engine already serves it.
-
-    The first request for a name that is not pinned (and so not bound at start) comes here. It
-    reads the row afresh, never the caller's copy, and never re-binds a bound name: a request
-    that read the row before an admin swap cannot move the name back (REG-5).
-
-    Raises:
-        UnknownModelError: no enabled alias has that name.
-    """
-    if engine.bound(name):
-        return
-    try:
-        spec = await sync_to_async(_spec_of_alias)(name)
-    except ModelAlias.DoesNotExist:
-        raise UnknownModelError(f"No model is served as {name!r}.") from None
-    if not engine.bound(name):  # another request bound it while this one read the row
-        engine.bind(name, spec)
-
-
-async def engine_for(name: str) -> Engine:
-    """This process's engine, serving the alias `name` (bound on demand if nothing has yet).
-
-    Raises:
-        UnknownModelError: no enabled alias has that name.
-    """
-    engine = lifecycle.get_engine()
-    await bind_on_demand(engine, name)
-    return engine
-
-
-def _spec_of_alias(name: str) -> ModelSpec:
-    return selectors.model_spec_for(alias=selectors.alias_resolve(name=name))
 
 
 def is_alias(name: str) -> bool:
@@ -247,7 +214,7 @@ class Actions:
         if action == "unload":
             return await self._unload(model)
         if action == "load":
-            return await self._load(model, selectors.model_spec_for(model=model))
+            return await self._load(model, specs.model_spec_for(model=model))
         if action == "reload":
             return await self._reload(model, by)
         raise ValueError(f"unknown action {action!r}")
@@ -274,7 +241,7 @@ class Actions:
         """Read the model's weights again. New weights load beside the old instance, which keeps
         serving until they are resident and is kept if they fail (OPS-4)."""
         fresh = await sync_to_async(services.model_fresh_instance)(model=model)
-        spec = selectors.model_spec_for(model=model, instance=fresh)
+        spec = specs.model_spec_for(model=model, instance=fresh)
 
         async def switch() -> None:
             if fresh.pk != model.instance_id:
@@ -376,15 +343,17 @@ async def handle_message(engine: Engine, actions: Actions, message: dict[str, An
 
 # The lifecycle ------------------------------------------------------------------------------------
 
-_actions: Actions | None = None
+# The one `Actions` of the process's engine (the listener runs them, the status publisher reports them).
+ACTIONS: Shared[Actions] = Shared("admin actions")
 
 
 def actions_for(engine: Engine) -> Actions:
-    """The one `Actions` of `engine` (the listener runs them, the status publisher reports them)."""
-    global _actions
-    if _actions is None or _actions.engine is not engine:  # a test's fresh engine replaces the last
-        _actions = Actions(engine)
-    return _actions
+    """The one `Actions` of `engine`, made on first use."""
+    actions = lifecycle.PROCESS.peek(ACTIONS)
+    if actions is None or actions.engine is not engine:  # a test's fresh engine replaces the last
+        actions = Actions(engine)
+        lifecycle.PROCESS.put(ACTIONS, actions)
+    return actions
 
 
 def start_control(engine: Engine) -> None:
@@ -413,6 +382,3 @@ async def run_periodic_reconcile(engine: Engine, interval_s: float) -> None:
             await reconcile(engine, load_pinned=False)
         except Exception:  # the database away for a moment: the next round tries again
             logger.warning("periodic reconcile failed", exc_info=True)
-
-
-lifecycle.on_start(start_control)

@@ -5,7 +5,7 @@ The one place that names an instance's state. `instance_status` is OPS-2's healt
 published with its words (`models_app.catalogue.control.LIVE_LABELS`) so that the admin, the dashboard
 view and `dashboard.js` only render `view["label"]`. `run_status_publisher` reports every
 instance to the cache (the admin reads it) and to the dashboard group (pushed to the browsers).
-Registered on import: the publisher runs from the engine's start until it stops.
+Installed by `mlxhost.composition`: the publisher runs from the engine's start until it stops.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from channels.layers import get_channel_layer
 from django.conf import settings
 
 from mlxhost.runtime import lifecycle
-from mlxhost.runtime.control import Actions, actions_for, is_alias
 from models_app.catalogue import control
+from models_app.catalogue.reconcile import Actions, actions_for, is_alias
 from models_app.console import status_history
 
 if TYPE_CHECKING:
@@ -221,6 +221,3 @@ async def _next_report(actions: Actions) -> None:
 def start_status_publisher(engine: Engine) -> None:
     """Publish the status from the engine's start until it stops."""
     lifecycle.spawn(run_status_publisher(engine, actions_for(engine)), name="engine-status")
-
-
-lifecycle.on_start(start_status_publisher)

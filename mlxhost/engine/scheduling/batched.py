@@ -1,4 +1,8 @@
-"""The batched scheduler: admitted GenerateJobs share decode steps on one backend `BatchRunner`."""
+"""The batched scheduler: admitted GenerateJobs share decode steps on one backend `BatchRunner`.
+
+`BatchedScheduler` opens, refills and closes the batch and gathers a burst before a new one
+starts; `Batch` is the open batch: its sequences, and the one step they all share.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mlxhost.engine.jobs import JobResult, Turn, end_unstarted, post_done
+from mlxhost.engine.jobs import GenerateJob, JobResult, Turn, end_unstarted, post_done
+from mlxhost.engine.scheduling.base import Scheduler
 from mlxhost.engine.stops import StopMatcher
 from mlxhost.engine.types import Delta, Failed, Started
 
@@ -14,7 +19,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from mlxhost.engine.backends.base import BatchRunner, BatchStep, LoadedModel, SequenceCache
-    from mlxhost.engine.jobs import GenerateJob, WorkerStats
+    from mlxhost.engine.jobs import WorkerStats
+    from mlxhost.engine.scheduling.base import Host, Queued
+    from mlxhost.engine.scheduling.fifo import Fifo
     from mlxhost.engine.types import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -32,10 +39,10 @@ class _Sequence:
     unsent_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, when asked for
 
 
-class BatchScheduler:
-    """Runs GenerateJobs together on the worker thread, for lanes with capacity > 1 (LANE-1).
+class Batch:
+    """GenerateJobs running together on one `BatchRunner`, on the worker thread (LANE-1).
 
-    The worker inserts jobs between steps and calls `step()` while `len(self)` is non-zero.
+    `BatchedScheduler` inserts jobs between steps and calls `step()` while `len(self)` is non-zero.
     Events match the exclusive scheduler's: Started, Delta..., then Done (or Failed), and
     `on_end` exactly once per job with the sequence's own cache (SES-1, SES-5).
     """
@@ -200,3 +207,113 @@ class BatchScheduler:
         self._stats.batch_size = len(sequences)
         oldest = next(iter(sequences.values()), None)
         self._stats.active_request = oldest.job.generation.request_id if oldest is not None else None
+
+
+class BatchedScheduler(Scheduler):
+    """Runs GenerateJobs together in one `Batch`, for lanes with capacity > 1 (LANE-1).
+
+    A generation joins the batch between decode steps when the lane's capacity (the host's
+    `batch_capacity`) is above 1, the model can batch (its optional `open_batch`) and the batch
+    takes it (`Batch.accepts`); otherwise the exclusive scheduler runs it, once the batch has
+    drained. Busy while the batch holds a sequence; each `step()` is one decode step of them all.
+    """
+
+    def __init__(self, host: Host, clock: Callable[[], float], burst_wait_s: float) -> None:
+        self._host = host
+        self._clock = clock
+        self.burst_wait_s = burst_wait_s
+        self._batch: Batch | None = None
+        self._unbatchable: LoadedModel | None = None  # the model whose open_batch said no
+
+    @property
+    def busy(self) -> bool:
+        return self._batch is not None and len(self._batch) > 0
+
+    def accepts(self, job: Queued) -> bool:
+        """Whether `job` may join the batch now (opening one, or replacing a stale idle one)."""
+        return isinstance(job, GenerateJob) and self._batch_for(job) is not None
+
+    def prepare(self, fifo: Fifo) -> None:
+        """Wait briefly for requests still preparing, so a burst is prefilled in one call.
+
+        A burst reaches the worker spread out by each request's own key check, alias lookup and
+        chat template. Started at once, the first request would be prefilled alone and every
+        other one a step later, behind it. Nobody is decoding yet, so waiting costs no running
+        stream anything; it ends as soon as no permit is outstanding, the batch would be full,
+        or `burst_wait_s` has passed on the worker's clock. A lone request (no other permits)
+        never waits.
+        """
+        host = self._host
+        if not (
+            host.batch_capacity > 1
+            and self.burst_wait_s > 0
+            and not self.busy
+            and isinstance(fifo.head, GenerateJob)
+        ):
+            return
+        stats = host.stats
+
+        def waiting() -> None:
+            if not stats.gathering:
+                stats.gathering = True
+                stats.burst_waits += 1
+
+        try:
+            fifo.gather(self.burst_wait_s, lambda: fifo.count(GenerateJob) < host.batch_capacity, waiting)
+        finally:
+            stats.gathering = False
+
+    def start(self, fifo: Fifo) -> None:
+        job = fifo.pop()
+        assert isinstance(job, GenerateJob) and self._batch is not None  # see `accepts`
+        self._batch.insert(job)
+
+    def step(self) -> None:
+        assert self._batch is not None
+        try:
+            self._batch.step()
+        except Exception as exc:
+            # The backend raised outside any one sequence's sampler or processors: nobody can be
+            # blamed, so the batch ends and the model's shared state is rebuilt (OPS-2).
+            logger.exception("a batch step failed")
+            self._batch.fail_all()
+            self._batch = None
+            self._host.fault(exc)
+
+    def reset(self) -> None:
+        self._unbatchable = None
+        if self._batch is not None and self._batch.model is not self._host.model:
+            self.close()  # unloaded or replaced: the batch must not pin the old weights
+
+    def close(self) -> None:
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+
+    def _batch_for(self, job: GenerateJob) -> Batch | None:
+        """The batch `job` may join now, or None when it must run alone."""
+        model, capacity = self._host.model, self._host.batch_capacity
+        if capacity <= 1 or model is None:  # None: the exclusive path reloads it, in order
+            return None
+        batch = self._batch
+        if batch is not None and (
+            batch.model is not model or (len(batch) == 0 and batch.capacity != capacity)
+        ):
+            self.close()
+            batch = None
+        if batch is None and model is not self._unbatchable:
+            batch = self._open(model, capacity)
+        return batch if batch is not None and batch.accepts(job) else None
+
+    def _open(self, model: LoadedModel, capacity: int) -> Batch | None:
+        open_batch = getattr(model, "open_batch", None)  # optional in the backend protocol
+        try:
+            runner = open_batch(capacity) if open_batch is not None else None
+        except Exception:
+            logger.exception("opening a batch failed; serving one request at a time")
+            runner = None
+        if runner is None:
+            self._unbatchable = model
+            return None
+        self._batch = Batch(model, runner, self._host.stats, self._clock)
+        return self._batch

@@ -1,5 +1,5 @@
 """The write-behind store's part in the lifecycle: its monitor starts with the engine, and what it
-still holds is flushed after the drain (PER-4, PER-5, OPS-5). Registered on import."""
+still holds is flushed after the drain (PER-4, PER-5, OPS-5). Installed by `mlxhost.composition`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from mlxhost.celery import app
 from mlxhost.runtime import lifecycle
-from models_app.persistence.persistence import persistence, persistence_if_started
+from models_app.persistence.persistence import PERSISTENCE, persistence
 
 if TYPE_CHECKING:
     from mlxhost.engine import Engine
@@ -38,7 +38,7 @@ async def flush_persistence() -> None:
     recorded = -1.0
     while loop.time() < deadline:
         await asyncio.sleep(STREAM_SETTLE_S)
-        store = persistence_if_started()
+        store = lifecycle.PROCESS.peek(PERSISTENCE)
         if store is None:
             return
         now_recorded = store.stats()["recorded"]
@@ -48,9 +48,5 @@ async def flush_persistence() -> None:
             return
         recorded = now_recorded
     logger.error("stored responses were still being written at shutdown")
-    if (store := persistence_if_started()) is not None:
+    if (store := lifecycle.PROCESS.peek(PERSISTENCE)) is not None:
         await store.aclose()
-
-
-lifecycle.on_start(start_persistence)
-lifecycle.on_stop(flush_persistence, stage=lifecycle.StopStage.FLUSH)

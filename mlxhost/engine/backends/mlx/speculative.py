@@ -1,0 +1,272 @@
+"""Speculative decoding inside mlx-lm's continuous batch: a `GenerationBatch` that verifies drafts.
+
+`SpeculativeGenerationBatch` replaces the `GenerationBatch` that mlx-lm's `BatchGenerator` holds
+in `_generation_batch`. Everything else stays mlx-lm's: prompt processing, chunked prefill,
+`extend` when sequences join, `filter` when they leave, `extract_cache` when they finish, the
+stop-token matchers, the per-row samplers and logits processors, `BatchKVCache`.
+
+Each call to `next()` first asks every row's `RowDrafter` (drafting.py) for a draft after its
+pending token (sampled by the previous step, not yet fed) and plans the pass width from the
+cost of a pass and each row's acceptance. With no draft worth trying it runs mlx-lm's own
+one-token step (`GenerationBatch.next`, pipelined as ever): text that never repeats pays only
+the lookup. Otherwise one forward pass feeds each row `[pending, d1..dk]` (right-padded to the
+widest row) and checks the drafts position by position:
+
+- position j's logits go through the row's logits processors with the context the row would
+  have had there (cache tokens + pending + d1..dj), so penalties see exactly what a one-token
+  step would have shown them;
+- the row's own sampler draws the token at each position; draft d(j+1) is accepted only if it
+  equals the token drawn at position j. A sampler with its own random key (a seeded request)
+  is called once per emitted token, in order, and never past the first rejection, so it
+  consumes its key exactly as one-token steps do: the same seed gives the same text. Greedy
+  rows therefore get the same tokens; a shared unseeded sampler is called once on all of a
+  row's positions (independent draws from the target's distribution at each position, which
+  keeps the distribution exact);
+- the emitted tokens (pending + the accepted run) go through max_tokens and the stop-token
+  matcher one by one, as one-token steps would; a row that ends inside its run is cut there;
+- the token drawn after the accepted run becomes the row's next pending token.
+
+Rows with k = 0 in a wide pass still get their one token from position 0. Rows under a grammar
+never draft (k = 0): a grammar processor advances its matcher on every call, so calling it on
+positions that may be rejected would corrupt its state. Checking drafts against the grammar is
+left for later.
+
+Per-row rollback of the batch KV cache (the crux). `BatchKVCache` keeps one write index `_idx`
+shared by all rows, each row's content right-aligned to it, `left_padding[r]` masked positions
+in front, and `offset[r]` (the row's RoPE position) = real tokens. After a pass of width K+1
+row r keeps `keep[r]` = 1 + accepted positions; M = max(keep). The cache is first trimmed by
+K+1-M for everyone (`trim`, mlx-lm's). Row r then holds M-keep[r] rejected (or padding)
+positions at its right end. They are turned into left padding with mlx-lm's own mechanism for
+right-padded prompts: `_right_padding = M - keep` and `finalize()`, which rolls each row right
+by its garbage count (the garbage lands past `_idx`, the unused tail lands in front, masked),
+subtracts it from the row's offset and adds it to its left padding. The cache is then an
+ordinary `BatchKVCache` again: every later mlx-lm operation (mask, RoPE offsets, extend,
+filter, extract) is exact without knowing speculation happened. The costs: a roll copies the
+cache's buffers once per pass where rows kept different counts, and the shared length grows by
+the best row's count, so a row that accepts little carries more left padding (masked; trimmed
+by `filter` when rows leave, as for any batch of unequal lengths). The alternative, holes
+masked in place with per-row offsets, avoids the copy but needs a cache subclass whose mask,
+extend, filter and extract all know the holes; the roll keeps mlx-lm's cache untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+
+from mlxhost.engine.backends.mlx.drafting import RowDrafter, SpeculationConfig, plan_widths
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """What the batch knows of a row before it decodes: its prompt length (the rest of its
+    cache tokens are output), an explicit prediction, whether it may draft at all (not under
+    a grammar), and whether its sampler draws from its own key (must be called in order)."""
+
+    prompt_length: int
+    prediction: tuple[int, ...] | None = None
+    speculate: bool = True
+    sequential: bool = False
+
+
+class SpeculativeGenerationBatch(GenerationBatch):
+    """mlx-lm's `GenerationBatch` whose `next()` verifies per-row drafts (module docstring)."""
+
+    config: SpeculationConfig
+    plans: dict[int, RowPlan]
+    drafters: dict[int, RowDrafter]
+    _seen: dict[int, int]
+
+    @classmethod
+    def start(cls, model: Any, sampler: Any, config: SpeculationConfig) -> SpeculativeGenerationBatch:
+        batch = cast("SpeculativeGenerationBatch", cls.empty(model, sampler))
+        batch.config = config
+        batch.plans = {}
+        batch.drafters = {}
+        batch._seen = {}
+        return batch
+
+    def register(self, uid: int, plan: RowPlan) -> None:
+        self.plans[uid] = plan
+
+    def release(self, uid: int) -> RowDrafter | None:
+        """Forget a row (finished or removed); its drafter, with its counts, if it had one."""
+        self.plans.pop(uid, None)
+        self._seen.pop(uid, None)
+        return self.drafters.pop(uid, None)
+
+    def next(self) -> list[Any]:
+        if not self.uids:
+            return []
+        drafts = self._plan()
+        if not any(drafts):
+            responses = cast("list[Any]", super().next())
+            for response in responses:
+                drafter = self.drafters.get(response.uid)
+                if drafter is not None:
+                    drafter.record(0, 0, 1)
+            return responses
+        return self._verify(drafts)
+
+    def _drafter(self, row: int) -> RowDrafter | None:
+        uid = self.uids[row]
+        plan = self.plans.get(uid)
+        if plan is None or not plan.speculate:
+            return None
+        tokens = self.tokens[row]
+        drafter = self.drafters.get(uid)
+        if drafter is None:
+            split = min(plan.prompt_length, len(tokens))
+            drafter = RowDrafter(self.config, tokens[:split], plan.prediction)
+            self.drafters[uid] = drafter
+            self._seen[uid] = split
+        seen = self._seen[uid]
+        if seen < len(tokens):
+            drafter.observe(tokens[seen:])
+            self._seen[uid] = len(tokens)
+        return drafter
+
+    def _plan(self) -> list[list[int]]:
+        """Each row's drafts for this step; all empty means a plain one-token step."""
+        rows = len(self.uids)
+        if self.config.max_draft <= 0 or not all(type(c) is BatchKVCache for c in self.prompt_cache):
+            return [[] for _ in range(rows)]
+        drafters = [self._drafter(r) for r in range(rows)]
+        if not any(drafters):
+            return [[] for _ in range(rows)]
+        pending = cast("list[int]", self._next_tokens.tolist())
+        candidates: list[list[int]] = []
+        acceptances: list[float] = []
+        for r, drafter in enumerate(drafters):
+            remaining = self.max_tokens[r] - self._num_tokens[r]
+            limit = min(self.config.max_draft, remaining - 1)
+            draft = drafter.draft(limit, pending[r]) if drafter is not None else []
+            candidates.append(draft)
+            acceptances.append(drafter.acceptance if drafter is not None else 0.0)
+        widths = plan_widths(
+            self.config.cost, acceptances, [len(d) for d in candidates], self.config.max_draft
+        )
+        return [d[:k] for d, k in zip(candidates, widths, strict=True)]
+
+    def _verify(self, drafts: list[list[int]]) -> list[Any]:
+        pending = cast("list[int]", self._next_tokens.tolist())
+        width = 1 + max(len(d) for d in drafts)
+        rows = [[p, *d] + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
+        logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
+        mx.eval(logits)
+
+        keeps: list[int] = []
+        emitted_rows: list[list[int]] = []
+        logprob_rows: list[list[mx.array]] = []
+        finishes: list[str | None] = []
+        next_tokens: list[int] = []
+        next_logprobs: list[mx.array] = []
+        for r, draft in enumerate(drafts):
+            sampled, positions = self._sample_row(r, logits[r], pending[r], draft)
+            accepted = len(sampled) - 1
+            emitted = [pending[r], *draft[:accepted]]
+            row_logprobs = [self._next_logprobs[r], *positions[:accepted]]
+            finish = None
+            for i, token in enumerate(emitted):
+                self._num_tokens[r] += 1
+                if self._num_tokens[r] >= self.max_tokens[r]:
+                    finish = "length"
+                if self._matchers[r].advance(token):
+                    finish = "stop"
+                if finish is not None:
+                    emitted, row_logprobs = emitted[: i + 1], row_logprobs[: i + 1]
+                    break
+            drafter = self.drafters.get(self.uids[r])
+            if drafter is not None:
+                drafter.record(len(draft), len(emitted) - 1, len(emitted))
+            keeps.append(len(emitted))
+            emitted_rows.append(emitted)
+            logprob_rows.append(row_logprobs)
+            finishes.append(finish)
+            next_tokens.append(sampled[-1])
+            next_logprobs.append(positions[accepted])
+
+        self._roll_back(width, keeps)
+        for r, emitted in enumerate(emitted_rows):
+            self.tokens[r].extend(emitted)
+            if self.logits_processors and self.logits_processors[r]:
+                self._token_context[r].update_and_fetch(mx.array(emitted, dtype=mx.int32))
+        self._next_tokens = mx.array(next_tokens, dtype=mx.uint32)
+        self._next_logprobs = next_logprobs
+        return self._respond(emitted_rows, logprob_rows, finishes)
+
+    def _sample_row(
+        self, r: int, logits: mx.array, pending: int, draft: list[int]
+    ) -> tuple[list[int], list[mx.array]]:
+        """Tokens drawn at positions 0..accepted (the last one follows the accepted run), and
+        the (processed, normalised) logprobs at every position 0..len(draft)."""
+        processors: Sequence[Callable[[mx.array, mx.array], mx.array]] = (
+            self.logits_processors[r] if self.logits_processors else ()
+        ) or ()
+        context = mx.array([*self.tokens[r], pending, *draft], dtype=mx.int32)
+        base = len(self.tokens[r]) + 1
+        positions = []
+        for j in range(len(draft) + 1):
+            row = logits[j : j + 1]
+            for processor in processors:
+                row = processor(context[: base + j], row)
+            positions.append(row - mx.logsumexp(row, axis=-1, keepdims=True))
+        sampler = self._sampler(r)
+        plan = self.plans.get(self.uids[r])
+        sampled: list[int] = []
+        if plan is not None and plan.sequential:
+            for j, logprobs in enumerate(positions):  # one call per emitted token, in order
+                sampled.append(cast("int", sampler(logprobs).item()))
+                if j == len(draft) or sampled[-1] != draft[j]:
+                    break
+        else:
+            drawn = cast("list[int]", sampler(mx.concatenate(positions, axis=0)).tolist())
+            for j, token in enumerate(drawn):
+                sampled.append(token)
+                if j == len(draft) or token != draft[j]:
+                    break
+        return sampled, [p[0] for p in positions]
+
+    def _sampler(self, r: int) -> Callable[[mx.array], mx.array]:
+        sampler: Callable[[mx.array], mx.array] | None = self.samplers[r] if self.samplers else None
+        return sampler or self.fallback_sampler
+
+    def _roll_back(self, width: int, keeps: list[int]) -> None:
+        """Keep `keeps[r]` of the `width` positions just fed to row r (module docstring)."""
+        most = max(keeps)
+        garbage = [most - keep for keep in keeps]
+        for cache in self.prompt_cache:
+            cache.trim(width - most)
+            if any(garbage):
+                cache._right_padding = mx.array(garbage)
+                cache.finalize()
+        if any(garbage):
+            mx.eval([c.state for c in self.prompt_cache])
+
+    def _respond(
+        self, emitted_rows: list[list[int]], logprob_rows: list[list[mx.array]], finishes: list[str | None]
+    ) -> list[Any]:
+        responses = []
+        keep = []
+        for r, (emitted, logprobs, finish) in enumerate(
+            zip(emitted_rows, logprob_rows, finishes, strict=True)
+        ):
+            uid = self.uids[r]
+            for token, logprob in zip(emitted[:-1], logprobs[:-1], strict=True):
+                responses.append(self.Response(uid, token, logprob, None, None, None))
+            if finish is None:
+                keep.append(r)
+                responses.append(self.Response(uid, emitted[-1], logprobs[-1], None, None, None))
+            else:
+                cache = self.extract_cache(r)
+                responses.append(self.Response(uid, emitted[-1], logprobs[-1], finish, cache, self.tokens[r]))
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
