@@ -8,7 +8,7 @@ generation and its prefix-cache lease, and moves through explicit states:
 
 `reserved` is what callers hold as a permit (LANE-3): `release()` gives the place back.
 `preparing` runs the pre-work (`prework.Prework`), `queued` waits in the lane, `running` is
-on the worker: the lane admitted it and ran its `start.Start`, and the job's result comes back
+on the worker: the lane admitted it and ran its `prework.Start`, and the job's result comes back
 to the loop, never through turn code on the worker. Every way out goes through `end`, which does
 the ordered work in one place. `Ledger` is the engine's table of request ids that turns enter at
 `begin` and leave at `end`; `Turns` reads it.
@@ -31,7 +31,7 @@ from mlxhost.engine.errors import (
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.lane import TicketHooks
-from mlxhost.engine.start import Start, dispatch_on_admit
+from mlxhost.engine.prework import Start, dispatch_on_admit
 from mlxhost.engine.stats import REJECTIONS
 from mlxhost.engine.types import Done, Failed, Timings, Usage
 from mlxhost.engine.worker import WriteJob
