@@ -65,15 +65,16 @@ def relative(path: str) -> str:
     return str(Path(path).relative_to(ROOT))
 
 
-def files_until_the_worker(recorder: PathRecorder) -> list[str]:
+def files_until_the_worker(recorder: PathRecorder) -> dict[str, str]:
     """The product files in first-call order, off the worker's thread, up to the hand-off: the
-    first call into the worker's files from another thread (the job's submit)."""
-    crossed: list[str] = []
-    for thread, _caller, callee in recorder.calls:
+    first call into the worker's files from another thread (the job's submit). Each with the
+    call that first entered it, as "caller file -> function"."""
+    crossed: dict[str, str] = {}
+    for thread, caller, callee, name in recorder.named:
         if thread.startswith(WORKER_THREAD):
             continue
         if relative(callee) not in crossed:
-            crossed.append(relative(callee))
+            crossed[relative(callee)] = f"{relative(caller) if caller else '(outside)'} -> {name}"
         if relative(callee).startswith(WORKER_FILES):
             break
     return crossed
@@ -141,6 +142,7 @@ async def test_one_chat_request_crosses_few_files_and_no_engine_module_twice(
 ):
     warm = await post_chat(api_key, stream=True, max_tokens=4)  # loads, binds, warms lazy paths
     assert warm.status_code == 200
+    b"".join([chunk async for chunk in warm.streaming_content])  # it ends before the recording
     recorder.recording = True
     response = await post_chat(api_key, stream=True, max_tokens=4)
     assert response.status_code == 200
@@ -149,9 +151,10 @@ async def test_one_chat_request_crosses_few_files_and_no_engine_module_twice(
     crossed = files_until_the_worker(recorder)
     cycles = engine_cycles(recorder)
     print(f"\nfiles from the view to the worker: {len(crossed)}")  # noqa: T201 (the note's figure)
-    print("\n".join(f"  {path}" for path in crossed))  # noqa: T201
+    print("\n".join(f"  {path}  ({entry})" for path, entry in crossed.items()))  # noqa: T201
     print(f"files over the whole request: {len(recorder.files)}")  # noqa: T201
     print(f"threads: {sorted({thread for thread, _, _ in recorder.calls})}")  # noqa: T201
     for group in cycles:
         print("cycle:\n" + "\n".join(f"  {edge}" for edge in cycle_edges(recorder, group)))  # noqa: T201
-    assert crossed[-1].startswith(WORKER_FILES), crossed
+    assert list(crossed)[-1].startswith(WORKER_FILES), crossed
+    assert cycles == [], [cycle_edges(recorder, group) for group in cycles]

@@ -11,7 +11,7 @@ from mlxhost.engine import tokenizing
 from mlxhost.engine.backends import make_backend
 from mlxhost.engine.config import EngineConfig
 from mlxhost.engine.embedding_turns import EmbeddingTurns
-from mlxhost.engine.errors import DrainingError, UnknownModelError
+from mlxhost.engine.errors import UnknownModelError
 from mlxhost.engine.instance import Instance
 from mlxhost.engine.memory import HeapTrimmer, rss_bytes
 from mlxhost.engine.names import default_name, staging_name
@@ -33,8 +33,6 @@ if TYPE_CHECKING:
     from mlxhost.engine.types import EmbeddingRequest, Embeddings, GenerationRequest, ModelSpec
 
 logger = logging.getLogger(__name__)
-
-SHUTDOWN_MESSAGE = "The server is shutting down; retry shortly."
 
 # What a caller holds between `reserve` and `submit` (LANE-3): a turn in its reserved state.
 Permit = Turn
@@ -71,9 +69,7 @@ class Engine:
         # Every render and tokenization of every surface runs here, a few at a time (issue 25).
         self.tokenizers = tokenizing.TokenizePool(self.config.tokenize_threads)
         self.prework = Prework(self.config, self.residency, self.tokenizers)
-        self.turns = Turns(
-            self.registry, self.stats, self.config, self.prework, check_open=self._check_open, clock=clock
-        )
+        self.turns = Turns(self.registry, self.stats, self.config, self.prework, clock=clock)
         self.embeddings = EmbeddingTurns(self.residency, self.tokenizers, self.stats, clock)
         # Memory given back at idle, and MLX's cache bound (issue 25); backends may lack both.
         self.trimmer = HeapTrimmer(getattr(self.backend, "release_memory", _nothing))
@@ -89,7 +85,7 @@ class Engine:
         Raises:
             DrainingError: the engine is draining for shutdown, or has shut down.
         """
-        self._check_open()
+        self.turns.check_open()
         instance = self.registry.bind(name, spec)
         self.residency.bound(name, spec)
         return instance
@@ -98,12 +94,6 @@ class Engine:
         """Call `listener` with the bound names of an instance whose local folder no longer
         matches its fingerprint at load (REG-3), so control registers the new weights."""
         self._weights_listeners.append(listener)
-
-    def _check_open(self) -> None:
-        # Shut down or still draining, a client hears the same: this host is going away, retry
-        # (503 `draining`, Anthropic 529), never a bare "engine closed" (LANE-7, OPS-5).
-        if self._closed or self._stopping:
-            raise DrainingError(SHUTDOWN_MESSAGE)
 
     def unbind(self, name: str) -> None:
         self.registry.unbind(name)
@@ -373,6 +363,7 @@ class Engine:
         streams still end with a `Done`). Then the engine is closed.
         """
         self._stopping = self.residency.stopped = True
+        self.turns.close()
         timeout = self.config.shutdown_timeout_s
         instances = self.registry.instances()
         await asyncio.gather(*(i.lane.drain("wait", timeout) for i in instances), return_exceptions=True)

@@ -122,7 +122,7 @@ class Generation:
         self._wakeup: asyncio.Future[None] | None = None  # the reader waits on it when empty
         self._courier = _courier_for(loop)
         self._admission: asyncio.Future[None] = loop.create_future()
-        self._on_cancel: Callable[[], None] | None = None
+        self._on_cancel: Callable[[], object] | None = None
         self.terminal: Done | Failed | None = None  # the terminal event, once posted
         self._end_listeners: list[Callable[[Done | Failed], None]] = []
         self._ender: Callable[[Done | Failed], None] | None = None  # its turn's end (turn.Turn)
@@ -179,7 +179,7 @@ class Generation:
         """Called from a worker thread: hand one event to the loop (batched per burst)."""
         self._courier.send(self, event)
 
-    def on_cancel(self, callback: Callable[[], None]) -> None:
+    def on_cancel(self, callback: Callable[[], object]) -> None:
         """The engine's hook that takes this request out of its lane when it is cancelled."""
         self._on_cancel = callback
 

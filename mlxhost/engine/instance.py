@@ -15,6 +15,7 @@ from mlxhost.engine.disk import snapshot as disk_snapshot
 from mlxhost.engine.errors import ModelLoadError, WeightsChangedError
 from mlxhost.engine.lane import Lane
 from mlxhost.engine.limits import physical_memory_bytes
+from mlxhost.engine.memory import KvDisposer
 from mlxhost.engine.sessions import SessionCache, tier_figures
 from mlxhost.engine.stats import speculation_figures
 from mlxhost.engine.weights import folder_fingerprint
@@ -82,13 +83,6 @@ class Instance:
         self._clock = clock
         self.lane = Lane(clock=clock)
         self._configure_lane(spec)
-        self.sessions = SessionCache(
-            max_entries=config.max_sessions,
-            max_bytes=prefix_cache_bytes(config, physical_memory_bytes()),
-            ttl_s=config.session_ttl_s,
-            clock=clock,
-            dispose=self._dispose_kv,
-        )
         # The disk tier of these weights (None: off); every instance of the same weights shares it.
         self.disk = (
             DiskTier(weights_folder(Path(config.kv_dir), spec.weights_key), config.kv_disk_bytes)
@@ -107,6 +101,13 @@ class Instance:
             speculation=config.speculation,
             reload_after_faults=config.reload_after_faults,
             embed_wait_s=config.embed_wait_s,
+        )
+        self.sessions = SessionCache(
+            max_entries=config.max_sessions,
+            max_bytes=prefix_cache_bytes(config, physical_memory_bytes()),
+            ttl_s=config.session_ttl_s,
+            clock=clock,
+            dispose=KvDisposer(self._worker),
         )
         self._loading: asyncio.Future[None] | None = None
         # Called on the loop when a load found the folder changed since registration (REG-3).
@@ -377,11 +378,6 @@ class Instance:
         for resident in (model, embedder):
             if resident is not None:
                 resident.close()
-
-    def _dispose_kv(self, kv: object) -> None:
-        model = self._worker.model
-        if model is not None:
-            model.dispose_cache(kv)
 
     def _on_progress(self, done: int, total: int, unit: str = "bytes", phase: str = "") -> None:
         if not total:  # a phase with nothing to count (the build) keeps what was read, for the record

@@ -1,4 +1,5 @@
-"""Memory the process keeps after its requests: giving it back at idle, and reading it (issue 25).
+"""Memory the process keeps after its requests: giving it back at idle, and reading it (issue 25);
+and a dropped KV cache's arrays, freed through the model resident now (`KvDisposer`).
 
 Two things hold freed memory. MLX keeps freed buffers in its cache for reuse (bounded by its
 cache limit, `EngineConfig.mlx_cache_limit_bytes`), and glibc keeps freed heap pages in its
@@ -14,10 +15,12 @@ import ctypes.util
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from mlxhost.engine.backends.base import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -85,3 +88,23 @@ class HeapTrimmer:
         trim_heap()
         self._rss_at_trim = self._rss()
         self.trims += 1
+
+
+class HoldsModel(Protocol):
+    """What holds an instance's resident model (its worker): None while it is not loaded."""
+
+    @property
+    def model(self) -> LoadedModel | None: ...
+
+
+class KvDisposer:
+    """Frees a KV cache the prefix cache dropped, through the model resident now (SES-6); with
+    none resident, its arrays went with the model. The session cache's `dispose`."""
+
+    def __init__(self, holder: HoldsModel) -> None:
+        self._holder = holder
+
+    def __call__(self, kv: object) -> None:
+        model = self._holder.model
+        if model is not None:
+            model.dispose_cache(kv)

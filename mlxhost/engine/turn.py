@@ -8,15 +8,20 @@ generation and its prefix-cache lease, and moves through explicit states:
 
 `reserved` is what callers hold as a permit (LANE-3): `release()` gives the place back.
 `preparing` runs the pre-work (`prework.Prework`), `queued` waits in the lane, `running` is
-on the worker. Every way out goes through `end`, which does the ordered work in one place.
+on the worker: the lane admitted it and ran its `prework.Start`, and the job's result comes back
+to the loop, never through turn code on the worker. Every way out goes through `end`, which does
+the ordered work in one place. `Ledger` is the engine's table of request ids that turns enter at
+`begin` and leave at `end`; `Turns` reads it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+from collections import OrderedDict
 from dataclasses import replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from mlxhost.engine.errors import (
     DrainingError,
@@ -26,25 +31,82 @@ from mlxhost.engine.errors import (
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.lane import TicketHooks
+from mlxhost.engine.prework import Start, dispatch_on_admit
 from mlxhost.engine.stats import REJECTIONS
 from mlxhost.engine.types import Done, Failed, Timings, Usage
-from mlxhost.engine.worker import GenerateJob, JobResult, WriteJob
+from mlxhost.engine.worker import WriteJob
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from mlxhost.engine.backends.base import LoadedModel
-    from mlxhost.engine.disk import DiskEntry
     from mlxhost.engine.embeddings import EmbedJob
     from mlxhost.engine.instance import Instance
     from mlxhost.engine.lane import Ticket
     from mlxhost.engine.prework import Prepared
-    from mlxhost.engine.sessions import SessionLease, SessionQuery
-    from mlxhost.engine.stats import Key
-    from mlxhost.engine.turns import Turns
+    from mlxhost.engine.registry import Registry
+    from mlxhost.engine.sessions import SessionQuery
+    from mlxhost.engine.stats import EngineStats, Key
     from mlxhost.engine.types import GenerationRequest
+    from mlxhost.engine.worker import JobResult
 
 TurnState = Literal["reserved", "preparing", "queued", "running", "ended"]
 # Turns whose cache becomes a warm session (SES-1): `kv_tokens` lists exactly what it holds.
 KEPT_FINISHES = frozenset({"stop", "length", "cancelled"})
+EARLY_CANCEL_LIMIT = 4096
+FINISHED_IDS_LIMIT = 4096
+
+
+class Ledger:
+    """The engine's request ids: its live chat turns (LANE-5), the ids that ended lately (a late
+    cancel must not cancel a reuse of the id) and the cancels that arrived first (LANE-6).
+
+    Turns enter it when they take their permit on and leave it at their end; `Turns` reads it.
+    """
+
+    def __init__(
+        self, *, finished_ttl_s: float, early_cancel_ttl_s: float, clock: Callable[[], float]
+    ) -> None:
+        self.live: dict[str, Turn] = {}  # chat turns from their submit to their end
+        self._finished_ttl_s = finished_ttl_s
+        self._early_cancel_ttl_s = early_cancel_ttl_s
+        self._clock = clock
+        self._early_cancels: OrderedDict[str, float] = OrderedDict()
+        self._finished_ids: OrderedDict[str, float] = OrderedDict()  # id -> remembered until
+
+    def enter(self, turn: Turn) -> None:
+        """`turn` took its permit on: it is live (it owns the permit's lease from here)."""
+        self.live[turn.request_id] = turn
+
+    def leave(self, turn: Turn) -> bool:
+        """`turn` ended: its id is remembered as finished. False: it was not the live one."""
+        if self.live.get(turn.request_id) is not turn:
+            return False
+        del self.live[turn.request_id]
+        self._finished_ids[turn.request_id] = self._clock() + self._finished_ttl_s
+        self._finished_ids.move_to_end(turn.request_id)
+        while len(self._finished_ids) > FINISHED_IDS_LIMIT:
+            self._finished_ids.popitem(last=False)
+        return True
+
+    def finished_lately(self, request_id: str) -> bool:
+        _expire(self._finished_ids, self._clock())
+        return request_id in self._finished_ids
+
+    def cancel_early(self, request_id: str) -> None:
+        """Remember a cancel for an id not live yet, for its arrival (LANE-6)."""
+        self._early_cancels[request_id] = self._clock() + self._early_cancel_ttl_s
+        while len(self._early_cancels) > EARLY_CANCEL_LIMIT:
+            self._early_cancels.popitem(last=False)
+
+    def take_early_cancel(self, request_id: str) -> bool:
+        _expire(self._early_cancels, self._clock())
+        return self._early_cancels.pop(request_id, None) is not None
+
+    def sweep(self) -> None:
+        """Drop expired early cancels and finished ids."""
+        self.take_early_cancel("")
+        _expire(self._finished_ids, self._clock())
 
 
 class Turn:
@@ -54,21 +116,41 @@ class Turn:
     `release()`; `Engine.submit` (or `Engine.embed`) takes it on from there.
     """
 
-    def __init__(self, turns: Turns, instance: Instance, ticket: Ticket, key: Key) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        registry: Registry,
+        stats: EngineStats,
+        instance: Instance,
+        ticket: Ticket,
+        key: Key,
+    ) -> None:
         self.request_id = ticket.request_id
         self.instance_id = instance.instance_id
         self.instance = instance
         self.ticket = ticket
         self.key = key  # what its counters are kept under: (binding, instance id)
-        self.state: TurnState = "reserved"
         self.generation: Generation | None = None
-        self.aborted = False  # the server cut it short (drain timeout, shutdown), not the client
-        self._turns = turns
-        self._lease: SessionLease | None = None
+        self._state: TurnState = "reserved"
+        self._ledger = ledger
+        self._registry = registry
+        self._stats = stats
+        self._start: Start | None = None  # a chat turn's admission, set when it enters the lane
         self._terminal: Done | Failed | None = None  # a worker's Failed, held until its job ends
         self._prompt_tokens: int | None = None  # what its kept session's prompt was (SES-1)
         self._released = False
         self._posted = False
+
+    @property
+    def state(self) -> TurnState:
+        if self._state == "queued" and self.ticket.state == "active":
+            return "running"  # the lane admitted it and ran its start
+        return self._state
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the server cut it short (drain timeout, shutdown), not the client."""
+        return self._start is not None and self._start.aborted
 
     @property
     def held(self) -> bool:
@@ -77,11 +159,11 @@ class Turn:
 
     def release(self) -> None:
         """Give the reserved place back (a bail-out before submit); a no-op once taken or released."""
-        if self.state != "reserved":
+        if self._state != "reserved":
             return
-        self.state, self._released = "ended", True
+        self._state, self._released = "ended", True
         self.instance.lane.release(self.ticket)
-        self._turns.registry.unlease(self.instance)
+        self._registry.unlease(self.instance)
 
     def claim(self) -> None:
         """reserved → preparing, for the one caller that takes the permit on.
@@ -89,10 +171,10 @@ class Turn:
         Raises:
             RuntimeError: it was already taken on or released.
         """
-        if self.state != "reserved":
+        if self._state != "reserved":
             taken = "released" if self._released else "submitted"
             raise RuntimeError(f"The permit for {self.request_id!r} was already {taken}.")
-        self.state = "preparing"
+        self._state = "preparing"
 
     def begin(self, request: GenerationRequest) -> Generation:
         """Take the permit on for a chat request: its generation, live in the engine from here.
@@ -103,61 +185,45 @@ class Turn:
         """
         self.claim()
         if self.instance.spec.kind != "chat":
-            self.state = "ended"
+            self._state = "ended"
             self.instance.lane.release(self.ticket)
-            self._turns.registry.unlease(self.instance)
+            self._registry.unlease(self.instance)
             raise WrongModelKindError.embedding_on_chat(request.binding)
         generation = Generation(request, asyncio.get_running_loop())
         generation.instance_id = self.instance_id
         generation.end_through(self._terminal_posted)
         self.generation = generation
-        self._turns.track(self)
+        self._ledger.enter(self)
         return generation
 
     def enter(self, prepared: Prepared, entered_at: float) -> None:
-        """preparing → queued: hand the ticket into the lane; admission runs it (→ running)."""
+        """preparing → queued: hand the ticket into the lane; its admission runs the turn's
+        `Start` (→ running), whose job's result the worker hands to the loop (`_job_ended`)."""
         generation, instance = self._generation(), self.instance
-        self.state = "queued"
-        hooks = TicketHooks(
-            on_admit=lambda _t: self._run(prepared, entered_at),
-            on_position=generation.queued,
-            on_abort=self.abort,
-        )
-
-        def cancel() -> None:
-            instance.lane.cancel(self.request_id)
-
-        generation.on_cancel(cancel)
+        self._state = "queued"
+        on_end = _on_loop(asyncio.get_running_loop(), self._job_ended)
+        start = self._start = Start(instance, generation, prepared, entered_at, on_end)
+        hooks = TicketHooks(on_admit=start.admitted, on_position=generation.queued, on_abort=start.abort)
+        generation.on_cancel(functools.partial(instance.lane.cancel, self.request_id))
         self.ticket.admitted.add_done_callback(self._left_queue)
         instance.lane.enter(self.ticket, hooks)
 
     def enter_embedding(self, job: EmbedJob) -> None:
         """preparing → queued for an embedding: its job joins the worker's next pass once admitted."""
-        self.state = "queued"
-
-        def admit(_ticket: Ticket) -> None:
-            self.state = "running"
-            self.instance.dispatch(job)
-
-        self.instance.lane.enter(self.ticket, TicketHooks(on_admit=admit, on_abort=job.cancel))
+        self._state = "queued"
+        hooks = TicketHooks(on_admit=dispatch_on_admit(self.instance, job), on_abort=job.cancel)
+        self.instance.lane.enter(self.ticket, hooks)
 
     def end_embedding(self) -> None:
         """An embedding's end, however it went: the slot, the lease, the keep-alive (OPS-3)."""
-        self.state = "ended"
+        self._state = "ended"
         self.instance.lane.release(self.ticket)
-        self._turns.registry.unlease(self.instance)
+        self._registry.unlease(self.instance)
         self.instance.touch()
-
-    def abort(self) -> None:
-        """The lane aborts it (LANE-7): stop within one step, and say so in the `Done`."""
-        generation = self._generation()
-        # The lane also aborts on a client's cancel (Generation.cancel marks that first).
-        self.aborted = not generation.cancelled
-        generation.stop_flag.set()
 
     def abandon(self, error: BaseException) -> None:
         """The pre-work failed or was cancelled, and submit raises `error`: count why, then end."""
-        stats = self._turns.stats
+        stats = self._stats
         if isinstance(error, RequestCancelledError | asyncio.CancelledError):
             stats.outcome(self.key, "cancelled")
         elif isinstance(error, DrainingError):
@@ -173,8 +239,8 @@ class Turn:
         2. keep its KV (SES-1): release its session lease, adopt the cache as a warm session (and
            queue its write to the disk tier) or discard it, before the slot goes: releasing admits
            the next waiter at once, and a continuation queued behind its parent must find it;
-        3. release its lane slot, then forget it (the id is remembered as finished, the keep-alive
-           counts from here, the registry lease goes);
+        3. release its lane slot, then leave the ledger (the id is remembered as finished, the
+           keep-alive counts from here, the registry lease goes);
         4. post the terminal event: the generation tells its end listeners (usage accounting),
            then queues it for the reader. Only now, so a client that sends its next request the
            moment it has this answer finds the slot free (API-3). The reader then runs the
@@ -183,71 +249,26 @@ class Turn:
 
         `event` None: nothing to post (a failed pre-work raises instead).
         """
-        if self.state == "ended":  # never expected; what arrives late is still handed on
+        if self._state == "ended":  # never expected; what arrives late is still handed on
             if result is not None:
                 self._keep(result)
             if event is not None and not self._posted:
                 self._post(event)
             return
-        self.state = "ended"
+        self._state = "ended"
         if event is not None:
             event = self._as_posted(event)
             self._count(event)
         if result is not None:
             self._keep(result)
         self.instance.lane.release(self.ticket)
-        self._turns.forget(self)
+        if self._ledger.leave(self):
+            self.instance.touch()  # the keep-alive counts from the last request's end (OPS-3)
+            self._registry.unlease(self.instance)
         if event is not None:
             self._post(event)
 
     # The steps, in the order they run ------------------------------------------------------
-
-    def _run(self, prepared: Prepared, entered_at: float) -> None:
-        """queued → running: the lane admitted it; start from a warm session or the disk tier."""
-        generation, instance = self._generation(), self.instance
-        self.state = "running"
-        prompt_ids = prepared.prompt_ids
-        lease, saved = self._start_from(prompt_ids, prepared.disk)
-        self._lease = lease
-        generation.cached_tokens = lease.reuse_tokens if lease else saved.reuse_tokens if saved else 0
-        loop = asyncio.get_running_loop()
-
-        def on_end(result: JobResult) -> None:
-            # The Done travels with the end (not ahead of it by the courier): see `end`.
-            loop.call_soon_threadsafe(self._job_ended, result, job.done, len(prompt_ids))
-
-        job = GenerateJob(generation, prompt_ids, entered_at, on_end, prepared.sampling)
-        job.max_draft, job.prediction_ids = prepared.max_draft, prepared.prediction_ids
-        if lease is not None:
-            job.session_kv, job.session_tokens = lease.entry.kv, lease.entry.tokens
-            job.reuse_tokens, job.owns_session = lease.reuse_tokens, lease.owned
-        elif saved is not None:
-            assert instance.disk is not None
-            job.disk, job.reuse_tokens = (instance.disk, saved), saved.reuse_tokens
-        generation.admit()
-        instance.dispatch(job)
-
-    def _start_from(
-        self, prompt_ids: list[int], saved: DiskEntry | None
-    ) -> tuple[SessionLease | None, DiskEntry | None]:
-        """What the turn starts from: a prefix-cache lease, the parent's saved KV (the disk tier,
-        when it reuses more), or neither; sets the generation's cache outcome (SES-2, SES-9)."""
-        generation, instance = self._generation(), self.instance
-        query = generation.request.session
-        if query is None:
-            return None, None
-        lease, generation.session_outcome = instance.sessions.lease(query, prompt_ids)
-        disk = instance.disk
-        if saved is None or disk is None:
-            return lease, None
-        if lease is not None and lease.reuse_tokens >= saved.reuse_tokens:
-            disk.counted(None)
-            return lease, None
-        if lease is not None:
-            instance.sessions.unlease(lease)
-        disk.counted(saved)
-        generation.session_outcome = "disk"
-        return None, saved
 
     def _left_queue(self, future: asyncio.Future[None]) -> None:
         if future.cancelled() or future.exception() is None:
@@ -268,8 +289,13 @@ class Turn:
         else:
             self.end(event)
 
-    def _job_ended(self, result: JobResult, done: Done | None, prompt_tokens: int) -> None:
-        self._prompt_tokens = prompt_tokens
+    def _job_ended(self, result: JobResult) -> None:
+        """The worker's result, on the loop: the job's Done travels with its end (not ahead of it
+        by the courier), so the slot is free before the client reads it (see `end`)."""
+        start = self._start
+        assert start is not None and start.job is not None, "a job ends only after its start"
+        self._prompt_tokens = len(start.prepared.prompt_ids)
+        done = start.job.done
         self.end(done if done is not None else self._terminal, result)
 
     def _as_posted(self, event: Done | Failed) -> Done | Failed:
@@ -280,7 +306,7 @@ class Turn:
         return event
 
     def _count(self, event: Done | Failed) -> None:
-        stats = self._turns.stats
+        stats = self._stats
         if isinstance(event, Done):
             stats.finished(self.key, event)
         elif event.code in REJECTIONS:
@@ -289,10 +315,10 @@ class Turn:
             stats.outcome(self.key, "failed")
 
     def _keep(self, result: JobResult) -> None:
-        instance, generation = self.instance, self._generation()
-        if self._lease is not None:
-            instance.sessions.release(self._lease, consumed=result.touched)
-            self._lease = None
+        instance, generation, start = self.instance, self._generation(), self._start
+        if start is not None and start.lease is not None:
+            instance.sessions.release(start.lease, consumed=result.touched)
+            start.lease = None
         if result.kv is None:
             return
         query = generation.request.session
@@ -343,5 +369,20 @@ def write_behind(instance: Instance, response_id: str, query: SessionQuery) -> N
     instance.write_behind(WriteJob(write, urgent=lambda: not entry.cached, done=done))
 
 
+def _on_loop(
+    loop: asyncio.AbstractEventLoop, receiver: Callable[[JobResult], None]
+) -> Callable[[JobResult], None]:
+    """`receiver`, run on `loop` whichever thread calls the result: asyncio's thread-safe call
+    bound to it, so the worker runs no turn code (the turn runs from the loop)."""
+    post: Callable[..., object] = loop.call_soon_threadsafe
+    return cast("Callable[[JobResult], None]", functools.partial(post, receiver))
+
+
 def _cancelled_done() -> Done:
     return Done(finish_reason="cancelled", usage=Usage(0, 0), timings=Timings(0.0, 0.0, 0.0, 0.0))
+
+
+def _expire(remembered: OrderedDict[str, float], now: float) -> None:
+    # Entries are kept in expiry order (each is appended with the same TTL).
+    while remembered and next(iter(remembered.values())) < now:
+        remembered.popitem(last=False)

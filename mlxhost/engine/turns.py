@@ -3,12 +3,11 @@
 `submit` is two-phase (DESIGN.md): reserve a lane permit synchronously, do the async pre-work
 under it (load, template, count), then hand the permit into the lane. Every refusal before the
 first event raises, so the API answers with a proper status code. A `Turn` carries the request
-from there to its end; this table keeps who is live, early cancels, and recently finished ids.
+from there to its end; the `Ledger` keeps who is live, early cancels, and recently finished ids.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.errors import (
@@ -18,7 +17,7 @@ from mlxhost.engine.errors import (
     RequestCancelledError,
     WrongModelKindError,
 )
-from mlxhost.engine.turn import Turn
+from mlxhost.engine.turn import Ledger, Turn
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -30,8 +29,7 @@ if TYPE_CHECKING:
     from mlxhost.engine.stats import EngineStats, Key
     from mlxhost.engine.types import GenerationRequest
 
-EARLY_CANCEL_LIMIT = 4096
-FINISHED_IDS_LIMIT = 4096
+SHUTDOWN_MESSAGE = "The server is shutting down; retry shortly."
 CANCELLED_MESSAGE = "The request was cancelled before it started."
 
 
@@ -45,18 +43,39 @@ class Turns:
         config: EngineConfig,
         prework: Prework,
         *,
-        check_open: Callable[[], None],
         clock: Callable[[], float],
     ) -> None:
         self.registry = registry
         self.stats = stats
         self.config = config
         self.prework = prework
-        self.live: dict[str, Turn] = {}  # chat turns from their submit to their end
-        self._check_open = check_open
+        self.ledger = Ledger(
+            finished_ttl_s=config.finished_ids_ttl_s,
+            early_cancel_ttl_s=config.early_cancel_ttl_s,
+            clock=clock,
+        )
         self._clock = clock
-        self._early_cancels: OrderedDict[str, float] = OrderedDict()
-        self._finished_ids: OrderedDict[str, float] = OrderedDict()  # id -> remembered until
+        self._closing = False  # shutdown began: arrivals are refused as draining (LANE-7)
+
+    @property
+    def live(self) -> dict[str, Turn]:
+        """The live chat turns by request id, from their submit to their end (the ledger's)."""
+        return self.ledger.live
+
+    def check_open(self) -> None:
+        """Refuse new work once shutdown began (`close`).
+
+        Raises:
+            DrainingError: shut down or still draining, a client hears the same: this host is
+                going away, retry (503 `draining`, Anthropic 529), never a bare "engine closed"
+                (LANE-7, OPS-5).
+        """
+        if self._closing:
+            raise DrainingError(SHUTDOWN_MESSAGE)
+
+    def close(self) -> None:
+        """Shutdown began: from now every reserve, count and bind is refused (`check_open`)."""
+        self._closing = True
 
     def refuse_if_full(self, binding: str) -> None:
         """Refuse a new request for `binding` now when `reserve` would, taking nothing: a
@@ -73,7 +92,7 @@ class Turns:
         if instance is None:
             return
         try:
-            self._check_open()
+            self.check_open()
             instance.lane.refuse_if_full()
         except (QueueFullError, DrainingError) as exc:
             self.stats.reject((binding, instance.instance_id), exc.code)
@@ -96,18 +115,18 @@ class Turns:
             raise DuplicateRequestError(f"A request with id {request_id!r} is already in flight.")
         instance = self.registry.resolve(binding)
         key: Key = (binding, instance.instance_id)
-        if self.take_early_cancel(request_id):
+        if self.ledger.take_early_cancel(request_id):
             self.stats.outcome(key, "cancelled")
             raise RequestCancelledError(CANCELLED_MESSAGE)
         try:
-            self._check_open()
+            self.check_open()
             ticket = instance.lane.reserve(request_id)
         except (QueueFullError, DrainingError) as exc:
             self.stats.reject(key, exc.code)
             raise
         self.registry.lease(instance)  # an unbind while the permit waits defers teardown (REG-6)
         instance.touch()
-        return Turn(self, instance, ticket, key)
+        return Turn(self.ledger, self.registry, self.stats, instance, ticket, key)
 
     async def submit(self, request: GenerationRequest, turn: Turn | None = None) -> Generation:
         """Admit `request`: reserve (or take `turn`), load if needed, render and count the
@@ -132,7 +151,7 @@ class Turns:
             raise ValueError(f"The permit is for {turn.request_id!r}, not {request_id!r}.")
         generation = turn.begin(request)
         try:
-            if self.take_early_cancel(request_id):
+            if self.ledger.take_early_cancel(request_id):
                 raise RequestCancelledError(CANCELLED_MESSAGE)
             prepared = await self.prework.prepare(turn.instance, request)
             generation.reader = prepared.reader
@@ -157,7 +176,7 @@ class Turns:
             PromptTooLongError: the prompt's text has more characters than the context could hold.
             DrainingError: the engine is shutting down.
         """
-        self._check_open()
+        self.check_open()
         instance = self.registry.resolve(request.binding)
         if instance.spec.kind != "chat":
             raise WrongModelKindError.embedding_on_chat(request.binding)
@@ -174,41 +193,10 @@ class Turns:
         if turn is not None and turn.generation is not None:
             turn.generation.cancel()
             return True
-        _expire(self._finished_ids, self._clock())
-        if request_id in self._finished_ids:
-            return False
-        self._early_cancels[request_id] = self._clock() + self.config.early_cancel_ttl_s
-        while len(self._early_cancels) > EARLY_CANCEL_LIMIT:
-            self._early_cancels.popitem(last=False)
+        if not self.ledger.finished_lately(request_id):
+            self.ledger.cancel_early(request_id)
         return False
-
-    def track(self, turn: Turn) -> None:
-        """`turn` took its permit on: it is live (it owns the permit's lease from here)."""
-        self.live[turn.request_id] = turn
-
-    def forget(self, turn: Turn) -> None:
-        """`turn` ended: its id is remembered as finished, and its instance lease goes."""
-        if self.live.get(turn.request_id) is not turn:
-            return
-        del self.live[turn.request_id]
-        self._finished_ids[turn.request_id] = self._clock() + self.config.finished_ids_ttl_s
-        self._finished_ids.move_to_end(turn.request_id)
-        while len(self._finished_ids) > FINISHED_IDS_LIMIT:
-            self._finished_ids.popitem(last=False)
-        turn.instance.touch()  # the keep-alive counts from the last request's end (OPS-3)
-        self.registry.unlease(turn.instance)
-
-    def take_early_cancel(self, request_id: str) -> bool:
-        _expire(self._early_cancels, self._clock())
-        return self._early_cancels.pop(request_id, None) is not None
 
     def sweep(self) -> None:
         """Drop expired early cancels and finished ids."""
-        self.take_early_cancel("")
-        _expire(self._finished_ids, self._clock())
-
-
-def _expire(remembered: OrderedDict[str, float], now: float) -> None:
-    # Entries are kept in expiry order (each is appended with the same TTL).
-    while remembered and next(iter(remembered.values())) < now:
-        remembered.popitem(last=False)
+        self.ledger.sweep()
