@@ -218,7 +218,7 @@ class ResponseHooks(TurnHooks):
         self.history: list[dict[str, str]] = []  # earlier turns, through the parent's answer
         self.alias: ModelAlias | None = None
         self.retention: Retention | None = None
-        self.created_at = 0
+        self.created_at = 0.0  # when the turn started (unix seconds, with the fraction)
 
     @property
     def conversation(self) -> list[dict[str, str]]:
@@ -329,7 +329,7 @@ class ResponseHooks(TurnHooks):
             usage=usage_body(usage) or {},
             status=status,
             retention_s=request.retention_s or 0,
-            created_at=float(self.created_at),
+            created_at=self.created_at,
         )
 
 
@@ -388,5 +388,5 @@ async def response_start(
         model=request.model, owner_id=owner_id, sampling=request.sampling, key=key, **_structure(request)
     )
     started = await turn_start(turn, request_id=response_id, hooks=hooks, on_queued=on_queued)
-    hooks.created_at = started.created_at
+    hooks.created_at = started.started_at
     return StartedResponse(started, hooks.instructions)

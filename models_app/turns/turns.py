@@ -118,7 +118,13 @@ class StartedTurn:
     model: str  # the alias name, as the answer names it
     generation: Generation
     hooks: TurnHooks = field(default_factory=TurnHooks)
-    created_at: int = field(default_factory=lambda: int(time.time()))
+    # When it started, to the microsecond: stored with its record, so turns of one second keep
+    # their order (a conversation's newest tip, its branches); the API's `created` is whole seconds.
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def created_at(self) -> int:
+        return int(self.started_at)
 
     @property
     def headers(self) -> dict[str, str]:
