@@ -21,11 +21,11 @@ from models_app.console import admin_responses as admin_responses  # registers s
 from models_app.console.admin_live import DASH, live_columns, live_context
 from models_app.console.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
 from models_app.console.forms import MODEL_FORM_FIELDS as MODEL_FORM_FIELDS
-from models_app.console.forms import ModelAliasForm, ModelForm
+from models_app.console.forms import ALIAS_LABELS, ModelAliasForm, ModelForm
 from models_app.models import Model, ModelAlias, ModelInstance
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from django import forms
     from django.db.models import QuerySet
@@ -47,11 +47,26 @@ ACTION_REQUESTED = "{action} requested for {names}; progress shows here and on t
 # Models ---------------------------------------------------------------------------------------------
 
 
+def alias_column(name: str) -> Callable[[ModelAlias], Any]:
+    """An alias field as a read-only column headed by the alias form's label (`ALIAS_LABELS`), so
+    a column and the form field it shows are called the same everywhere."""
+
+    def column(alias: ModelAlias) -> Any:
+        return getattr(alias, name)
+
+    column.__name__ = f"{name}_column"
+    return admin.display(description=ALIAS_LABELS[name], ordering=name)(column)
+
+
+DEFAULT_OUTPUT_TOKENS = alias_column("max_tokens")
+OUTPUT_TOKEN_CLAMP = alias_column("max_output_tokens")
+
+
 class AliasInline(_AliasInlineBase):
     """The aliases a model serves, read-only here: each is edited on its own page."""
 
     model = ModelAlias
-    fields = ("name", "enabled", "temperature", "max_tokens", "max_output_tokens")
+    fields = ("name", "enabled", "temperature", DEFAULT_OUTPUT_TOKENS, OUTPUT_TOKEN_CLAMP)
     readonly_fields = fields
     show_change_link = True
     extra = 0
@@ -220,7 +235,15 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
     """Public names: sampling defaults and limits. Weights, lane and actions are on the model."""
 
     form = ModelAliasForm
-    list_display = ("name", "model_link", "kind", "enabled", "temperature", "max_tokens", "updated_at")
+    list_display = (
+        "name",
+        "model_link",
+        "kind",
+        "enabled",
+        "temperature",
+        DEFAULT_OUTPUT_TOKENS,
+        "updated_at",
+    )
     list_filter = ("enabled", "model")
     list_select_related = ("model", "model__instance")
     search_fields = ("name", "description", "model__name")

@@ -274,3 +274,25 @@ def test_a_dashboard_opened_later_shows_the_last_hour_and_a_phone_picks_a_chart(
         assert page.evaluate(OVERFLOW) <= 0
         page.screenshot(path=str(ARTIFACTS / f"dashboard-history-{device}.png"), full_page=True)
     assert not errors, f"errors in the pages: {errors}"
+
+
+def test_the_model_pages_alias_table_scrolls_inside_its_box(daphne_server, staff_user, tiny_alias):  # noqa: F811
+    """Item 3 of the newcomer walk: the inline alias columns are named as the alias form names
+    them, and at 390 px the table scrolls sideways inside its box, the page itself as wide as
+    the window, at 1280 px nothing scrolls."""
+    _require_browser()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    errors: list[str] = []
+    for device, width, page in signed_in_pages(daphne_server.url, errors):
+        page.goto(f"/admin/models_app/model/{tiny_alias.model_id}/change/")
+        box = page.locator("#aliases-group fieldset.module")
+        headers = " ".join(box.locator("th").all_inner_texts()).lower()
+        assert "default output tokens" in headers and "output token clamp" in headers, headers
+        assert "max tokens" not in headers
+        page.screenshot(path=str(ARTIFACTS / f"model-aliases-{device}.png"), full_page=True)
+        assert page.evaluate(OVERFLOW) <= 0, device
+        inner, outer = box.evaluate("el => [el.scrollWidth, el.clientWidth]")
+        if width < 500:
+            assert box.evaluate("el => getComputedStyle(el).overflowX") == "auto"
+            assert inner > outer, (inner, outer)  # the rest is a scroll away, not cut off
+    assert not errors, f"errors in the pages: {errors}"
