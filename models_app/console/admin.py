@@ -20,8 +20,8 @@ from models_app.console import admin_keys as admin_keys  # registers the API key
 from models_app.console import admin_responses as admin_responses  # registers stored responses (ADM-5)
 from models_app.console.admin_live import DASH, live_columns, live_context
 from models_app.console.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
-from models_app.console.forms import MODEL_FORM_FIELDS as MODEL_FORM_FIELDS
 from models_app.console.forms import ALIAS_LABELS, ModelAliasForm, ModelForm
+from models_app.console.forms import MODEL_FORM_FIELDS as MODEL_FORM_FIELDS
 from models_app.models import Model, ModelAlias, ModelInstance
 
 if TYPE_CHECKING:
