@@ -47,27 +47,24 @@ ACTION_REQUESTED = "{action} requested for {names}; progress shows here and on t
 # Models ---------------------------------------------------------------------------------------------
 
 
-def alias_column(name: str) -> Callable[[ModelAlias], Any]:
-    """An alias field as a read-only column headed by the alias form's label (`ALIAS_LABELS`), so
-    a column and the form field it shows are called the same everywhere."""
+def alias_column(name: str) -> Callable[[Any, ModelAlias], Any]:
+    """An alias field as an admin's read-only column (a method), headed by the alias form's label
+    (`ALIAS_LABELS`), so a column and the form field it shows are called the same everywhere."""
 
-    def column(alias: ModelAlias) -> Any:
+    def column(admin_: Any, alias: ModelAlias) -> Any:
         return getattr(alias, name)
 
-    column.__name__ = f"{name}_column"
     return admin.display(description=ALIAS_LABELS[name], ordering=name)(column)
-
-
-DEFAULT_OUTPUT_TOKENS = alias_column("max_tokens")
-OUTPUT_TOKEN_CLAMP = alias_column("max_output_tokens")
 
 
 class AliasInline(_AliasInlineBase):
     """The aliases a model serves, read-only here: each is edited on its own page."""
 
     model = ModelAlias
-    fields = ("name", "enabled", "temperature", DEFAULT_OUTPUT_TOKENS, OUTPUT_TOKEN_CLAMP)
+    fields = ("name", "enabled", "temperature", "default_output_tokens", "output_token_clamp")
     readonly_fields = fields
+    default_output_tokens = alias_column("max_tokens")
+    output_token_clamp = alias_column("max_output_tokens")
     show_change_link = True
     extra = 0
     can_delete = False
@@ -241,9 +238,10 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
         "kind",
         "enabled",
         "temperature",
-        DEFAULT_OUTPUT_TOKENS,
+        "default_output_tokens",
         "updated_at",
     )
+    default_output_tokens = alias_column("max_tokens")
     list_filter = ("enabled", "model")
     list_select_related = ("model", "model__instance")
     search_fields = ("name", "description", "model__name")
