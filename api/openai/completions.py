@@ -11,7 +11,7 @@ from api.auth import Caller, api_endpoint, caller_of
 from api.collect import collect_answer
 from api.errors import cut_short_error, error_body, failed_error
 from api.openai.chat import CUT_SHORT_FINISH, FINISH_REASONS, ChatTurn, usage_body
-from api.openai.serializers import StreamOptionsInput, StrictBooleanField, TextSamplingInput
+from api.openai.serializers import ONE_CHOICE, StreamOptionsInput, StrictBooleanField, TextSamplingInput
 from api.openai.views import body_for_turn, chat_shaped_response, validated
 from api.sampling import sampling_overrides
 from api.sse import SSE_DONE, sse_event
@@ -36,7 +36,9 @@ class CompletionInput(TextSamplingInput):
     prompt = serializers.JSONField()
     stream = StrictBooleanField(required=False, default=False)
     stream_options = StreamOptionsInput(required=False, allow_null=True)
-    n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
+    n = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=1, error_messages={"max_value": ONE_CHOICE}
+    )
     best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
     user = serializers.CharField(required=False, allow_blank=True, max_length=256)
     logprobs = serializers.IntegerField(

@@ -14,6 +14,10 @@ from mlxhost.engine import Message, ToolCall
 from models_app.catalogue.specs import EFFORTS
 
 ROLE_ALIASES = {"developer": "system"}
+# As OpenAI: a predicted answer is text, and a turn with tools may answer with tool calls instead.
+PREDICTION_WITH_TOOLS = "prediction cannot be used with tools: a predicted output must be the answer's text."
+ONE_CHOICE = "n > 1 is not supported: one choice per request."
+
 UNSUPPORTED_OPTIONS = {
     "functions": "The legacy 'functions' parameter is not supported; send 'tools'.",
     "function_call": "The legacy 'function_call' parameter is not supported; send 'tool_choice'.",
@@ -120,7 +124,9 @@ class ChatCompletionInput(TextSamplingInput):
     stream = StrictBooleanField(required=False, default=False)
     stream_options = StreamOptionsInput(required=False, allow_null=True)
     max_completion_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    n = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
+    n = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1, max_value=1, error_messages={"max_value": ONE_CHOICE}
+    )
     logprobs = StrictBooleanField(required=False, allow_null=True)
     top_logprobs = serializers.IntegerField(
         required=False, allow_null=True, min_value=0, max_value=tool_inputs.MAX_TOP_LOGPROBS
@@ -158,6 +164,8 @@ class ChatCompletionInput(TextSamplingInput):
             if self.initial_data.get(name):
                 raise serializers.ValidationError({name: message})
         attrs["max_tokens"] = attrs.get("max_completion_tokens") or attrs.get("max_tokens")
+        if attrs.get("prediction") is not None and self.initial_data.get("tools"):
+            raise serializers.ValidationError({"prediction": PREDICTION_WITH_TOOLS})
         if attrs.get("top_logprobs") is not None and not attrs.get("logprobs"):
             raise serializers.ValidationError({"top_logprobs": "needs logprobs set to true."})
         attrs["logprobs"] = (attrs.get("top_logprobs") or 0) if attrs.get("logprobs") else None

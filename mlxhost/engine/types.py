@@ -231,8 +231,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
-    # With a prediction (OpenAI Predicted Outputs): its drafted tokens the model accepted, and
-    # the drafted ones it did not (docs/speculation.md); 0 without one.
+    # With a prediction (OpenAI Predicted Outputs): its tokens the output reproduced in order,
+    # and the rest of its tokens (docs/speculation.md); 0 without one.
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
 

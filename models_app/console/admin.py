@@ -20,12 +20,12 @@ from models_app.console import admin_keys as admin_keys  # registers the API key
 from models_app.console import admin_responses as admin_responses  # registers stored responses (ADM-5)
 from models_app.console.admin_live import DASH, live_columns, live_context
 from models_app.console.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
+from models_app.console.forms import ALIAS_LABELS, ModelAliasForm, ModelForm
 from models_app.console.forms import MODEL_FORM_FIELDS as MODEL_FORM_FIELDS
-from models_app.console.forms import ModelAliasForm, ModelForm
 from models_app.models import Model, ModelAlias, ModelInstance
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from django import forms
     from django.db.models import QuerySet
@@ -47,12 +47,24 @@ ACTION_REQUESTED = "{action} requested for {names}; progress shows here and on t
 # Models ---------------------------------------------------------------------------------------------
 
 
+def alias_column(name: str) -> Callable[[Any, ModelAlias], Any]:
+    """An alias field as an admin's read-only column (a method), headed by the alias form's label
+    (`ALIAS_LABELS`), so a column and the form field it shows are called the same everywhere."""
+
+    def column(admin_: Any, alias: ModelAlias) -> Any:
+        return getattr(alias, name)
+
+    return admin.display(description=ALIAS_LABELS[name], ordering=name)(column)
+
+
 class AliasInline(_AliasInlineBase):
     """The aliases a model serves, read-only here: each is edited on its own page."""
 
     model = ModelAlias
-    fields = ("name", "enabled", "temperature", "max_tokens", "max_output_tokens")
+    fields = ("name", "enabled", "temperature", "default_output_tokens", "output_token_clamp")
     readonly_fields = fields
+    default_output_tokens = alias_column("max_tokens")
+    output_token_clamp = alias_column("max_output_tokens")
     show_change_link = True
     extra = 0
     can_delete = False
@@ -220,7 +232,16 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
     """Public names: sampling defaults and limits. Weights, lane and actions are on the model."""
 
     form = ModelAliasForm
-    list_display = ("name", "model_link", "kind", "enabled", "temperature", "max_tokens", "updated_at")
+    list_display = (
+        "name",
+        "model_link",
+        "kind",
+        "enabled",
+        "temperature",
+        "default_output_tokens",
+        "updated_at",
+    )
+    default_output_tokens = alias_column("max_tokens")
     list_filter = ("enabled", "model")
     list_select_related = ("model", "model__instance")
     search_fields = ("name", "description", "model__name")

@@ -321,6 +321,7 @@ class ResponseHooks(TurnHooks):
                 "top_p": request.top_p,
                 # The server's figures for the turn, so the chat page shows them after a reload.
                 "timings": _timings(done),
+                "session_cache": result.session_cache or None,
             },
             output=output_items(
                 self.response_id, result.text, status, done, namespaced=dict(request.namespaced)

@@ -222,6 +222,7 @@ def chat_history(*, owner_id: int, public_id: str) -> dict[str, Any] | None:
                 "status_text": status_text(row),
                 "usage": usage_numbers(row),
                 "timings": (row.request or {}).get("timings"),
+                "cache": (row.request or {}).get("session_cache"),
             }
             for row in chain.turns
         ],

@@ -86,6 +86,7 @@ class TurnResult:
 
     text: str
     event: Done | Failed | None  # None: the listener stopped before the generation's end
+    session_cache: str = ""  # the generation's session outcome (X-Session-Cache): hit, partial, ...
 
 
 class TurnHooks:
@@ -143,7 +144,8 @@ class StartedTurn:
                     parts.append(event.text)
                 elif isinstance(event, Done | Failed) and not ended:
                     ended = True
-                    await _handed_off(self.hooks.ended(TurnResult("".join(parts), event)))
+                    outcome = self.generation.session_outcome
+                    await _handed_off(self.hooks.ended(TurnResult("".join(parts), event, outcome)))
                 yield event
         finally:
             if not ended:

@@ -174,6 +174,7 @@
     if (!history) return;
     var self = this;
     this.rootId = history.root;
+    this.openedOn = history.id; // the stored reply this page was opened to continue
     if (history.alias && this.model.querySelector('option[value="' + CSS.escape(history.alias) + '"]')) {
       this.model.value = history.alias;
     }
@@ -186,6 +187,7 @@
       turn.text = row.output;
       turn.usage = { input: row.usage.input, cached: row.usage.cached, output: row.usage.output };
       turn.timings = row.timings || null; // kept with the row: the figures survive a reload
+      turn.cache = row.cache || null; // as the live frame's session_cache said it: one rendering
       self.paint(turn);
       self.settle(turn, row.status, null, row.status === "completed" ? null : row.status_text); // the server's words
     });
@@ -201,11 +203,16 @@
 
   Chat.prototype.showConversation = function () {
     var tip = this.tipId();
-    // The stored reply this conversation continues, by a short id (the full one in its title).
-    this.conversation.textContent = tip ? "Continues a previous reply " : "New conversation";
+    // The stored reply this conversation continues, by a short id (the full one in its title):
+    // only one it was opened on (?response=), stored before this page; a reply received here is
+    // this conversation's own, so a new chat stays "New conversation" after its first turn.
+    var earlier = this.openedOn || null;
+    this.conversation.textContent = earlier ? "Continues a previous reply " : "New conversation";
+    if (earlier) {
+      var stored = this.root.dataset.storedUrl + "?q=" + encodeURIComponent(earlier);
+      this.conversation.appendChild(this.lib.el("a", { className: "mono chat-tip", href: stored, title: earlier, text: shortId(earlier) }));
+    }
     if (tip) {
-      var stored = this.root.dataset.storedUrl + "?q=" + encodeURIComponent(tip);
-      this.conversation.appendChild(this.lib.el("a", { className: "mono chat-tip", href: stored, title: tip, text: shortId(tip) }));
       this.conversation.dataset.response = tip;
     } else {
       delete this.conversation.dataset.response;
@@ -218,6 +225,7 @@
     if (this.current) return;
     this.turns = [];
     this.rootId = null; // the next turn starts a conversation of its own
+    this.openedOn = null;
     this.transcript.replaceChildren();
     var missing = document.getElementById("chat-missing");
     if (missing) missing.remove();

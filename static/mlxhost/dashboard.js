@@ -58,11 +58,25 @@
   }
 
   // Speculative decoding (docs/speculation.md): the share of drafted tokens accepted and the
-  // tokens per decode pass, as a tooltip of the tokens/s cells; "" before any drafting.
+  // tokens per decode pass, as a tooltip of the tokens/s cells; null (no title at all) before
+  // any drafting and for an embedding model. The counts are totals since the engine started.
   function speculationTitle(view) {
-    if (!view || view.speculation_acceptance == null) return "";
-    return "speculation: " + Math.round(view.speculation_acceptance * 100) + "% of drafted tokens accepted, " +
-      formatNumber(view.tokens_per_pass, 2) + " tokens per pass";
+    if (!view || view.speculation_acceptance == null) return null;
+    return "Speculative decoding, totals since the engine started: " +
+      Math.round(view.speculation_acceptance * 100) + "% of drafted tokens accepted, " +
+      formatNumber(view.tokens_per_pass, 2) + " tokens per decode pass";
+  }
+
+  // Set or remove a title: never an empty title="" (a tooltip of nothing).
+  function setTitle(node, title) {
+    if (!node) return;
+    if (title) node.title = title;
+    else node.removeAttribute("title");
+  }
+
+  function withTitle(node, title) {
+    setTitle(node, title);
+    return node;
   }
 
   function socketUrl(path) {
@@ -246,6 +260,9 @@
     formatBytes: formatBytes,
     formatNumber: formatNumber,
     speculationTitle: speculationTitle,
+    setTitle: setTitle,
+    roundBytes: roundBytes,
+    byteSteps: function () { return BYTE_STEPS; }, // the memory axis's tick increments
     loadProgress: loadProgress,
     showState: showState,
     slug: slug,
@@ -421,7 +438,7 @@
       el("td", { className: "kind", "data-label": "Kind", text: view.kind || "chat" }),
       state,
       el("td", { className: "num lane", "data-label": "Active / queued / capacity", text: lane + (view.draining ? " (draining)" : "") }),
-      el("td", { className: "num tps", "data-label": "Tokens/s", title: speculationTitle(view), text: formatNumber(view.tokens_per_s) }),
+      withTitle(el("td", { className: "num tps", "data-label": "Tokens/s", text: formatNumber(view.tokens_per_s) }), speculationTitle(view)),
       el("td", { className: "num ttft", "data-label": "TTFT (ms, incl. queue)" }, ttft),
       el("td", {
         className: "num warm",
@@ -541,6 +558,16 @@
 
   var COUNT_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000];
   var TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800]; // seconds between time labels
+  // Bytes between memory ticks: 1, 2, 5, 10, 20, 50, 100, 200, 500 of each unit formatBytes shows
+  // (1024-based), so a tick reads "200 MB", never "190.7 MB".
+  var BYTE_STEPS = [];
+  [1, 1024, Math.pow(1024, 2), Math.pow(1024, 3), Math.pow(1024, 4)].forEach(function (unit) {
+    [1, 2, 5, 10, 20, 50, 100, 200, 500].forEach(function (m) { BYTE_STEPS.push(m * unit); });
+  });
+
+  function roundBytes(v) {
+    return formatBytes(v).replace(/\.0 /, " "); // a tick is a round value: "200 MB"
+  }
 
   // Each chart: its title (with the unit), y-axis label and format, and the series it draws.
   var CHARTS = [
@@ -551,6 +578,8 @@
         return formatNumber(v, v >= 100 ? 0 : 1);
       },
       series: [{ label: "generated", field: "tps", stroke: "#417690", fill: "rgba(65,118,144,0.15)" }],
+      // An embedding model's tokens/s are the input tokens it embeds.
+      embedding: { title: "Tokens per second (tokens/s): input tokens embedded", series: [{ label: "input", field: "tps", stroke: "#417690", fill: "rgba(65,118,144,0.15)" }] },
     },
     {
       title: "Queued and running (requests)",
@@ -567,6 +596,7 @@
     {
       title: "Time to first token (ms): last request, queue wait included",
       unit: "ms",
+      chatOnly: "an embedding model generates no tokens, so has no first token",
       format: function (v) {
         return formatNumber(v, v >= 100 ? 0 : 1);
       },
@@ -588,6 +618,7 @@
     {
       title: "Prefix-cache hit rate (%) of all lookups so far",
       unit: "%",
+      chatOnly: "an embedding model keeps no prefix cache",
       percent: true,
       format: function (v) {
         return Math.round(v) + "%";
@@ -595,6 +626,16 @@
       series: [{ label: "hit rate", field: "hits", stroke: "#2e8540" }],
     },
   ];
+
+  // The charts of an instance of `kind`: an embedding model's say what its tokens/s count, and
+  // those that can never hold data for it (first token, prefix cache) say "not applicable".
+  function chartsFor(kind) {
+    if (kind !== "embedding") return CHARTS;
+    return CHARTS.map(function (spec) {
+      if (spec.chatOnly) return Object.assign({}, spec, { notApplicable: spec.chatOnly });
+      return spec.embedding ? Object.assign({}, spec, spec.embedding) : spec;
+    });
+  }
 
   function chartColors() {
     var css = getComputedStyle(document.documentElement);
@@ -628,10 +669,11 @@
       size: spec.bytes ? 64 : 48,
       space: 28,
       values: function (_u, splits) {
-        return splits.map(spec.format);
+        return splits.map(spec.bytes ? roundBytes : spec.format);
       },
     });
     if (spec.integer) y.incrs = COUNT_STEPS; // whole requests: no 0.5 steps
+    if (spec.bytes) y.incrs = BYTE_STEPS;
     var opts = {
       width: Math.max(200, target.clientWidth),
       height: 200,
@@ -656,28 +698,31 @@
     if (!window.uPlot) return;
     this.series.forEach(function (data, key) {
       if (!live.has(key)) {
-        if (data.charts) data.charts.forEach(function (chart) { chart.destroy(); });
+        if (data.charts) data.charts.forEach(function (chart) { if (chart) chart.destroy(); });
         if (data.card) data.card.remove();
         self.series.delete(key);
         return;
       }
       if (!data.view) return; // first paint only: wait for live points
       if (!data.card) {
-        var boxes = CHARTS.map(function (spec, i) {
-          return el("figure", { className: "chart", "data-unit": spec.unit, "data-chart": String(i) }, [el("figcaption", { text: spec.title })]);
+        data.specs = chartsFor(data.view.kind);
+        var boxes = data.specs.map(function (spec, i) {
+          var caption = [el("figcaption", { text: spec.title })];
+          if (spec.notApplicable) caption.push(el("p", { className: "quiet chart-na", text: "Not applicable: " + spec.notApplicable + "." }));
+          return el("figure", { className: "chart", "data-unit": spec.unit, "data-chart": String(i) }, caption);
         });
         data.title = el("h3", {});
         data.card = el("div", { className: "chart-card", "data-key": key }, [data.title, el("div", { className: "charts-grid" }, boxes)]);
         self.grid.append(data.card);
-        data.charts = CHARTS.map(function (spec, i) {
-          return makeChart(boxes[i], spec);
+        data.charts = data.specs.map(function (spec, i) {
+          return spec.notApplicable ? null : makeChart(boxes[i], spec);
         });
       }
       var aliases = data.view.aliases.length ? data.view.aliases.join(", ") : "unbound";
       data.title.textContent = "#" + data.view.instance_id + " " + aliases + " \u00b7 " + data.view.label;
       data.card.dataset.points = String(data.t.length); // how much history the charts hold
       data.charts.forEach(function (chart, i) {
-        chart.setData([data.t].concat(CHARTS[i].series.map(function (s) { return data[s.field]; })));
+        if (chart) chart.setData([data.t].concat(data.specs[i].series.map(function (s) { return data[s.field]; })));
       });
     });
   };
@@ -685,6 +730,7 @@
   Dashboard.prototype.resizeCharts = function () {
     this.series.forEach(function (data) {
       (data.charts || []).forEach(function (chart) {
+        if (!chart) return;
         var width = chart.root.parentNode.clientWidth;
         if (width > 0) chart.setSize({ width: width, height: chart.height });
       });

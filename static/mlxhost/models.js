@@ -177,8 +177,7 @@
     setText(tr, ".unload", (view && view.unload_label) || DASH);
     setText(tr, ".lane", live.resident ? view.active + " / " + view.queued + " / " + view.capacity : DASH);
     setText(tr, ".tps", live.resident ? h.formatNumber(view.tokens_per_s) : DASH);
-    var tps = tr.querySelector(".tps");
-    if (tps) tps.title = live.resident ? h.speculationTitle(view) : "";
+    h.setTitle(tr.querySelector(".tps"), live.resident ? h.speculationTitle(view) : null);
     var hits = live.resident && view.cache_hit_rate != null ? Math.round(view.cache_hit_rate * 100) + "%" : DASH;
     setText(tr, ".hits", hits);
     tr.querySelectorAll("form.model-action button[name=action]").forEach(function (button) {

@@ -274,3 +274,73 @@ def test_a_dashboard_opened_later_shows_the_last_hour_and_a_phone_picks_a_chart(
         assert page.evaluate(OVERFLOW) <= 0
         page.screenshot(path=str(ARTIFACTS / f"dashboard-history-{device}.png"), full_page=True)
     assert not errors, f"errors in the pages: {errors}"
+
+
+def test_the_model_pages_alias_table_scrolls_inside_its_box(daphne_server, staff_user, tiny_alias):  # noqa: F811
+    """Item 3 of the newcomer walk: the inline alias columns are named as the alias form names
+    them, and at 390 px the table scrolls sideways inside its box, the page itself as wide as
+    the window, at 1280 px nothing scrolls."""
+    _require_browser()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    errors: list[str] = []
+    for device, width, page in signed_in_pages(daphne_server.url, errors):
+        page.goto(f"/admin/models_app/model/{tiny_alias.model_id}/change/")
+        box = page.locator("#aliases-group fieldset.module")
+        headers = " ".join(box.locator("th").all_inner_texts()).lower()
+        assert "default output tokens" in headers and "output token clamp" in headers, headers
+        assert "max tokens" not in headers
+        page.screenshot(path=str(ARTIFACTS / f"model-aliases-{device}.png"), full_page=True)
+        assert page.evaluate(OVERFLOW) <= 0, device
+        inner, outer = box.evaluate("el => [el.scrollWidth, el.clientWidth]")
+        if width < 500:
+            assert box.evaluate("el => getComputedStyle(el).overflowX") == "auto"
+            assert inner > outer, (inner, outer)  # the rest is a scroll away, not cut off
+    assert not errors, f"errors in the pages: {errors}"
+
+
+def test_an_embedding_models_charts_and_cells_say_only_what_applies(
+    daphne_server,
+    staff_user,  # noqa: F811
+    pinned_tiny,
+    minilm_alias,
+):
+    """Items 5-6 of the newcomer walk: an embedding instance's tokens/s chart counts input tokens,
+    its first-token and hit-rate charts say "Not applicable" (no canvas that can never draw), its
+    tokens/s cells carry no empty title; memory ticks step by round values of the unit shown; the
+    page and docs/console.md give the charts' window as the code keeps it (the last hour)."""
+    _require_browser()
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "console.md").read_text()
+    assert "last hour" in " ".join(docs.split()) and "five minutes" not in docs
+    errors: list[str] = []
+    for device, _width, page in signed_in_pages(daphne_server.url, errors):
+        if device == "laptop":
+            page.goto("/dashboard/models/")
+            for model in (pinned_tiny.model.name, minilm_alias.model.name):
+                row = page.locator(f'#models-body tr[data-model="{model}"]')
+                row.locator("button[value=load]:enabled").click()
+                row.locator(".badge-resident").wait_for()
+            tps = page.locator(f'#models-body tr[data-model="{minilm_alias.model.name}"] .tps')
+            assert tps.get_attribute("title") is None
+        page.goto("/dashboard/")
+        assert "the last hour" in page.inner_text("#charts")
+        embedding = page.locator(".chart-card", has_text=minilm_alias.name)
+        embedding.wait_for()
+        for chart in ("2", "4"):
+            box = embedding.locator(f'.chart[data-chart="{chart}"]')
+            assert "Not applicable" in box.inner_text() and box.locator(".uplot").count() == 0
+        assert "input" in embedding.locator('.chart[data-chart="0"]').inner_text()
+        row = page.locator("#instances-body tr", has_text=minilm_alias.name)
+        assert row.locator(".tps").get_attribute("title") is None
+        assert page.locator('#instances-body [title=""]').count() == 0
+        title = page.evaluate(
+            "[window.mlxhost.speculationTitle({speculation_acceptance: 0.5, tokens_per_pass: 2}),"
+            " window.mlxhost.speculationTitle({kind: 'embedding'})]"
+        )
+        assert "totals since the engine started" in title[0] and title[1] is None, title
+        steps = page.evaluate("window.mlxhost.byteSteps().map(window.mlxhost.roundBytes)")
+        assert "200 MB" in steps and "1 GB" in steps and not any("." in s for s in steps), steps
+        assert page.evaluate(OVERFLOW) <= 0
+        page.screenshot(path=str(ARTIFACTS / f"dashboard-embedding-{device}.png"), full_page=True)
+    assert not errors, f"errors in the pages: {errors}"

@@ -174,6 +174,8 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
     legend = page.locator('#chat-legend [data-figure="queue"] dd').text_content()
     assert first.locator('.chat-figures [data-figure="queue"]').get_attribute("title") == legend
     assert page.url.endswith(f"?response={first_id}")
+    # A new chat's own reply is not "a previous reply" it continues.
+    assert page.locator("#chat-conversation").inner_text() == "New conversation"
     sidebar = page.locator("#chat-recent li[data-root]")
     sidebar.first.wait_for()  # live: the conversation joins the sidebar as its first turn ends
     assert sidebar.count() == 1 and sidebar.first.locator("a").inner_text() == "Hello there"
@@ -233,7 +235,7 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
 
     # 6. The server holds the conversation: a reload reopens it from the stored rows.
     stored(stopped_id)
-    first_figures = [figure(first, name) for name in ("queue", "ttft")]
+    first_figures = [figure(first, name) for name in ("queue", "ttft", "cache")]
     page.reload()
     page.wait_for_selector('#chat-socket[data-state="open"]')
     turns = page.locator(TURN)
@@ -250,7 +252,8 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
     assert sidebar.count() == 1
     assert sidebar.first.locator("a").inner_text() == "Hello there"
     assert "3 turns · 2 branches" in sidebar.first.inner_text()
-    assert [figure(turns.nth(0), name) for name in ("queue", "ttft")] == first_figures
+    # One rendering live and after a reload: the cache figure keeps its word ("fresh · N of M").
+    assert [figure(turns.nth(0), name) for name in ("queue", "ttft", "cache")] == first_figures
     no_sideways_overflow(page, width)
     send_in_view(page, height)
     if width > 800:

@@ -65,8 +65,9 @@ def test_sdk_prediction_is_accepted_and_reported_in_usage(
     predicted = client.chat.completions.create(prediction={"type": "content", "content": text}, **kwargs)
     assert predicted.choices[0].message.content == text
     details = predicted.usage.completion_tokens_details
-    assert details.accepted_prediction_tokens > 0, details
-    assert details.accepted_prediction_tokens < predicted.usage.completion_tokens == 24
+    # OpenAI's meaning: every token of the (right) prediction appeared in the answer.
+    assert predicted.usage.completion_tokens == 24
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (24, 0), details
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(prediction={"type": "text", "content": text}, **kwargs)
     assert bad.value.body["param"] == "prediction"

@@ -81,3 +81,29 @@ def test_the_width_is_zero_where_drafting_does_not_pay_and_shrinks_with_rows():
     assert max(plan_widths(cost, [0.7] * 8, [8] * 8, 8)) < one  # more rows, a narrower pass
     assert plan_widths(cost, [0.99, 0.0], [8, 8], 8)[1] == 0  # per row: the failing row drafts nothing
     assert expected_tokens(0.5, 2) == 1.75
+
+
+def test_the_aligner_counts_the_prediction_tokens_the_output_reproduced_in_order():
+    """OpenAI's accepted_prediction_tokens: prediction tokens that appeared in the output, each
+    once, in order, however they were drafted; never the drafts themselves."""
+    exact = PredictionAligner([1, 2, 3, 4])
+    output: list[int] = []
+    for token in [1, 2, 3, 4, 0]:  # the prediction, then an end token it never had
+        output.append(token)
+        exact.observe(output, 1)
+    assert exact.reproduced == 4
+
+    unrelated = PredictionAligner([1, 2, 3, 4])
+    output = []
+    for token in [7, 8, 9]:
+        output.append(token)
+        unrelated.observe(output, 1)
+    assert unrelated.reproduced == 0
+
+    # A detour and a repeat: realigning after the detour counts on; going back counts nothing twice.
+    detour = PredictionAligner([1, 2, 3, 4, 5])
+    output = []
+    for token in [1, 2, 9, 3, 4, 1, 2]:
+        output.append(token)
+        detour.observe(output, 1)
+    assert detour.reproduced == 4

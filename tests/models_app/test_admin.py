@@ -78,6 +78,21 @@ def test_the_alias_form_has_no_lane_or_weights_fields(admin_client, tiny_alias):
     assert "/action/load/" not in page
 
 
+def test_alias_columns_are_called_as_the_alias_form_calls_them(admin_client, tiny_alias):
+    """One place names an alias field (`ALIAS_LABELS`): the model page's inline columns and the
+    alias list say what the alias form says, never the model field's own name."""
+    pages = [
+        admin_client.get(f"/admin/models_app/model/{tiny_alias.model_id}/change/").content.decode(),
+        admin_client.get("/admin/models_app/modelalias/").content.decode(),
+    ]
+    for html in pages:
+        headers = " ".join(re.findall(r"<th[^>]*>(.*?)</th>", html, re.DOTALL))
+        assert "Default output tokens" in headers
+        assert "max tokens" not in headers.lower()
+    assert "Output token clamp" in pages[0]
+    assert "max output tokens" not in pages[0].lower()
+
+
 def test_admin_refuses_a_folder_outside_models_root(admin_client, tiny_model_dir):
     response = admin_client.post(f"{MODELS_URL}add/", {**MODEL_FORM, "local_path": "../etc"})
     assert response.status_code == 200

@@ -110,6 +110,12 @@ class BatchRunner(Protocol):
         ended it (or after `remove`); None when it never could draft."""
         ...
 
+    def prediction_reproduced(self, handle: int) -> int:
+        """How many of a sequence's prediction tokens its output reproduced, in order (OpenAI
+        Predicted Outputs' `accepted_prediction_tokens`), whatever drafted them; 0 without a
+        prediction. Kept as long as `speculation_stats`."""
+        ...
+
     def step(self) -> list[BatchStep]:
         """Run one decode step (plus a bounded slice of pending prompt processing).
 

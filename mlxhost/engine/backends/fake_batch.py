@@ -99,6 +99,17 @@ class _FakeSequence:
         return drafted, accepted
 
     @property
+    def reproduced(self) -> int:
+        """The prediction's ids (characters) the text reproduced from its start, in order."""
+        if self.prediction is None:
+            return 0
+        text, prediction = self.text, self.prediction
+        return next(
+            (i for i, (a, b) in enumerate(zip(text, prediction, strict=False)) if a != b),
+            min(len(text), len(prediction)),
+        )
+
+    @property
     def at_end(self) -> bool:
         # A finished script ends like a model emitting its end-of-sequence token: "stop".
         return self.pieces is not None and self.produced >= len(self.pieces)
@@ -122,6 +133,7 @@ class FakeBatch:
         self.closed = False
         self._sequences: dict[int, _FakeSequence] = {}
         self._ended: dict[int, FakeDraftCounts] = {}  # counts of sequences that ended this step
+        self._ended_reproduced: dict[int, int] = {}
         self._next_handle = 0
         backend.batches.append(self)
 
@@ -151,8 +163,8 @@ class FakeBatch:
         if self.speculation and max_draft != 0 and sampling.grammar is None:  # as the mlx batch
             sequence.max_draft = DEFAULT_MAX_DRAFT if max_draft is None else max_draft
             sequence.counts = FakeDraftCounts()
-            if prediction_ids:
-                sequence.prediction = "".join(chr(i) for i in prediction_ids)
+        if self.speculation and prediction_ids:  # followed even where it never drafts, as the mlx batch
+            sequence.prediction = "".join(chr(i) for i in prediction_ids)
         backend.predictions.append(tuple(prediction_ids or ()))
         return handle
 
@@ -167,6 +179,7 @@ class FakeBatch:
             raise RuntimeError("fake batch step failure")
         backend.batch_steps.append(len(self._sequences))
         self._ended.clear()
+        self._ended_reproduced.clear()
         steps: list[BatchStep] = []
         for handle, sequence in list(self._sequences.items()):
             if sequence.at_end:
@@ -214,8 +227,15 @@ class FakeBatch:
         sequence = self._sequences.get(handle)
         return sequence.counts if sequence is not None else None
 
+    def prediction_reproduced(self, handle: int) -> int:
+        if handle in self._ended_reproduced:
+            return self._ended_reproduced[handle]
+        sequence = self._sequences.get(handle)
+        return sequence.reproduced if sequence is not None else 0
+
     def remove(self, handle: int) -> SequenceCache:
         sequence = self._sequences.pop(handle)
+        self._ended_reproduced[handle] = sequence.reproduced
         if sequence.counts is not None:
             self._ended[handle] = sequence.counts
         cache = sequence.cache

@@ -193,19 +193,20 @@ class Batch:
             job.on_end(result)  # exactly once, whatever failed above: the lane slot must come back
 
     def _count_drafts(self, handle: int, job: GenerateJob) -> tuple[int, int]:
-        """Add an ending sequence's speculation counts to the worker's; its prediction's
-        (accepted, rejected) tokens for its usage ((0, 0) without a prediction)."""
+        """Add an ending sequence's speculation counts (drafts of every source) to the worker's;
+        its prediction's (accepted, rejected) tokens for its usage, as OpenAI means them: the
+        prediction's tokens the output reproduced, and the rest ((0, 0) without a prediction)."""
         counts = self.runner.speculation_stats(handle)
-        if counts is None:
-            return 0, 0
-        stats = self._stats
-        stats.drafted_tokens += counts.drafted
-        stats.accepted_tokens += counts.accepted
-        stats.speculation_passes += counts.passes
-        stats.speculation_emitted += counts.emitted
+        if counts is not None:
+            stats = self._stats
+            stats.drafted_tokens += counts.drafted
+            stats.accepted_tokens += counts.accepted
+            stats.speculation_passes += counts.passes
+            stats.speculation_emitted += counts.emitted
         if not job.prediction_ids:
             return 0, 0
-        return counts.accepted, counts.drafted - counts.accepted
+        accepted = min(self.runner.prediction_reproduced(handle), len(job.prediction_ids))
+        return accepted, len(job.prediction_ids) - accepted
 
     def _holds_its_tokens(self, job: GenerateJob, cache: SequenceCache) -> bool:
         """Whether the batch's cache holds exactly the tokens it says (SES-1): a warm session

@@ -329,3 +329,30 @@ def test_the_rollback_keeps_each_rows_own_positions_in_the_batch_cache():
     visible = cache.make_mask(1)[:, 0, 0, : cache._idx].tolist()
     assert visible[0] == [False] * (cache._idx - 4) + [True] * 4
     assert visible[1] == [False] * (cache._idx - 7) + [True] * 7
+
+
+def test_the_prediction_counts_are_the_prediction_tokens_the_output_reproduced(backend, tiny_eos_id):
+    """OpenAI's accepted_prediction_tokens: a right prediction reproduced whole (its first,
+    sampled token too, not only the drafted ones), a half-right one its right half, an
+    unrelated one nothing; a row that joins a decoding batch (its first token sampled at insert)
+    counts the same."""
+    no_eos = ((tiny_eos_id, -100.0),)
+    prompts = ["Where does the river go?", "the sea was far", "snow covered the roofs"]
+    requests = [(backend.encode(p), greedy(24, logit_bias=no_eos)) for p in prompts]
+    off, _ = drive(open_batch(backend, 3, None), requests)
+    predictions = [off[0].ids, off[1].ids[:10] + [5] * 14, [7] * 24]
+    batch = open_batch(backend, 3, FLAT)
+    first = batch.insert(*requests[0], None, 0, prediction_ids=predictions[0])
+    reproduced: dict[int, int] = {}
+    steps = batch.step()
+    while not steps:  # until the batch decodes: the next rows join it started
+        steps = batch.step()
+    handles = [first] + [batch.insert(*requests[i], None, 0, prediction_ids=predictions[i]) for i in (1, 2)]
+    assert set(handles[1:]) <= set(batch._first)  # joined started: first tokens handed out next step
+    while len(reproduced) < 3:
+        for step in steps:
+            if step.finish_reason is not None:
+                reproduced[step.handle] = batch.prediction_reproduced(step.handle)
+        steps = batch.step() if len(reproduced) < 3 else []
+    batch.close()
+    assert [reproduced[h] for h in handles] == [24, 10, 0], reproduced

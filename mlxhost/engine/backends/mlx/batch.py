@@ -14,7 +14,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 
 from mlxhost.engine.backends.base import BatchStep, SequenceCache
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
-from mlxhost.engine.backends.mlx.drafting import SpeculationConfig, SpeculationStats
+from mlxhost.engine.backends.mlx.drafting import PredictionAligner, SpeculationConfig, SpeculationStats
 from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
 from mlxhost.engine.backends.mlx.speculative import RowPlan, SpeculativeGenerationBatch
 from mlxhost.engine.errors import GrammarFailedError
@@ -203,6 +203,10 @@ class MlxBatch:
         self._speculative: SpeculativeGenerationBatch | None = None
         self._ended_stats: dict[int, SpeculationStats] = {}  # rows that ended in the last step
         self.speculation_totals = SpeculationStats()  # every row's counts, summed as rows end
+        # A row with a prediction: its output so far, followed along the prediction (its usage's
+        # prediction counts, OpenAI Predicted Outputs); kept like `_ended_stats` once it ends.
+        self._followers: dict[int, tuple[PredictionAligner, list[int]]] = {}
+        self._ended_reproduced: dict[int, int] = {}
         if speculation is not None:
             self._speculative = SpeculativeGenerationBatch.start(model, self._generator.sampler, speculation)
             self._generator._generation_batch = self._speculative
@@ -261,6 +265,8 @@ class MlxBatch:
     ) -> None:
         if self._speculative is None or handle < 0:
             return
+        if prediction:
+            self._followers[handle] = (PredictionAligner(prediction), [])
         plan = RowPlan(
             prompt_length=len(prompt_ids),
             prediction=tuple(prediction) if prediction else None,
@@ -281,7 +287,23 @@ class MlxBatch:
         drafter = self._speculative.drafters.get(handle)
         return drafter.stats if drafter is not None else None
 
+    def prediction_reproduced(self, handle: int) -> int:
+        if handle in self._ended_reproduced:
+            return self._ended_reproduced[handle]
+        follower = self._followers.get(handle)
+        return follower[0].reproduced if follower is not None else 0
+
+    def _follow(self, handle: int, token: int | None) -> None:
+        follower = self._followers.get(handle)
+        if follower is not None and token is not None:
+            aligner, output = follower
+            output.append(token)
+            aligner.observe(output, 1)
+
     def _release(self, handle: int) -> None:
+        follower = self._followers.pop(handle, None)
+        if follower is not None:
+            self._ended_reproduced[handle] = follower[0].reproduced
         if self._speculative is None:
             return
         drafter = self._speculative.release(handle)
@@ -362,9 +384,11 @@ class MlxBatch:
     def step(self) -> list[BatchStep]:
         self._fed_alone = 0
         self._ended_stats.clear()
+        self._ended_reproduced.clear()
         if self._first:  # first tokens sampled at insert go out at once, before a batch step
             first, self._first = list(self._first.values()), {}
             for step in first:
+                self._follow(step.handle, step.token_id)
                 if step.finish_reason is None:
                     self._decoding.add(step.handle)
             return first
@@ -388,6 +412,7 @@ class MlxBatch:
                 token = None
             else:
                 text = detokenizer.add_token(response.token)
+                self._follow(response.uid, token)
             cache = None
             decoding.add(response.uid)
             logprob = None
@@ -438,6 +463,7 @@ class MlxBatch:
         self._detokenizers.clear()
         self._guards.clear()
         self._decoding.clear()
+        self._followers.clear()
         self._generator.close()
 
     def _sampler(self, sampling: SamplingParams) -> tuple[_Guard, Any]:

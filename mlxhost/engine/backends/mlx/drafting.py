@@ -167,15 +167,20 @@ class NgramIndex:
 
 
 class PredictionAligner:
-    """Drafts from an explicit prediction of the output, aligned with the output so far."""
+    """Drafts from an explicit prediction of the output, aligned with the output so far.
 
-    __slots__ = ("_anchor", "_index", "_max_n", "_position", "prediction")
+    `reproduced` counts the prediction's tokens the output reproduced in order (each at most
+    once, never going back): OpenAI's `accepted_prediction_tokens`."""
+
+    __slots__ = ("_anchor", "_index", "_max_n", "_position", "_reached", "prediction", "reproduced")
 
     def __init__(self, prediction: Sequence[int], *, max_n: int = 8) -> None:
         self.prediction = list(prediction)
         self._position: int | None = 0  # index in the prediction of the next output token
         self._anchor = 0  # where the last alignment ended: re-anchoring prefers what follows
         self._max_n = max_n
+        self.reproduced = 0
+        self._reached = 0  # the prediction's index after the last token counted in `reproduced`
         self._index = NgramIndex(self.prediction, min_n=1, max_n=max_n)
 
     def observe(self, output: Sequence[int], new: int) -> None:
@@ -189,10 +194,16 @@ class PredictionAligner:
             ):
                 self._position = position + 1
                 self._anchor = position + 1
+                if position >= self._reached:
+                    self.reproduced += 1
+                    self._reached = position + 1
             else:
                 self._position = None
         if self._position is None:
             self._position = self._realign(output)
+            if self._position is not None and self._position > self._reached:
+                self.reproduced += 1  # the output's last token, found again in the prediction
+                self._reached = self._position
 
     def _realign(self, output: Sequence[int]) -> int | None:
         prediction = self.prediction
