@@ -186,7 +186,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         cap = max(limits)
         if not any(plan_widths(cost, acceptances, limits, cap, hits)):
             return None
-        pending = cast("list[int]", self._next_tokens.tolist())
+        pending = self._pending()
         candidates: list[list[int]] = []
         for r, drafter in enumerate(drafters):
             draft = drafter.draft(limits[r], pending[r]) if drafter is not None and limits[r] else []
@@ -196,8 +196,12 @@ class SpeculativeGenerationBatch(GenerationBatch):
         widths = plan_widths(cost, acceptances, [len(d) for d in candidates], cap)
         return [d[:k] for d, k in zip(candidates, widths, strict=True)]
 
+    def _pending(self) -> list[int]:
+        """Each row's pending token: waits for mlx-lm's pipelined step to finish."""
+        return cast("list[int]", self._next_tokens.tolist())
+
     def _verify(self, drafts: list[list[int]]) -> list[Any]:
-        pending = cast("list[int]", self._next_tokens.tolist())
+        pending = self._pending()
         width = 1 + max(len(d) for d in drafts)
         rows = [[p, *d] + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
         logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
