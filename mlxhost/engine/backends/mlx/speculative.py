@@ -7,9 +7,11 @@ stop-token matchers, the per-row samplers and logits processors, `BatchKVCache`.
 
 Each call to `next()` first asks every row's `RowDrafter` (drafting.py) for a draft after its
 pending token (sampled by the previous step, not yet fed) and plans the pass width from the
-cost of a pass and each row's acceptance. With no draft worth trying it runs mlx-lm's own
-one-token step (`GenerationBatch.next`, pipelined as ever): text that never repeats pays only
-the lookup. Otherwise one forward pass feeds each row `[pending, d1..dk]` (right-padded to the
+batch's measured cost of a pass (pacing.py) and each row's acceptance. With no draft worth
+trying it runs mlx-lm's own one-token step (`GenerationBatch.next`, pipelined as ever). Reading
+the pending token waits for that pipeline, so the plan is first drawn as if every row found a
+draft as often as it has lately: when even that is a plain step, nothing is read or looked up,
+and text that never repeats pays (almost) nothing. Otherwise one forward pass feeds each row `[pending, d1..dk]` (right-padded to the
 widest row) and checks the drafts position by position:
 
 - position j's logits go through the row's logits processors with the context the row would
