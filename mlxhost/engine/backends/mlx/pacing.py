@@ -10,10 +10,10 @@ interval is the step's real throughput cost); a verify pass from the moment its 
 are known (any pipelined plain step has finished by then) to the next step's start, so it
 carries its own Python and the bubble it leaves in the pipeline.
 
-Unmeasured entries are the table's, scaled by the measured/table ratio of the nearest
-measured width at the same rows (else of the nearest rows). Verify entries drift back
-towards the table's ratio to the measured plain step (`DRIFT` per plain step), so a batch
-whose passes stopped paying tries one again now and then, and notices when they pay again.
+A verify pass is kept as its ratio to the plain step measured at the same rows (the load moves
+both). Unmeasured entries are the table's, scaled by the nearest measured one. Verify ratios
+drift back towards the table's (`DRIFT` per plain step), so a batch whose passes stopped paying
+tries one again now and then, and notices when they pay again.
 """
 
 from __future__ import annotations
@@ -28,50 +28,70 @@ if TYPE_CHECKING:
 # (a prefill or a pause between two steps is not the step's cost).
 WEIGHT = 0.25
 CLIP = 3.0
-# Per plain step, how far each verify entry at those rows moves back towards the table's ratio.
-DRIFT = 0.003
+# Per plain step, how far each verify entry at those rows moves back towards the table's ratio
+# (half-way in some 70 plain steps: one unlucky sample does not stop drafting for long).
+DRIFT = 0.01
 
 
 class MeasuredCost:
-    """`PassCost`'s interface (`cost(width, rows)`, ms), learnt from this batch's own steps."""
+    """`PassCost`'s interface (`cost(width, rows)`, ms), learnt from this batch's own steps.
 
-    __slots__ = ("_seen", "table")
+    Plain steps are kept in ms; a verify pass as its ratio to the plain step at the same rows
+    measured at the time, so that the machine's load, which moves both, does not bias one
+    against the other."""
+
+    __slots__ = ("_plain", "_ratio", "table")
 
     def __init__(self, table: PassCost) -> None:
         self.table = table
-        self._seen: dict[tuple[int, int], float] = {}  # (rows, width) -> ms
+        self._plain: dict[int, float] = {}  # rows -> ms of a plain step
+        self._ratio: dict[tuple[int, int], float] = {}  # (rows, width) -> verify ms / plain ms
 
     def __call__(self, width: int, rows: int) -> float:
-        seen = self._seen.get((rows, width))
-        if seen is not None:
-            return seen
-        return self.table(width, rows) * self._scale(width, rows)
+        plain = self._plain.get(rows)
+        if plain is None:
+            plain = self.table(1, rows) * self._plain_scale(rows)
+        if width == 1:
+            return plain
+        ratio = self._ratio.get((rows, width))
+        if ratio is None:
+            ratio = self._table_ratio(width, rows) * self._ratio_scale(width, rows)
+        return plain * ratio
 
-    def _scale(self, width: int, rows: int) -> float:
+    def _table_ratio(self, width: int, rows: int) -> float:
+        return self.table(width, rows) / self.table(1, rows)
+
+    def _plain_scale(self, rows: int) -> float:
+        if not self._plain:
+            return 1.0
+        nearest = min(self._plain, key=lambda r: abs(r - rows))
+        return self._plain[nearest] / self.table(1, nearest)
+
+    def _ratio_scale(self, width: int, rows: int) -> float:
         best: tuple[int, int] | None = None
         scale = 1.0
-        for (r, w), ms in self._seen.items():
+        for (r, w), ratio in self._ratio.items():
             distance = (abs(r - rows), abs(w - width))
             if best is None or distance < best:
-                best, scale = distance, ms / self.table(w, r)
+                best, scale = distance, ratio / self._table_ratio(w, r)
         return scale
 
     def record(self, width: int, rows: int, seconds: float) -> None:
         ms = seconds * 1000.0
-        key = (rows, width)
-        old = self._seen.get(key)
-        if old is None:
-            self._seen[key] = ms
-            return
-        ms = min(ms, old * CLIP)
-        self._seen[key] = old + (ms - old) * WEIGHT
         if width == 1:
-            plain = self._seen[key]
-            base = self.table(1, rows)
-            for (r, w), value in self._seen.items():
-                if r == rows and w > 1:
-                    target = plain * self.table(w, rows) / base
-                    self._seen[(r, w)] = value + (target - value) * DRIFT
+            old = self._plain.get(rows)
+            self._plain[rows] = ms if old is None else old + (min(ms, old * CLIP) - old) * WEIGHT
+            for (r, w), ratio in self._ratio.items():
+                if r == rows:
+                    self._ratio[(r, w)] = ratio + (self._table_ratio(w, r) - ratio) * DRIFT
+            return
+        ratio = ms / self(1, rows)
+        key = (rows, width)
+        old_ratio = self._ratio.get(key)
+        if old_ratio is None:
+            self._ratio[key] = ratio
+        else:
+            self._ratio[key] = old_ratio + (min(ratio, old_ratio * CLIP) - old_ratio) * WEIGHT
 
 
 class StepClock:
