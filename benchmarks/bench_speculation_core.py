@@ -78,6 +78,16 @@ def prompts(tokenizer: object, users: int) -> list[list[int]]:
     return out
 
 
+def story_prompts(tokenizer: object, users: int) -> list[list[int]]:
+    """bench_edit.py's stories: independent prose that hardly repeats (speculation must not cost)."""
+    from benchmarks._edit_workload import story_messages
+
+    return [
+        list(tokenizer.apply_chat_template(story_messages(i, "core"), add_generation_prompt=True))  # type: ignore[attr-defined]
+        for i in range(users)
+    ]
+
+
 def run(
     model: object,
     tokenizer: object,
@@ -85,12 +95,14 @@ def run(
     max_tokens: int,
     speculation: SpeculationConfig | None,
     predictions: list[list[int]] | None = None,
+    no_eos: bool = False,
 ) -> tuple[list[list[int]], float, float, SpeculationStats]:
     """Every prompt at once; (each row's tokens, decode tokens/s by the wall clock and by this
     process's CPU time, summed speculation counts). On a shared machine the CPU-time rate
     moves less with the neighbours' load than the wall-clock one."""
     batch = MlxBatch(model, tokenizer, len(ids), speculation=speculation)
-    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    eos = tuple((int(t), -100.0) for t in getattr(tokenizer, "eos_token_ids", ())) if no_eos else ()
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, logit_bias=eos)
     handles = [
         batch.insert(p, sampling, None, 0, prediction_ids=predictions[i] if predictions else None)
         for i, p in enumerate(ids)
@@ -128,6 +140,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--users", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--max-draft", type=int, default=8)
+    parser.add_argument(
+        "--stories",
+        type=int,
+        default=0,
+        help="also N stories at once (128 tokens, EOS suppressed), on vs off",
+    )
     args = parser.parse_args()
 
     from mlx_lm import load
@@ -135,6 +153,36 @@ def main() -> None:
     model, tokenizer = load(args.model)
     config = SpeculationConfig(max_draft=args.max_draft)
     report: dict[str, object] = {"model": args.model, "max_tokens": args.max_tokens, "rounds": args.rounds}
+    if args.stories:
+        ids = story_prompts(tokenizer, args.stories)
+        story_rates: dict[str, list[float]] = {"off": [], "on": []}
+        story_cpu: dict[str, list[float]] = {"off": [], "on": []}
+        story_texts: dict[str, list[list[int]]] = {}
+        story_stats = SpeculationStats()
+        for _ in range(args.rounds):
+            for mode in ("off", "on"):
+                story_texts[mode], rate, cpu_rate, counts = run(
+                    model, tokenizer, ids, 128, None if mode == "off" else config, no_eos=True
+                )
+                story_rates[mode].append(rate)
+                story_cpu[mode].append(cpu_rate)
+                if mode == "on":
+                    story_stats = counts
+        report["stories"] = {
+            "decode_tok_s": story_rates,
+            "cpu_decode_tok_s": story_cpu,
+            "on_vs_off": statistics.median(story_rates["on"]) / statistics.median(story_rates["off"]),
+            "cpu_on_vs_off": statistics.median(story_cpu["on"]) / statistics.median(story_cpu["off"]),
+            "round_cpu_ratios": [a / b for a, b in zip(story_cpu["on"], story_cpu["off"], strict=True)],
+            "same_tokens": story_texts["on"] == story_texts["off"],
+            "on_counts_drafted_accepted_passes_emitted": [
+                story_stats.drafted,
+                story_stats.accepted,
+                story_stats.passes,
+                story_stats.emitted,
+            ],
+        }
+        print(json.dumps({"stories": report["stories"]}, indent=1), flush=True)
     for users in args.users:
         ids = prompts(tokenizer, users)
         modes = ("off", "on", "predicted")

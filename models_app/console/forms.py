@@ -132,7 +132,7 @@ ALIAS_HELP = {
     "speculation": "On (default): each decode step may draft tokens from the request's own prompt and "
     "output, or from its prediction (OpenAI Predicted Outputs), and check them in one pass. Greedy and "
     "seeded text stays the same; only the speed changes. Off: one token per step.",
-    "speculation_max_k": "1 to 16 (default 8): the most tokens drafted for one request in one step.",
+    "speculation_max_k": "1 to 16 (default 16): the most tokens drafted for one request in one step (prompt lookup drafts at most 8, a prediction up to 16).",
 }
 
 

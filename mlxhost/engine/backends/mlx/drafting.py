@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
 # One forward pass of the demo model (SmolLM2-135M float32, 2 CPU cores, 300-token cache), ms by
 # tokens per row in the pass, for 1 and 4 rows: issue 27's table (best of 7, medians within 4 %).
@@ -35,6 +35,10 @@ CPU_PASS_MS: dict[int, dict[int, float]] = {
 # Per plain pass, how far a row's acceptance estimate moves back towards its prior: a row that
 # stopped drafting probes again (one token) some 30 passes later, under 1 % of its passes.
 RECOVERY = 0.001
+
+
+# Weight kept by a row's hit rate (lookups that found a draft) per lookup.
+HIT_DECAY = 0.9
 
 
 # How far past its last agreement a diverged prediction is searched token by token before the
@@ -88,9 +92,13 @@ class SpeculationConfig:
     """How a batch speculates. `max_draft` caps k per row; `cost` prices a pass; n-grams of
     `min_ngram`..`max_ngram` tokens are looked up; acceptance starts at `prior` (weight
     `prior_weight` drafted tokens) and then follows the row's own results, older ones decaying
-    by `decay` per pass."""
+    by `decay` per pass. A row with a prediction may draft up to `prediction_max_draft`."""
 
     max_draft: int = 8
+    # Rows with an explicit prediction may draft up to this many (still under max_draft's
+    # alias cap when one is set): a right prediction fills a 17-token pass that costs the
+    # same as a 9-token one at 1 row.
+    prediction_max_draft: int = 16
     min_ngram: int = 1
     max_ngram: int = 6
     cost: PassCost = field(default_factory=PassCost)
@@ -98,6 +106,8 @@ class SpeculationConfig:
     prediction_prior: float = 0.8
     prior_weight: float = 4.0
     decay: float = 0.9
+    # Plan with this batch's measured step times (pacing.py), `cost` only as their seed.
+    measure: bool = True
 
 
 @dataclass(slots=True)
@@ -233,7 +243,7 @@ class RowDrafter:
     given the row's last token; `record(drafted, accepted)` updates the acceptance estimate.
     """
 
-    __slots__ = ("_accepted", "_drafted", "_generated", "config", "index", "prediction", "stats")
+    __slots__ = ("_accepted", "_drafted", "_generated", "config", "hit", "index", "prediction", "stats")
 
     def __init__(
         self, config: SpeculationConfig, tokens: Sequence[int], prediction: Sequence[int] | None = None
@@ -245,6 +255,7 @@ class RowDrafter:
         prior = config.prediction_prior if prediction else config.prior
         self._accepted = prior * config.prior_weight
         self._drafted = config.prior_weight
+        self.hit = 1.0  # recent share of lookups that found a draft (see `looked_up`)
         self.stats = SpeculationStats()
 
     @property
@@ -271,6 +282,10 @@ class RowDrafter:
                 return aligned
         return self.index.draft(k, pending)
 
+    def looked_up(self, found: bool) -> None:
+        """A lookup (after the pending token) found a draft or not: the hit rate's mean."""
+        self.hit = self.hit * HIT_DECAY + (1.0 - HIT_DECAY) * found
+
     def record(self, drafted: int, accepted: int, emitted: int) -> None:
         self.stats.passes += 1
         self.stats.drafted += drafted
@@ -281,6 +296,7 @@ class RowDrafter:
             # text turns repetitive later is tried again (see RECOVERY).
             prior = self.config.prediction_prior if self.prediction is not None else self.config.prior
             self._accepted += (prior * self._drafted - self._accepted) * RECOVERY
+            self.hit += (1.0 - self.hit) * RECOVERY
         else:
             # Count the positions that were actually tried: the first rejection ends the run.
             tried = min(drafted, accepted + 1)
@@ -316,7 +332,11 @@ def expected_tokens(acceptance: float, k: int) -> float:
 
 
 def plan_widths(
-    cost: PassCost, acceptances: Sequence[float], available: Sequence[int], cap: int
+    cost: Callable[[int, int], float],
+    acceptances: Sequence[float],
+    available: Sequence[int],
+    cap: int,
+    hits: Sequence[float] | None = None,
 ) -> list[int]:
     """Drafts per row for the next pass: each row's k, 0 where drafting does not pay.
 
@@ -325,25 +345,33 @@ def plan_widths(
     pass pays for its widest row, so the pass width K is chosen for the whole batch: the K
     maximising expected tokens per cost, with row r drafting min(K, available[r], its own best
     k alone). K = 0 (a plain one-token step) unless some K beats it; as rows grow a wide pass
-    costs more, so K shrinks.
+    costs more, so K shrinks. `hits[r]` (default 1) is the chance that row r has a draft at
+    all: planning before the drafts are known (`available` = each row's limit) weighs each
+    row's gain by it.
     """
     rows = len(available)
     if rows == 0:
         return []
-    own = [_best_alone(cost, a, min(n, cap)) for a, n in zip(acceptances, available, strict=True)]
+    chances = hits if hits is not None else [1.0] * rows
+    own = [
+        _best_alone(cost, a, min(n, cap), h) for a, n, h in zip(acceptances, available, chances, strict=True)
+    ]
     best_width, best_rate = 0, rows / cost(1, rows)
     for width in range(1, max(own, default=0) + 1):
-        gain = sum(expected_tokens(a, min(width, k)) for a, k in zip(acceptances, own, strict=True))
+        gain = sum(
+            1 + h * (expected_tokens(a, min(width, k)) - 1)
+            for a, k, h in zip(acceptances, own, chances, strict=True)
+        )
         rate = gain / cost(width + 1, rows)
         if rate > best_rate * 1.0001:
             best_width, best_rate = width, rate
     return [min(best_width, k) for k in own]
 
 
-def _best_alone(cost: PassCost, acceptance: float, limit: int) -> int:
+def _best_alone(cost: Callable[[int, int], float], acceptance: float, limit: int, hit: float = 1.0) -> int:
     best, best_rate = 0, 1 / cost(1, 1)
     for k in range(1, limit + 1):
-        rate = expected_tokens(acceptance, k) / cost(k + 1, 1)
+        rate = (1 + hit * (expected_tokens(acceptance, k) - 1)) / cost(k + 1, 1)
         if rate > best_rate * 1.0001:
             best, best_rate = k, rate
     return best

@@ -7,9 +7,11 @@ stop-token matchers, the per-row samplers and logits processors, `BatchKVCache`.
 
 Each call to `next()` first asks every row's `RowDrafter` (drafting.py) for a draft after its
 pending token (sampled by the previous step, not yet fed) and plans the pass width from the
-cost of a pass and each row's acceptance. With no draft worth trying it runs mlx-lm's own
-one-token step (`GenerationBatch.next`, pipelined as ever): text that never repeats pays only
-the lookup. Otherwise one forward pass feeds each row `[pending, d1..dk]` (right-padded to the
+batch's measured cost of a pass (pacing.py) and each row's acceptance. With no draft worth
+trying it runs mlx-lm's own one-token step (`GenerationBatch.next`, pipelined as ever). Reading
+the pending token waits for that pipeline, so the plan is first drawn as if every row found a
+draft as often as it has lately: when even that is a plain step, nothing is read or looked up,
+and text that never repeats pays (almost) nothing. Otherwise one forward pass feeds each row `[pending, d1..dk]` (right-padded to the
 widest row) and checks the drafts position by position:
 
 - position j's logits go through the row's logits processors with the context the row would
@@ -59,6 +61,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from mlxhost.engine.backends.mlx.drafting import RowDrafter, SpeculationConfig, plan_widths
+from mlxhost.engine.backends.mlx.pacing import MeasuredCost, StepClock
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -85,6 +88,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
     plans: dict[int, RowPlan]
     drafters: dict[int, RowDrafter]
     _seen: dict[int, int]
+    clock: StepClock
+    _plain_run: bool  # the last step was a plain one (mlx-lm's pipeline is running)
 
     @classmethod
     def start(cls, model: Any, sampler: Any, config: SpeculationConfig) -> SpeculativeGenerationBatch:
@@ -93,6 +98,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
         batch.plans = {}
         batch.drafters = {}
         batch._seen = {}
+        batch.clock = StepClock(MeasuredCost(config.cost))
+        batch._plain_run = False
         return batch
 
     def register(self, uid: int, plan: RowPlan) -> None:
@@ -104,17 +111,31 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._seen.pop(uid, None)
         return self.drafters.pop(uid, None)
 
+    def extend(self, batch: Any) -> None:
+        super().extend(batch)
+        self.clock.interrupt()  # the caller just ran a prefill: not a step's cost
+
+    @property
+    def cost(self) -> Callable[[int, int], float]:
+        """What plans a pass: the batch's own measured step times, or the bare table."""
+        return self.clock.cost if self.config.measure else self.config.cost
+
     def next(self) -> list[Any]:
         if not self.uids:
             return []
+        rows = len(self.uids)
+        self.clock.step(1, rows, pipelined=self._plain_run)  # re-started below for a verify pass
         drafts = self._plan()
-        if not any(drafts):
+        if drafts is None or not any(drafts):
             responses = cast("list[Any]", super().next())
             for response in responses:
                 drafter = self.drafters.get(response.uid)
                 if drafter is not None:
                     drafter.record(0, 0, 1)
+            self._plain_run = True
             return responses
+        self.clock.step(1 + max(len(d) for d in drafts), rows, pipelined=False)
+        self._plain_run = False
         return self._verify(drafts)
 
     def _drafter(self, row: int) -> RowDrafter | None:
@@ -135,33 +156,54 @@ class SpeculativeGenerationBatch(GenerationBatch):
             self._seen[uid] = len(tokens)
         return drafter
 
-    def _plan(self) -> list[list[int]]:
-        """Each row's drafts for this step; all empty means a plain one-token step."""
+    def _limit(self, r: int, drafter: RowDrafter | None) -> int:
+        """The most row r may draft this step: the batch's cap (wider for a prediction), the
+        row's own, and its room under max_tokens."""
+        if drafter is None:
+            return 0
+        plan = self.plans[self.uids[r]]
+        cap = self.config.max_draft
+        if drafter.prediction is not None:
+            cap = max(cap, self.config.prediction_max_draft)
+        if plan.max_draft is not None:
+            cap = min(cap, plan.max_draft)
+        return max(0, min(cap, self.max_tokens[r] - self._num_tokens[r] - 1))
+
+    def _plan(self) -> list[list[int]] | None:
+        """Each row's drafts for this step; None or all empty means a plain one-token step.
+
+        None: decided before reading the pending tokens (which would wait for mlx-lm's
+        pipelined step and lose its overlap): even if every row found a draft as often as it
+        has lately, up to its limit, no pass would pay."""
         rows = len(self.uids)
         if self.config.max_draft <= 0 or not all(type(c) is BatchKVCache for c in self.prompt_cache):
-            return [[] for _ in range(rows)]
+            return None
         drafters = [self._drafter(r) for r in range(rows)]
         if not any(drafters):
-            return [[] for _ in range(rows)]
-        pending = cast("list[int]", self._next_tokens.tolist())
+            return None
+        limits = [self._limit(r, d) for r, d in enumerate(drafters)]
+        acceptances = [d.acceptance if d is not None else 0.0 for d in drafters]
+        hits = [d.hit if d is not None else 0.0 for d in drafters]
+        cost = self.cost
+        cap = max(limits)
+        if not any(plan_widths(cost, acceptances, limits, cap, hits)):
+            return None
+        pending = self._pending()
         candidates: list[list[int]] = []
-        acceptances: list[float] = []
         for r, drafter in enumerate(drafters):
-            remaining = self.max_tokens[r] - self._num_tokens[r]
-            limit = min(self.config.max_draft, remaining - 1)
-            cap = self.plans[self.uids[r]].max_draft if drafter is not None else None
-            if cap is not None:
-                limit = min(limit, cap)
-            draft = drafter.draft(limit, pending[r]) if drafter is not None else []
+            draft = drafter.draft(limits[r], pending[r]) if drafter is not None and limits[r] else []
+            if drafter is not None and limits[r]:
+                drafter.looked_up(bool(draft))
             candidates.append(draft)
-            acceptances.append(drafter.acceptance if drafter is not None else 0.0)
-        widths = plan_widths(
-            self.config.cost, acceptances, [len(d) for d in candidates], self.config.max_draft
-        )
+        widths = plan_widths(cost, acceptances, [len(d) for d in candidates], cap)
         return [d[:k] for d, k in zip(candidates, widths, strict=True)]
 
+    def _pending(self) -> list[int]:
+        """Each row's pending token: waits for mlx-lm's pipelined step to finish."""
+        return cast("list[int]", self._next_tokens.tolist())
+
     def _verify(self, drafts: list[list[int]]) -> list[Any]:
-        pending = cast("list[int]", self._next_tokens.tolist())
+        pending = self._pending()
         width = 1 + max(len(d) for d in drafts)
         rows = [[p, *d] + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
         logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
@@ -173,8 +215,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
         finishes: list[str | None] = []
         next_tokens: list[int] = []
         next_logprobs: list[mx.array] = []
+        shared = self._sample_shared(logits, drafts)
         for r, draft in enumerate(drafts):
-            sampled, positions = self._sample_row(r, logits[r], pending[r], draft)
+            sampled, positions = (
+                shared[r] if r in shared else self._sample_row(r, logits[r], pending[r], draft)
+            )
             accepted = len(sampled) - 1
             emitted = [pending[r], *draft[:accepted]]
             row_logprobs = [self._next_logprobs[r], *positions[:accepted]]
@@ -207,6 +252,41 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self._next_logprobs = next_logprobs
         return self._respond(emitted_rows, logprob_rows, finishes)
 
+    def _sample_shared(
+        self, logits: mx.array, drafts: list[list[int]]
+    ) -> dict[int, tuple[list[int], list[mx.array]]]:
+        """Rows without logits processors whose sampler is shared (not sequential), sampled a
+        sampler at a time: one normalisation and one sampler call over all their positions,
+        one read back. Each position is still its own draw from its own logprobs, so greedy
+        rows get the same tokens and sampled rows the same distribution as row by row. The
+        other rows are left to `_sample_row`."""
+        groups: dict[int, tuple[Callable[[mx.array], mx.array], list[int]]] = {}
+        for r in range(len(drafts)):
+            if (self.logits_processors and self.logits_processors[r]) or self._sequential(r):
+                continue
+            sampler = self._sampler(r)
+            groups.setdefault(id(sampler), (sampler, []))[1].append(r)
+        out: dict[int, tuple[list[int], list[mx.array]]] = {}
+        width = int(logits.shape[1])
+        for sampler, rows in groups.values():
+            chosen = logits if len(rows) == len(drafts) else logits[mx.array(rows)]
+            logprobs = chosen - mx.logsumexp(chosen, axis=-1, keepdims=True)
+            flat = sampler(logprobs.reshape(len(rows) * width, -1))
+            drawn = cast("list[list[int]]", flat.reshape(len(rows), width).tolist())
+            for i, r in enumerate(rows):
+                draft = drafts[r]
+                sampled: list[int] = []
+                for j, token in enumerate(drawn[i][: len(draft) + 1]):
+                    sampled.append(token)
+                    if j == len(draft) or token != draft[j]:
+                        break
+                out[r] = sampled, [logprobs[i, j] for j in range(len(sampled))]
+        return out
+
+    def _sequential(self, r: int) -> bool:
+        plan = self.plans.get(self.uids[r])
+        return plan is not None and plan.sequential
+
     def _sample_row(
         self, r: int, logits: mx.array, pending: int, draft: list[int]
     ) -> tuple[list[int], list[mx.array]]:
@@ -224,9 +304,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 row = processor(context[: base + j], row)
             positions.append(row - mx.logsumexp(row, axis=-1, keepdims=True))
         sampler = self._sampler(r)
-        plan = self.plans.get(self.uids[r])
         sampled: list[int] = []
-        if plan is not None and plan.sequential:
+        if self._sequential(r):
             for j, logprobs in enumerate(positions):  # one call per emitted token, in order
                 sampled.append(cast("int", sampler(logprobs).item()))
                 if j == len(draft) or sampled[-1] != draft[j]:

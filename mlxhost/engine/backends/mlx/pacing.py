@@ -1,0 +1,118 @@
+"""What a decode step really costs this batch: `PassCost`'s table, corrected by the clock.
+
+`plan_widths` (drafting.py) prices a pass by its width and rows. The seed table was measured
+once, for 1 and 4 rows, forward pass alone; a live batch also pays Python (sampling, the
+stop matchers, the cache roll-back) and runs at whatever speed the machine has now. So each
+`SpeculativeGenerationBatch` keeps a `MeasuredCost`: the wall time of its own steps, by
+(rows, tokens per row), as an exponentially weighted mean, from one step's start to the
+next's. Plain steps are timed only in a run of plain steps (mlx-lm pipelines them: the
+interval is the step's real throughput cost); a verify pass from the moment its pending tokens
+are known (any pipelined plain step has finished by then) to the next step's start, so it
+carries its own Python and the bubble it leaves in the pipeline.
+
+A verify pass is kept as its ratio to the plain step measured at the same rows (the load moves
+both). Unmeasured entries are the table's, scaled by the nearest measured one. Verify ratios
+drift back towards the table's (`DRIFT` per plain step), so a batch whose passes stopped paying
+tries one again now and then, and notices when they pay again.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlxhost.engine.backends.mlx.drafting import PassCost
+
+# Weight of a new measurement in the mean; a sample is clipped to CLIP times the current value
+# (a prefill or a pause between two steps is not the step's cost).
+WEIGHT = 0.25
+CLIP = 3.0
+# Per plain step, how far each verify entry at those rows moves back towards the table's ratio
+# (half-way in some 70 plain steps: one unlucky sample does not stop drafting for long).
+DRIFT = 0.01
+
+
+class MeasuredCost:
+    """`PassCost`'s interface (`cost(width, rows)`, ms), learnt from this batch's own steps.
+
+    Plain steps are kept in ms; a verify pass as its ratio to the plain step at the same rows
+    measured at the time, so that the machine's load, which moves both, does not bias one
+    against the other."""
+
+    __slots__ = ("_plain", "_ratio", "table")
+
+    def __init__(self, table: PassCost) -> None:
+        self.table = table
+        self._plain: dict[int, float] = {}  # rows -> ms of a plain step
+        self._ratio: dict[tuple[int, int], float] = {}  # (rows, width) -> verify ms / plain ms
+
+    def __call__(self, width: int, rows: int) -> float:
+        plain = self._plain.get(rows)
+        if plain is None:
+            plain = self.table(1, rows) * self._plain_scale(rows)
+        if width == 1:
+            return plain
+        ratio = self._ratio.get((rows, width))
+        if ratio is None:
+            ratio = self._table_ratio(width, rows) * self._ratio_scale(width, rows)
+        return plain * ratio
+
+    def _table_ratio(self, width: int, rows: int) -> float:
+        return self.table(width, rows) / self.table(1, rows)
+
+    def _plain_scale(self, rows: int) -> float:
+        if not self._plain:
+            return 1.0
+        nearest = min(self._plain, key=lambda r: abs(r - rows))
+        return self._plain[nearest] / self.table(1, nearest)
+
+    def _ratio_scale(self, width: int, rows: int) -> float:
+        best: tuple[int, int] | None = None
+        scale = 1.0
+        for (r, w), ratio in self._ratio.items():
+            distance = (abs(r - rows), abs(w - width))
+            if best is None or distance < best:
+                best, scale = distance, ratio / self._table_ratio(w, r)
+        return scale
+
+    def record(self, width: int, rows: int, seconds: float) -> None:
+        ms = seconds * 1000.0
+        if width == 1:
+            old = self._plain.get(rows)
+            self._plain[rows] = ms if old is None else old + (min(ms, old * CLIP) - old) * WEIGHT
+            for (r, w), ratio in self._ratio.items():
+                if r == rows:
+                    self._ratio[(r, w)] = ratio + (self._table_ratio(w, r) - ratio) * DRIFT
+            return
+        ratio = ms / self(1, rows)
+        key = (rows, width)
+        old_ratio = self._ratio.get(key)
+        if old_ratio is None:
+            self._ratio[key] = ratio
+        else:
+            self._ratio[key] = old_ratio + (min(ratio, old_ratio * CLIP) - old_ratio) * WEIGHT
+
+
+class StepClock:
+    """Times a batch's steps for a `MeasuredCost` (module docstring)."""
+
+    __slots__ = ("_kind", "_since", "cost")
+
+    def __init__(self, cost: MeasuredCost) -> None:
+        self.cost = cost
+        self._since: float | None = None
+        self._kind: tuple[int, int] | None = None  # (width, rows) of the step being timed
+
+    def step(self, width: int, rows: int, *, pipelined: bool) -> None:
+        """A step of `width` tokens per row over `rows` rows starts now (for a verify pass: its
+        pending tokens are known). `pipelined`: a plain step following a plain step."""
+        now = time.perf_counter()
+        if self._since is not None and self._kind is not None:
+            self.cost.record(self._kind[0], self._kind[1], now - self._since)
+        self._since = now
+        self._kind = (width, rows) if width > 1 or pipelined else None
+
+    def interrupt(self) -> None:
+        """Rows joined or the caller did other work: the running interval is not a step's cost."""
+        self._since, self._kind = None, None

@@ -1,0 +1,104 @@
+"""Speculation that does not pay costs nothing (issue 27): the no-sync plain step, measured costs.
+
+A plain step whose plan is decided before the pending tokens are read keeps mlx-lm's pipeline
+(the next forward pass queued while Python handles the last one); reading them (`_pending`)
+waits for it. The batch's measured step times replace the seed table where they disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mlxhost.engine import ModelSpec, SamplingParams
+from mlxhost.engine.backends.mlx.backend import MlxBackend, MlxModel
+from mlxhost.engine.backends.mlx.batch import MlxBatch
+from mlxhost.engine.backends.mlx.drafting import PassCost, SpeculationConfig, plan_widths
+from mlxhost.engine.backends.mlx.pacing import MeasuredCost
+from mlxhost.engine.backends.mlx.speculative import SpeculativeGenerationBatch
+
+pytestmark = pytest.mark.timeout(300)
+
+COPY = "the baker opened the shop and the baker opened the shop and the baker opened the "
+# A wider pass costs 50 times a plain one: no acceptance makes drafting pay.
+DEAR = SpeculationConfig(cost=PassCost({1: {1: 1.0, 2: 50.0, 64: 3200.0}}), measure=False)
+FLAT = SpeculationConfig(cost=PassCost({1: {1: 1.0, 64: 1.0}}), measure=False)
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir) -> MlxModel:
+    return MlxBackend().load(ModelSpec(1, str(tiny_model_dir), "f" * 64), lambda *_: None)
+
+
+def generate(backend: MlxModel, config: SpeculationConfig | None, monkeypatch: Any) -> tuple[list[int], int]:
+    """Two greedy rows of the copy prompt to the end; (row 0's tokens, pending-token reads)."""
+    reads = 0
+    pending = SpeculativeGenerationBatch._pending
+
+    def counting(self: SpeculativeGenerationBatch) -> list[int]:
+        nonlocal reads
+        reads += 1
+        return pending(self)
+
+    monkeypatch.setattr(SpeculativeGenerationBatch, "_pending", counting)
+    batch = MlxBatch(backend._model, backend._tokenizer, 2, speculation=config)
+    sampling = SamplingParams(temperature=0.0, max_tokens=40)
+    handles = [batch.insert(backend.encode(COPY * 2), sampling, None, 0) for _ in range(2)]
+    tokens: dict[int, list[int]] = {h: [] for h in handles}
+    ended: set[int] = set()
+    while len(ended) < len(handles):
+        for step in batch.step():
+            if step.token_id is not None:
+                tokens[step.handle].append(step.token_id)
+            if step.finish_reason is not None:
+                ended.add(step.handle)
+    batch.close()
+    return tokens[handles[0]], reads
+
+
+def test_rows_that_cannot_pay_never_read_the_pending_token(backend, monkeypatch):
+    """Where no pass could pay, every step is mlx-lm's pipelined one: the pending tokens are
+    never read ahead of it, and the text is the same. The flat table, where drafting always
+    pays, reads them (the spy sees reads when there are any)."""
+    off, _ = generate(backend, None, monkeypatch)
+    dear, dear_reads = generate(backend, DEAR, monkeypatch)
+    flat, flat_reads = generate(backend, FLAT, monkeypatch)
+    assert dear == off == flat
+    assert dear_reads == 0
+    assert flat_reads > 0
+
+
+def test_measured_verify_passes_that_do_not_pay_stop_drafting():
+    """The table says a 5-token pass at 8 rows pays for well-accepted drafts; once such passes
+    are measured at 3 times a plain step, the same rows plan plain steps."""
+    table = PassCost()
+    cost = MeasuredCost(table)
+    rows, acceptances, available = 8, [0.6] * 8, [8] * 8
+    assert max(plan_widths(cost, acceptances, available, 8)) > 0
+    for _ in range(3):
+        cost.record(1, rows, 0.100)
+        for width in range(2, 10):
+            cost.record(width, rows, 0.300 + 0.01 * width)
+    assert max(plan_widths(cost, acceptances, available, 8)) == 0
+    # Unmeasured rows counts scale from the nearest measured ones.
+    assert cost(5, 7) > 2 * cost(1, 7)
+
+
+def test_measured_verify_costs_drift_back_so_the_batch_probes_again():
+    cost = MeasuredCost(PassCost())
+    cost.record(1, 8, 0.100)
+    cost.record(3, 8, 0.400)
+    before = cost(3, 8)
+    for _ in range(600):
+        cost.record(1, 8, 0.100)
+    after = cost(3, 8)
+    assert after < before
+    assert after == pytest.approx(100 * PassCost()(3, 8) / PassCost()(1, 8), rel=0.05)
+
+
+def test_hit_rates_weigh_the_optimistic_plan():
+    """Planned before the drafts are known, a row that rarely finds one counts for little."""
+    table = PassCost()
+    assert max(plan_widths(table, [0.7] * 4, [8] * 4, 8)) > 0
+    assert max(plan_widths(table, [0.7] * 4, [8] * 4, 8, hits=[0.05] * 4)) == 0
