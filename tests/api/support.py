@@ -161,6 +161,8 @@ class StreamReader:
 class ScriptedGeneration:
     """Stands in for `Generation` in the pure encoder tests: replays a list of engine events."""
 
+    session_outcome = "fresh"  # as a Generation that reused no cache says (X-Session-Cache)
+
     def __init__(self, *events: object) -> None:
         self.events = events
 
