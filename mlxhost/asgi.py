@@ -16,20 +16,17 @@ from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 
 from api.routing import websocket_urlpatterns  # noqa: E402
-from api.ws.tracking import ServeSocketsThroughShutdown  # noqa: E402
 from mlxhost import composition  # noqa: E402
 from mlxhost.daphne_options import configure_daphne_websockets, configure_status_phrases  # noqa: E402
 from mlxhost.runtime.lifecycle import ServeThroughShutdown, schedule_engine_start  # noqa: E402
 
 # Daphne serves no static files itself; the admin's CSS and the dashboard's JS come from here.
-# A client that leaves while the server drains still cancels its turn (lifecycle.py).
-http_app = ServeThroughShutdown(
-    ASGIStaticFilesHandler(django_asgi_app) if settings.MLXHOST_SERVE_STATIC else django_asgi_app
-)
+http_app = ASGIStaticFilesHandler(django_asgi_app) if settings.MLXHOST_SERVE_STATIC else django_asgi_app
 # WebSocket consumers check Origin and credentials themselves (API-5): API-key clients send no Origin.
-# As with HTTP, a client that leaves during the drain cancels its turns (api/ws/tracking.py).
-websocket_app = ServeSocketsThroughShutdown(AuthMiddlewareStack(URLRouter(websocket_urlpatterns)))
-application = ProtocolTypeRouter({"http": http_app, "websocket": websocket_app})
+websocket_app = AuthMiddlewareStack(URLRouter(websocket_urlpatterns))
+# A client that leaves while the server drains still cancels its turns, over HTTP or a WebSocket
+# (lifecycle.ServeThroughShutdown).
+application = ServeThroughShutdown(ProtocolTypeRouter({"http": http_app, "websocket": websocket_app}))
 
 # Daphne imports this module before it builds its WebSocket factory.
 configure_daphne_websockets(max_frame_bytes=settings.MLXHOST_WS_MAX_FRAME_BYTES)

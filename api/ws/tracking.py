@@ -11,15 +11,12 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from api.ws import CLOSE_GOING_AWAY
 from api.ws.auth import CredentialedConsumer
 from mlxhost import daphne_options
 from mlxhost.runtime import lifecycle
-
-if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -39,40 +36,6 @@ class TrackedConsumer(CredentialedConsumer):
 
 _open_sockets: weakref.WeakSet[TrackedConsumer] = weakref.WeakSet()
 _pinned_sockets: list[TrackedConsumer] = []
-_shutdown_begun = False
-
-
-class ServeSocketsThroughShutdown:
-    """ASGI middleware for WebSockets: when daphne cancels every consumer at shutdown, keep each
-    consumer running, so a client that leaves during the drain still reaches `disconnect` and
-    cancels its running or queued turns at once (API-3, LANE-6), as an HTTP client's leaving does
-    (`lifecycle.ServeThroughShutdown`), instead of the host generating for nobody until the drain
-    timeout. `close_open_sockets` ends the consumers that are left after the drain (OPS-5); any
-    other cancel goes through as before."""
-
-    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
-        self.app = app
-
-    async def __call__(
-        self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
-    ) -> None:
-        if scope["type"] != "websocket":
-            await self.app(scope, receive, send)
-            return
-        task = asyncio.ensure_future(self.app(scope, receive, send))
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if not _shutdown_begun:  # not the shutdown (its hook runs before daphne cancels)
-                task.cancel()
-            task.add_done_callback(_report_unexpected)
-            raise
-
-
-def _report_unexpected(task: asyncio.Future[None]) -> None:
-    # The consumer outlived its caller: nobody else will look at how it ended.
-    if not task.cancelled() and (error := task.exception()) is not None:
-        logger.error("a WebSocket consumer failed during shutdown", exc_info=error)
 
 
 def pin_open_sockets() -> None:
@@ -81,10 +44,8 @@ def pin_open_sockets() -> None:
     Daphne cancels each consumer's ASGI task as shutdown begins; a consumer that then has
     no running turn is only weakly referenced and vanished before its 1001 went out, so the
     client saw 1006. From here on daphne's cancel no longer stops a consumer
-    (`ServeSocketsThroughShutdown`).
+    (`lifecycle.ServeThroughShutdown`).
     """
-    global _shutdown_begun
-    _shutdown_begun = True
     _pinned_sockets[:] = list(_open_sockets)
 
 

@@ -246,12 +246,16 @@ def _drain_before_shutdown() -> Any:
     return Deferred.fromFuture(PROCESS.stop_task)
 
 
+SERVED_THROUGH_SHUTDOWN = frozenset({"http", "websocket"})
+
+
 class ServeThroughShutdown:
-    """ASGI middleware for HTTP: when daphne cancels every request at shutdown, keep Django's
-    handler running, so a client that leaves during the drain still cancels its turn (Django's
-    disconnect listener, LANE-6) instead of the host generating for nobody until the drain
-    timeout; the drain ends whatever else still runs (OPS-5). Any other cancel (daphne's
-    `application_close_timeout`, other servers) goes through as before."""
+    """ASGI middleware for HTTP and WebSockets: when daphne cancels every request and consumer at
+    shutdown, keep each running, so a client that leaves during the drain still cancels its turns
+    (Django's disconnect listener; a consumer's `disconnect`, API-3, LANE-6) instead of the host
+    generating for nobody until the drain timeout. The drain ends whatever else still runs, and
+    `api.ws.tracking.close_open_sockets` the consumers left after it (OPS-5). Any other cancel
+    (daphne's `application_close_timeout`, other servers) goes through as before."""
 
     def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
         self.app = app
@@ -259,7 +263,7 @@ class ServeThroughShutdown:
     async def __call__(
         self, scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]
     ) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in SERVED_THROUGH_SHUTDOWN:
             await self.app(scope, receive, send)
             return
         task = asyncio.ensure_future(self.app(scope, receive, send))
@@ -273,6 +277,6 @@ class ServeThroughShutdown:
 
 
 def _report_unexpected(task: asyncio.Future[None]) -> None:
-    # The handler outlived its caller: nobody else will look at how it ended.
+    # The handler or consumer outlived its caller: nobody else will look at how it ended.
     if not task.cancelled() and (error := task.exception()) is not None:
-        logger.error("a request failed during shutdown", exc_info=error)
+        logger.error("a request or WebSocket consumer failed during shutdown", exc_info=error)
