@@ -24,8 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mlxhost.engine.backends.base import DraftCounts
 from mlxhost.engine.backends.mlx.batch import MlxBatch
-from mlxhost.engine.backends.mlx.drafting import SpeculationConfig, SpeculationStats
+from mlxhost.engine.backends.mlx.drafting import SpeculationConfig
 from mlxhost.engine.types import SamplingParams
 
 SOURCE = '''\
@@ -96,7 +97,7 @@ def run(
     speculation: SpeculationConfig | None,
     predictions: list[list[int]] | None = None,
     no_eos: bool = False,
-) -> tuple[list[list[int]], float, float, SpeculationStats]:
+) -> tuple[list[list[int]], float, float, DraftCounts]:
     """Every prompt at once; (each row's tokens, decode tokens/s by the wall clock and by this
     process's CPU time, summed speculation counts). On a shared machine the CPU-time rate
     moves less with the neighbours' load than the wall-clock one."""
@@ -158,7 +159,7 @@ def main() -> None:
         story_rates: dict[str, list[float]] = {"off": [], "on": []}
         story_cpu: dict[str, list[float]] = {"off": [], "on": []}
         story_texts: dict[str, list[list[int]]] = {}
-        story_stats = SpeculationStats()
+        story_stats = DraftCounts()
         for _ in range(args.rounds):
             for mode in ("off", "on"):
                 story_texts[mode], rate, cpu_rate, counts = run(
@@ -188,7 +189,7 @@ def main() -> None:
         modes = ("off", "on", "predicted")
         rates: dict[str, list[float]] = {mode: [] for mode in modes}
         cpu_rates: dict[str, list[float]] = {mode: [] for mode in modes}
-        stats: dict[str, SpeculationStats] = {}
+        stats: dict[str, DraftCounts] = {}
         texts: dict[str, list[list[int]]] = {}
         for _ in range(args.rounds):  # interleaved: off, on, predicted, off, on, ...
             for mode in modes:

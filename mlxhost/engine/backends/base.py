@@ -63,14 +63,29 @@ class BatchStep:
     logprob: TokenLogprob | None = None  # with `token_id`, when the request asked for logprobs
 
 
-class DraftCounts(Protocol):
-    """One row's speculation counts (docs/speculation.md): tokens drafted, drafted tokens
-    accepted, decode passes it took part in, and tokens those passes emitted for it."""
+@dataclass(slots=True)
+class DraftCounts:
+    """One row's speculation counts (docs/speculation.md), every backend's: tokens drafted,
+    drafted tokens accepted, decode passes it took part in, and tokens those passes emitted."""
 
-    drafted: int
-    accepted: int
-    passes: int
-    emitted: int
+    drafted: int = 0
+    accepted: int = 0
+    passes: int = 0
+    emitted: int = 0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.emitted / self.passes if self.passes else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def add(self, other: DraftCounts) -> None:
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.passes += other.passes
+        self.emitted += other.emitted
 
 
 class BatchRunner(Protocol):

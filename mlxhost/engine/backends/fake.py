@@ -19,7 +19,6 @@ from mlxhost.engine.backends.fake_batch import FAULT as FAULT
 from mlxhost.engine.backends.fake_batch import GENERATED_ID_BASE as GENERATED_ID_BASE
 from mlxhost.engine.backends.fake_batch import FakeBatch as FakeBatch
 from mlxhost.engine.backends.fake_batch import FakeCache as FakeCache
-from mlxhost.engine.backends.fake_batch import FakeDraftCounts as FakeDraftCounts
 from mlxhost.engine.backends.fake_batch import _fake, fake_logprob
 
 # The embedding model lives in fake_embedding.py; its ids and vectors are still imported from here.

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mlxhost.engine.backends.base import BatchStep, SequenceCache
+from mlxhost.engine.backends.base import BatchStep, DraftCounts, SequenceCache
 from mlxhost.engine.types import TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
@@ -46,16 +45,6 @@ class FakeCache:
         self.disposed = False
 
 
-@dataclass(slots=True)
-class FakeDraftCounts:
-    """A fake sequence's speculation counts (`DraftCounts`)."""
-
-    drafted: int = 0
-    accepted: int = 0
-    passes: int = 0
-    emitted: int = 0
-
-
 class _FakeSequence:
     def __init__(self, cache: FakeCache, pieces: list[str] | None, max_tokens: int) -> None:
         self.cache = cache
@@ -66,7 +55,7 @@ class _FakeSequence:
         self.text = ""  # the pieces produced so far
         self.max_draft = 0  # with speculation: the most drafts per step; 0: it never drafts
         self.prediction: str | None = None  # the prediction's text (its ids are characters)
-        self.counts: FakeDraftCounts | None = None  # a speculating sequence's counts
+        self.counts: DraftCounts | None = None  # a speculating sequence's counts
 
     def piece(self, index: int) -> str | None:
         """The script's piece at `index` (DEFAULT_WORD unscripted); None past the script's end."""
@@ -132,7 +121,7 @@ class FakeBatch:
         self.speculation = speculation
         self.closed = False
         self._sequences: dict[int, _FakeSequence] = {}
-        self._ended: dict[int, FakeDraftCounts] = {}  # counts of sequences that ended this step
+        self._ended: dict[int, DraftCounts] = {}  # counts of sequences that ended this step
         self._ended_reproduced: dict[int, int] = {}
         self._next_handle = 0
         backend.batches.append(self)
@@ -162,7 +151,7 @@ class FakeBatch:
         sequence.logprobs = sampling.logprobs
         if self.speculation and max_draft != 0 and sampling.grammar is None:  # as the mlx batch
             sequence.max_draft = DEFAULT_MAX_DRAFT if max_draft is None else max_draft
-            sequence.counts = FakeDraftCounts()
+            sequence.counts = DraftCounts()
         if self.speculation and prediction_ids:  # followed even where it never drafts, as the mlx batch
             sequence.prediction = "".join(chr(i) for i in prediction_ids)
         backend.predictions.append(tuple(prediction_ids or ()))
@@ -221,7 +210,7 @@ class FakeBatch:
         steps.append(BatchStep(handle, text, token, logprob=logprob))
         return False
 
-    def speculation_stats(self, handle: int) -> FakeDraftCounts | None:
+    def speculation_stats(self, handle: int) -> DraftCounts | None:
         if handle in self._ended:
             return self._ended[handle]
         sequence = self._sequences.get(handle)

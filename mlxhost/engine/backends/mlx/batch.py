@@ -12,9 +12,9 @@ from mlx_lm.generate import BatchGenerator, generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
-from mlxhost.engine.backends.base import BatchStep, SequenceCache
+from mlxhost.engine.backends.base import BatchStep, DraftCounts, SequenceCache
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
-from mlxhost.engine.backends.mlx.drafting import PredictionAligner, SpeculationConfig, SpeculationStats
+from mlxhost.engine.backends.mlx.drafting import PredictionAligner, SpeculationConfig
 from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
 from mlxhost.engine.backends.mlx.speculative import RowPlan, SpeculativeGenerationBatch
 from mlxhost.engine.errors import GrammarFailedError
@@ -201,8 +201,8 @@ class MlxBatch:
         self._guards: dict[int, tuple[_Guard, _Guard]] = {}  # handle -> (its sampler's, its own)
         # Speculation (docs/speculation.md): the generator's decode step verifies drafts.
         self._speculative: SpeculativeGenerationBatch | None = None
-        self._ended_stats: dict[int, SpeculationStats] = {}  # rows that ended in the last step
-        self.speculation_totals = SpeculationStats()  # every row's counts, summed as rows end
+        self._ended_stats: dict[int, DraftCounts] = {}  # rows that ended in the last step
+        self.speculation_totals = DraftCounts()  # every row's counts, summed as rows end
         # A row with a prediction: its output so far, followed along the prediction (its usage's
         # prediction counts, OpenAI Predicted Outputs); kept like `_ended_stats` once it ends.
         self._followers: dict[int, tuple[PredictionAligner, list[int]]] = {}
@@ -277,7 +277,7 @@ class MlxBatch:
         )
         self._speculative.register(handle, plan)
 
-    def speculation_stats(self, handle: int) -> SpeculationStats | None:
+    def speculation_stats(self, handle: int) -> DraftCounts | None:
         """A row's drafted / accepted / passes counts: while it runs, and on the step that ends
         it (until the next step). None without speculation or for a row that never drafts."""
         if handle in self._ended_stats:

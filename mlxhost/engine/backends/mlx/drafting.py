@@ -21,6 +21,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mlxhost.engine.backends.base import DraftCounts
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
@@ -108,32 +110,6 @@ class SpeculationConfig:
     decay: float = 0.9
     # Plan with this batch's measured step times (pacing.py), `cost` only as their seed.
     measure: bool = True
-
-
-@dataclass(slots=True)
-class SpeculationStats:
-    """One row's counts: tokens drafted, drafted tokens accepted, verify passes, tokens emitted
-    by those passes. `accepted_prediction_tokens` in OpenAI's usage is `accepted` of a row with a
-    prediction; `rejected_prediction_tokens` is `drafted - accepted`."""
-
-    drafted: int = 0
-    accepted: int = 0
-    passes: int = 0
-    emitted: int = 0
-
-    @property
-    def tokens_per_pass(self) -> float:
-        return self.emitted / self.passes if self.passes else 0.0
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    def add(self, other: SpeculationStats) -> None:
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        self.passes += other.passes
-        self.emitted += other.emitted
 
 
 class NgramIndex:
@@ -256,7 +232,7 @@ class RowDrafter:
         self._accepted = prior * config.prior_weight
         self._drafted = config.prior_weight
         self.hit = 1.0  # recent share of lookups that found a draft (see `looked_up`)
-        self.stats = SpeculationStats()
+        self.stats = DraftCounts()
 
     @property
     def acceptance(self) -> float:
