@@ -1,8 +1,8 @@
 """Speculation core benchmark (issue 27): an edit-like copy prompt through `MlxBatch`, speculation on vs off.
 
 No server, no engine: the batch itself, so the ratio is the decode step's alone. Each user sends
-a ~250-token Python file and asks for it back with one function renamed (greedy, no penalties,
-as a side-by-side run would send). Measured per mode and batch size: decode tokens/s (from the
+bench_edit.py's edit request (`benchmarks/_edit_workload.py`: a ~250-token Python file, one function
+renamed; greedy, no penalties, as a side-by-side run would send). Measured per mode and batch size: decode tokens/s (from the
 step after every row's first token to the last token), and with speculation the tokens per
 pass and the acceptance rate, plus a run whose prediction is the right answer (Predicted
 Outputs). The same text with speculation on and off is checked, not assumed.
@@ -24,65 +24,23 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks._edit_workload import edit_messages, story_messages
 from mlxhost.engine.backends.base import DraftCounts
 from mlxhost.engine.backends.mlx.batch import MlxBatch
 from mlxhost.engine.backends.mlx.drafting import SpeculationConfig
 from mlxhost.engine.types import SamplingParams
 
-SOURCE = '''\
-import json
-from dataclasses import dataclass
-from pathlib import Path
-
-
-@dataclass
-class Parcel:
-    code: str
-    weight_kg: float
-    destination: str
-
-
-def load_parcels(path: Path) -> list[Parcel]:
-    """Read parcels from a JSON file."""
-    rows = json.loads(path.read_text())
-    return [Parcel(row["code"], float(row["weight_kg"]), row["destination"]) for row in rows]
-
-
-def total_weight(parcels: list[Parcel]) -> float:
-    """The weight of all parcels together."""
-    return sum(parcel.weight_kg for parcel in parcels)
-
-
-def heaviest(parcels: list[Parcel]) -> Parcel | None:
-    """The heaviest parcel, or None for no parcels."""
-    if not parcels:
-        return None
-    return max(parcels, key=lambda parcel: parcel.weight_kg)
-
-
-def by_destination(parcels: list[Parcel]) -> dict[str, list[Parcel]]:
-    """Parcels grouped by where they go."""
-    groups: dict[str, list[Parcel]] = {}
-    for parcel in parcels:
-        groups.setdefault(parcel.destination, []).append(parcel)
-    return groups
-'''
-ASK = "Rename the function `total_weight` to `combined_weight` and give me the whole file back, nothing else."
-
 
 def prompts(tokenizer: object, users: int) -> list[list[int]]:
-    out = []
-    for user in range(users):
-        content = f"{ASK}\n\n```python\n# module {user}\n{SOURCE}```"
-        messages = [{"role": "user", "content": content}]
-        out.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))  # type: ignore[attr-defined]
-    return out
+    """bench_edit.py's edit requests (one file each, a function renamed), chat-templated."""
+    return [
+        list(tokenizer.apply_chat_template(edit_messages(i, "core"), add_generation_prompt=True))  # type: ignore[attr-defined]
+        for i in range(users)
+    ]
 
 
 def story_prompts(tokenizer: object, users: int) -> list[list[int]]:
     """bench_edit.py's stories: independent prose that hardly repeats (speculation must not cost)."""
-    from benchmarks._edit_workload import story_messages
-
     return [
         list(tokenizer.apply_chat_template(story_messages(i, "core"), add_generation_prompt=True))  # type: ignore[attr-defined]
         for i in range(users)
