@@ -261,12 +261,7 @@ class Instance:
             },
             # Speculative decoding (docs/speculation.md), over the batch's finished rows that
             # could draft: tokens drafted, drafted tokens accepted, decode passes, tokens emitted.
-            "speculation": speculation_figures(
-                stats.drafted_tokens,
-                stats.accepted_tokens,
-                stats.speculation_passes,
-                stats.speculation_emitted,
-            ),
+            "speculation": speculation_figures(stats.speculation),
             "load_progress": {
                 "done": self.progress.done,
                 "total": self.progress.total,

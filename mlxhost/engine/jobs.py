@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mlxhost.engine.backends.base import DraftCounts
 from mlxhost.engine.types import Done, Timings, Usage
 
 if TYPE_CHECKING:
@@ -132,10 +133,7 @@ class WorkerStats:
     tokens_embedded: int = 0
     # Speculative decoding (docs/speculation.md), summed over the batch's finished rows that
     # could draft: tokens drafted, drafted tokens accepted, decode passes, tokens those emitted.
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    speculation_passes: int = 0
-    speculation_emitted: int = 0
+    speculation: DraftCounts = field(default_factory=DraftCounts)
 
 
 @dataclass(slots=True)

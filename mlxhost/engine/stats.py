@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from mlxhost.engine.errors import REJECTION_CODES
 
 if TYPE_CHECKING:
+    from mlxhost.engine.backends.base import DraftCounts
     from mlxhost.engine.types import Done
 
 # Seconds from entering the lane to the first token.
@@ -152,16 +153,14 @@ class EngineStats:
         return stats
 
 
-def speculation_figures(
-    drafted: int, accepted: int, passes: int, emitted: int
-) -> dict[str, float | int | None]:
+def speculation_figures(counts: DraftCounts) -> dict[str, float | int | None]:
     """Speculation counts as the snapshot shows them (docs/speculation.md), with the acceptance
     rate (accepted / drafted) and tokens per decode pass (emitted / passes); None before any."""
     return {
-        "drafted": drafted,
-        "accepted": accepted,
-        "passes": passes,
-        "emitted": emitted,
-        "acceptance": round(accepted / drafted, 4) if drafted else None,
-        "tokens_per_pass": round(emitted / passes, 3) if passes else None,
+        "drafted": counts.drafted,
+        "accepted": counts.accepted,
+        "passes": counts.passes,
+        "emitted": counts.emitted,
+        "acceptance": round(counts.acceptance, 4) if counts.drafted else None,
+        "tokens_per_pass": round(counts.tokens_per_pass, 3) if counts.passes else None,
     }

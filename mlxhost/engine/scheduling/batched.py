@@ -198,11 +198,7 @@ class Batch:
         prediction's tokens the output reproduced, and the rest ((0, 0) without a prediction)."""
         counts = self.runner.speculation_stats(handle)
         if counts is not None:
-            stats = self._stats
-            stats.drafted_tokens += counts.drafted
-            stats.accepted_tokens += counts.accepted
-            stats.speculation_passes += counts.passes
-            stats.speculation_emitted += counts.emitted
+            self._stats.speculation.add(counts)
         if not job.prediction_ids:
             return 0, 0
         accepted = min(self.runner.prediction_reproduced(handle), len(job.prediction_ids))
