@@ -125,8 +125,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
             return []
         rows = len(self.uids)
         self.clock.step(1, rows, pipelined=self._plain_run)  # re-started below for a verify pass
-        drafts = self._plan()
-        if drafts is None or not any(drafts):
+        planned = self._plan()
+        if planned is None or not any(planned[0]):
             responses = cast("list[Any]", super().next())
             for response in responses:
                 drafter = self.drafters.get(response.uid)
@@ -134,9 +134,10 @@ class SpeculativeGenerationBatch(GenerationBatch):
                     drafter.record(0, 0, 1)
             self._plain_run = True
             return responses
+        drafts, pending = planned
         self.clock.step(1 + max(len(d) for d in drafts), rows, pipelined=False)
         self._plain_run = False
-        return self._verify(drafts)
+        return self._verify(drafts, pending)
 
     def _drafter(self, row: int) -> RowDrafter | None:
         uid = self.uids[row]
@@ -169,8 +170,9 @@ class SpeculativeGenerationBatch(GenerationBatch):
             cap = min(cap, plan.max_draft)
         return max(0, min(cap, self.max_tokens[r] - self._num_tokens[r] - 1))
 
-    def _plan(self) -> list[list[int]] | None:
-        """Each row's drafts for this step; None or all empty means a plain one-token step.
+    def _plan(self) -> tuple[list[list[int]], list[int]] | None:
+        """Each row's drafts for this step, with the pending tokens they follow; None or all
+        drafts empty means a plain one-token step.
 
         None: decided before reading the pending tokens (which would wait for mlx-lm's
         pipelined step and lose its overlap): even if every row found a draft as often as it
@@ -196,14 +198,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 drafter.looked_up(bool(draft))
             candidates.append(draft)
         widths = plan_widths(cost, acceptances, [len(d) for d in candidates], cap)
-        return [d[:k] for d, k in zip(candidates, widths, strict=True)]
+        return [d[:k] for d, k in zip(candidates, widths, strict=True)], pending
 
     def _pending(self) -> list[int]:
         """Each row's pending token: waits for mlx-lm's pipelined step to finish."""
         return cast("list[int]", self._next_tokens.tolist())
 
-    def _verify(self, drafts: list[list[int]]) -> list[Any]:
-        pending = self._pending()
+    def _verify(self, drafts: list[list[int]], pending: list[int]) -> list[Any]:
         width = 1 + max(len(d) for d in drafts)
         rows = [[p, *d] + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
         logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
