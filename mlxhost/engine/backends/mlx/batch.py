@@ -265,11 +265,14 @@ class MlxBatch:
     ) -> None:
         if self._speculative is None or handle < 0:
             return
-        if prediction:
-            self._followers[handle] = (PredictionAligner(prediction), [])
+        # One aligner per prediction: followed here token by token for the usage counts, and
+        # read (not observed again) by the row's drafter.
+        aligner = PredictionAligner(prediction) if prediction else None
+        if aligner is not None:
+            self._followers[handle] = (aligner, [])
         plan = RowPlan(
             prompt_length=len(prompt_ids),
-            prediction=tuple(prediction) if prediction else None,
+            prediction=aligner,
             # a grammar's matcher must not see rejected drafts
             speculate=sampling.grammar is None and max_draft != 0,
             max_draft=max_draft,

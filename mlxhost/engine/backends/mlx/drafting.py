@@ -219,16 +219,35 @@ class RowDrafter:
     given the row's last token; `record(drafted, accepted)` updates the acceptance estimate.
     """
 
-    __slots__ = ("_accepted", "_drafted", "_generated", "config", "hit", "index", "prediction", "stats")
+    __slots__ = (
+        "_accepted",
+        "_drafted",
+        "_follows",
+        "_generated",
+        "config",
+        "hit",
+        "index",
+        "prediction",
+        "stats",
+    )
 
     def __init__(
-        self, config: SpeculationConfig, tokens: Sequence[int], prediction: Sequence[int] | None = None
+        self,
+        config: SpeculationConfig,
+        tokens: Sequence[int],
+        prediction: Sequence[int] | None = None,
+        *,
+        aligner: PredictionAligner | None = None,
     ) -> None:
+        """`aligner`: a prediction's aligner that its owner keeps up with the output (the batch
+        follows every row's prediction for its usage counts); it is read here, not observed
+        again. Else `prediction` gets an aligner of this drafter's own."""
         self.config = config
         self.index = NgramIndex(tokens, min_n=config.min_ngram, max_n=config.max_ngram)
-        self.prediction = PredictionAligner(prediction) if prediction else None
+        self.prediction = aligner or (PredictionAligner(prediction) if prediction else None)
+        self._follows = aligner is None  # observe the prediction here: nobody else does
         self._generated: list[int] = []
-        prior = config.prediction_prior if prediction else config.prior
+        prior = config.prediction_prior if self.prediction is not None else config.prior
         self._accepted = prior * config.prior_weight
         self._drafted = config.prior_weight
         self.hit = 1.0  # recent share of lookups that found a draft (see `looked_up`)
@@ -245,7 +264,7 @@ class RowDrafter:
             return
         self.index.extend(tokens)
         self._generated.extend(tokens)
-        if self.prediction is not None:
+        if self.prediction is not None and self._follows:
             self.prediction.observe(self._generated, len(tokens))
 
     def draft(self, k: int, pending: int) -> list[int]:

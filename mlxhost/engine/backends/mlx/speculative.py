@@ -60,7 +60,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
-from mlxhost.engine.backends.mlx.drafting import RowDrafter, SpeculationConfig, plan_widths
+from mlxhost.engine.backends.mlx.drafting import PredictionAligner, RowDrafter, SpeculationConfig, plan_widths
 from mlxhost.engine.backends.mlx.pacing import MeasuredCost, StepClock
 
 if TYPE_CHECKING:
@@ -70,12 +70,12 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class RowPlan:
     """What the batch knows of a row before it decodes: its prompt length (the rest of its
-    cache tokens are output), an explicit prediction, whether it may draft at all (not under
+    cache tokens are output), its prediction's aligner (the batch's own, shared), whether it may draft at all (not under
     a grammar), whether its sampler draws from its own key (must be called in order), and its
     own cap on drafts per step."""
 
     prompt_length: int
-    prediction: tuple[int, ...] | None = None
+    prediction: PredictionAligner | None = None  # followed by the batch as the row emits
     speculate: bool = True
     sequential: bool = False
     max_draft: int | None = None  # its own cap below the batch's (an alias's setting)
@@ -148,7 +148,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         drafter = self.drafters.get(uid)
         if drafter is None:
             split = min(plan.prompt_length, len(tokens))
-            drafter = RowDrafter(self.config, tokens[:split], plan.prediction)
+            drafter = RowDrafter(self.config, tokens[:split], aligner=plan.prediction)
             self.drafters[uid] = drafter
             self._seen[uid] = split
         seen = self._seen[uid]
