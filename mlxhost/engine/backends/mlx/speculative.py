@@ -70,9 +70,9 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class RowPlan:
     """What the batch knows of a row before it decodes: its prompt length (the rest of its
-    cache tokens are output), its prediction's aligner (the batch's own, shared), whether it may draft at all (not under
-    a grammar), whether its sampler draws from its own key (must be called in order), and its
-    own cap on drafts per step."""
+    cache tokens are output), its prediction's aligner (the batch's own, shared), whether it
+    may draft at all (not under a grammar), whether its sampler draws from its own key (must be
+    called in order), and its own cap on drafts per step."""
 
     prompt_length: int
     prediction: PredictionAligner | None = None  # followed by the batch as the row emits
