@@ -70,8 +70,7 @@ class Prework:
         Raises:
             ModelLoadError: it could not be loaded, or was unloaded again before this returned.
         """
-        if instance.state != "ready":  # the residency pass (the budget, evictions, the load)
-            await self.residency.ensure_loaded(instance)
+        await self.residency.ensure_loaded(instance)  # at once when resident
         model = instance.model
         if model is None:  # unloaded between the load wait and now; the client may retry
             raise ModelLoadError(UNLOADED_MESSAGE)
