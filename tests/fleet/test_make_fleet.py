@@ -142,6 +142,17 @@ def test_make_fleet_brings_a_killed_host_back_and_stops_in_order(fleet_database,
         host_one = pid_listening_as_daphne(admin_port + 1)
         assert host_one is not None
         os.kill(host_one, signal.SIGKILL)  # from outside, as the OOM killer would
+        # The signal is delivered, then the kernel tears the process down: until its sockets are
+        # closed, a connection may still be accepted and then reset, and a POST that reached a
+        # host is never replayed (deploy/haproxy.cfg), so its client gets the 502. Once the
+        # process is gone (or a zombie, whose cmdline reads empty) the port refuses, and
+        # HAProxy sends each request to the host left.
+        wait_until(
+            lambda: pid_listening_as_daphne(admin_port + 1) != host_one,
+            timeout=30,
+            interval=0.02,
+            what="the killed host's process to be gone",
+        )
         assert [answered() for _ in range(3)] == [200] * 3, fleet.output()
         wait_until(lambda: fleet.said("fleet: h01 is back"), timeout=180, interval=0.5, what="h01 back")
         assert fleet.said("fleet: h01 exited (code -9); starting it again"), fleet.output()
