@@ -7,7 +7,7 @@ The consumer stays thin: a turn runs through the very service of `POST /v1/respo
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs
 
 from autobahn.exception import Disconnected
@@ -28,9 +28,6 @@ from mlxhost.runtime import get_engine
 from models_app.turns.response_ids import new_response_id
 from models_app.turns.response_turns import response_start
 from models_app.turns.turns import turn_refuse_if_full
-
-if TYPE_CHECKING:
-    from mlxhost.engine import Timings
 
 _closing: set[asyncio.Future[None]] = set()  # closes started by a timer, kept until done
 AUTH_FRAME_TIMEOUT_S = 10.0
@@ -203,7 +200,7 @@ class ResponsesConsumer(TrackedConsumer):
                     # must not find the socket's turn still taken.
                     self.turns.pop(response_id, None)
                     if shape.done is not None:  # an extension of the socket's frames (ADM-4)
-                        event["timings"] = timings_body(shape.done.timings)
+                        event["timings"] = shape.done.timings.as_body()
                 await self.send_json(event)
                 if self.closed:
                     return  # the client is gone: the generation stops below
@@ -233,18 +230,6 @@ class ResponsesConsumer(TrackedConsumer):
         if error.retry_after is not None:
             frame["retry_after"] = error.retry_after
         await self.send_json(frame)
-
-
-def timings_body(timings: Timings) -> dict[str, float]:
-    """The server's clock of a finished turn, sent with the socket's terminal frame: `queue_ms`
-    (waiting in the lane), `ttft_ms` (accepted to first token, the wait included), `prefill_tps`
-    and `decode_tps` (output tokens after the first, per second after the first)."""
-    return {
-        "queue_ms": round(timings.queue_ms, 1),
-        "ttft_ms": round(timings.ttft_ms, 1),
-        "prefill_tps": round(timings.prefill_tps, 1),
-        "decode_tps": round(timings.decode_tps, 1),
-    }
 
 
 def _frame(text: str | None) -> dict[str, Any]:

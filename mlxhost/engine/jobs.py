@@ -155,10 +155,12 @@ def post_done(
     count: int,
     stop_sequence: str | None = None,
     prediction: tuple[int, int] = (0, 0),
+    drafts: DraftCounts | None = None,
 ) -> None:
     """Make the terminal `Done` with usage and timings (and the matched stop string), and count it.
 
-    `prediction` is (accepted, rejected) tokens of the job's prediction, for its usage.
+    `prediction` is (accepted, rejected) tokens of the job's prediction, for its usage;
+    `drafts` the row's speculation counts, for its timings (None: it could not draft).
 
     It goes out with `on_end`: the engine releases the lane slot, then posts it (`job.done`).
     """
@@ -179,6 +181,9 @@ def post_done(
         ttft_ms=ttft_ms,
         prefill_tps=(len(job.prompt_ids) - turn.cached) / prefill_s,
         decode_tps=decode_tps,
+        drafted_tokens=drafts.drafted if drafts else 0,
+        accepted_tokens=drafts.accepted if drafts else 0,
+        tokens_per_pass=drafts.tokens_per_pass if drafts else 0.0,
     )
     usage = Usage(
         prompt_tokens=len(job.prompt_ids),

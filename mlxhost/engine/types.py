@@ -247,6 +247,27 @@ class Timings:
     ttft_ms: float
     prefill_tps: float
     decode_tps: float
+    # Speculative decoding (docs/speculation.md): tokens this turn drafted, those the model
+    # accepted, and the tokens each decode pass it took part in gave it (0 where it could not
+    # draft: speculation off, a grammar, a batch that does not speculate).
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    tokens_per_pass: float = 0.0
+
+    def as_body(self) -> dict[str, float | int]:
+        """The figures as a client sees them (the socket's terminal frame, a stored turn):
+        times rounded to 0.1, and the speculation counts where the turn drafted."""
+        body: dict[str, float | int] = {
+            "queue_ms": round(self.queue_ms, 1),
+            "ttft_ms": round(self.ttft_ms, 1),
+            "prefill_tps": round(self.prefill_tps, 1),
+            "decode_tps": round(self.decode_tps, 1),
+        }
+        if self.tokens_per_pass:
+            body["drafted_tokens"] = self.drafted_tokens
+            body["accepted_tokens"] = self.accepted_tokens
+            body["tokens_per_pass"] = round(self.tokens_per_pass, 2)
+        return body
 
 
 @dataclass(frozen=True, slots=True)

@@ -320,7 +320,7 @@ class ResponseHooks(TurnHooks):
                 "temperature": request.temperature,
                 "top_p": request.top_p,
                 # The server's figures for the turn, so the chat page shows them after a reload.
-                "timings": _timings(done),
+                "timings": done.timings.as_body() if done is not None else None,
                 "session_cache": result.session_cache or None,
             },
             output=output_items(
@@ -332,18 +332,6 @@ class ResponseHooks(TurnHooks):
             retention_s=request.retention_s or 0,
             created_at=self.created_at,
         )
-
-
-def _timings(done: Done | None) -> dict[str, float] | None:
-    if done is None:
-        return None
-    t = done.timings
-    return {
-        "queue_ms": round(t.queue_ms, 1),
-        "ttft_ms": round(t.ttft_ms, 1),
-        "prefill_tps": round(t.prefill_tps, 1),
-        "decode_tps": round(t.decode_tps, 1),
-    }
 
 
 @dataclass

@@ -541,6 +541,10 @@
       var cached = turn.usage ? turn.usage.cached + " of " + turn.usage.input + " cached" : "";
       add("cache", "Cache", [turn.cache, cached].filter(Boolean).join(" \u00b7 ") || DASH);
     }
+    if (t && t.tokens_per_pass) {
+      var share = t.drafted_tokens ? Math.round((100 * t.accepted_tokens) / t.drafted_tokens) + "% of " + t.drafted_tokens + " accepted" : "none drafted";
+      add("drafts", "Drafts", share + " \u00b7 " + fmt(t.tokens_per_pass, 2) + " per pass");
+    }
     if (turn.usage) add("tokens", "Tokens", turn.usage.input + " in / " + turn.usage.output + " out");
     turn.figures.replaceChildren.apply(turn.figures, rows);
   };

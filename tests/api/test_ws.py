@@ -81,7 +81,13 @@ async def test_the_terminal_frame_carries_the_servers_timings(tiny_alias, api_ke
     await ws_create(socket, input="Hello there", max_output_tokens=6, store=False)
     done = (await frames_until(socket, *WS_TERMINAL))[-1]
     timings = done["timings"]
-    assert set(timings) == {"queue_ms", "ttft_ms", "prefill_tps", "decode_tps"}
+    speculation = {"drafted_tokens", "accepted_tokens", "tokens_per_pass"}
+    # The speculation figures come all three or none (a turn that could not draft).
+    assert set(timings) - speculation == {"queue_ms", "ttft_ms", "prefill_tps", "decode_tps"}
+    assert speculation <= set(timings) or not speculation & set(timings)
+    if "tokens_per_pass" in timings:
+        assert 0 <= timings["accepted_tokens"] <= timings["drafted_tokens"]
+        assert timings["tokens_per_pass"] >= 1
     assert 0 <= timings["queue_ms"] <= timings["ttft_ms"]
     assert timings["prefill_tps"] > 0
     assert (timings["decode_tps"] > 0) == (done["response"]["usage"]["output_tokens"] > 1)

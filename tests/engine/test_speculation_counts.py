@@ -60,6 +60,13 @@ async def test_a_right_prediction_is_accepted_token_for_token_in_fewer_steps(eng
     )
     assert backend.batch_steps == [1, 1]  # one step for five tokens, then the end of the script
     assert speculation_of(engine) == {"drafted": 4, "accepted": 4, "passes": 1, "emitted": 5}
+    # The turn's own figures (the chat page's "Drafts"): the same counts, this row's alone.
+    assert (done.timings.drafted_tokens, done.timings.accepted_tokens, done.timings.tokens_per_pass) == (
+        4,
+        4,
+        5.0,
+    )
+    assert done.timings.as_body()["tokens_per_pass"] == 5.0
 
 
 async def test_a_wrong_prediction_gives_the_same_text_and_counts_what_it_missed(engine, backend):
@@ -73,6 +80,11 @@ async def test_a_wrong_prediction_gives_the_same_text_and_counts_what_it_missed(
     assert (usage.accepted_prediction_tokens, usage.rejected_prediction_tokens) == (7, 12)
     assert usage.completion_tokens == 5
     assert speculation_of(engine) == {"drafted": 4, "accepted": 1, "passes": 4, "emitted": 5}
+    assert (done.timings.drafted_tokens, done.timings.accepted_tokens, done.timings.tokens_per_pass) == (
+        4,
+        1,
+        1.25,
+    )
 
 
 async def test_without_a_prediction_the_usage_details_are_zero_and_nothing_drafts(engine, backend):
@@ -89,6 +101,9 @@ async def test_an_alias_with_speculation_off_never_drafts_even_with_a_prediction
     assert (done.usage.accepted_prediction_tokens, done.usage.rejected_prediction_tokens) == (0, 0)
     assert speculation_of(engine) == {"drafted": 0, "accepted": 0, "passes": 0, "emitted": 0}
     assert backend.predictions == [()]  # not even tokenized
+    # A turn that could not draft has no speculation figures at all, not zeros.
+    assert done.timings.tokens_per_pass == 0.0
+    assert set(done.timings.as_body()) == {"queue_ms", "ttft_ms", "prefill_tps", "decode_tps"}
     assert backend.batch_steps == [1] * 6
 
 
@@ -144,6 +159,11 @@ async def test_rows_with_and_without_predictions_count_apart_in_one_batch(engine
     assert [text_of(e) for e in events] == ["Hello, world!"] * 2
     dones = [e[-1] for e in events]
     assert [d.usage.accepted_prediction_tokens for d in dones] == [13, 0]
+    # Each turn's figures are its own row's, not the batch's.
+    figures = [
+        (d.timings.drafted_tokens, d.timings.accepted_tokens, d.timings.tokens_per_pass) for d in dones
+    ]
+    assert figures == [(4, 4, 5.0), (0, 0, 1.0)]
     await lane_idle(engine)
     assert speculation_of(engine)["accepted"] == 4
     assert speculation_of(engine)["emitted"] == 10

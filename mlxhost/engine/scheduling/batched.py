@@ -18,7 +18,7 @@ from mlxhost.engine.types import Delta, Failed, Started
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from mlxhost.engine.backends.base import BatchRunner, BatchStep, LoadedModel, SequenceCache
+    from mlxhost.engine.backends.base import BatchRunner, BatchStep, DraftCounts, LoadedModel, SequenceCache
     from mlxhost.engine.jobs import WorkerStats
     from mlxhost.engine.scheduling.base import Host, Queued
     from mlxhost.engine.scheduling.fifo import Fifo
@@ -182,9 +182,17 @@ class Batch:
             if tail or sequence.unsent:
                 job.generation.post_threadsafe(self._delta(sequence, tail))
             matched = sequence.matcher.matched if finish == "stop" else None
-            prediction = self._count_drafts(handle, job)
+            drafts, prediction = self._count_drafts(handle, job)
             post_done(
-                job, sequence.turn, self._stats, self._clock(), finish, sequence.count, matched, prediction
+                job,
+                sequence.turn,
+                self._stats,
+                self._clock(),
+                finish,
+                sequence.count,
+                matched,
+                prediction,
+                drafts,
             )
             if cache is not None and self._holds_its_tokens(job, cache):
                 nbytes = self.model.cache_nbytes(cache.kv)
@@ -192,17 +200,18 @@ class Batch:
         finally:
             job.on_end(result)  # exactly once, whatever failed above: the lane slot must come back
 
-    def _count_drafts(self, handle: int, job: GenerateJob) -> tuple[int, int]:
-        """Add an ending sequence's speculation counts (drafts of every source) to the worker's;
-        its prediction's (accepted, rejected) tokens for its usage, as OpenAI means them: the
-        prediction's tokens the output reproduced, and the rest ((0, 0) without a prediction)."""
+    def _count_drafts(self, handle: int, job: GenerateJob) -> tuple[DraftCounts | None, tuple[int, int]]:
+        """Add an ending sequence's speculation counts (drafts of every source) to the worker's,
+        and return them (None: it could not draft) with its prediction's (accepted, rejected)
+        tokens for its usage, as OpenAI means them: the prediction's tokens the output
+        reproduced, and the rest ((0, 0) without a prediction)."""
         counts = self.runner.speculation_stats(handle)
         if counts is not None:
             self._stats.speculation.add(counts)
         if not job.prediction_ids:
-            return 0, 0
+            return counts, (0, 0)
         accepted = min(self.runner.prediction_reproduced(handle), len(job.prediction_ids))
-        return accepted, len(job.prediction_ids) - accepted
+        return counts, (accepted, len(job.prediction_ids) - accepted)
 
     def _holds_its_tokens(self, job: GenerateJob, cache: SequenceCache) -> bool:
         """Whether the batch's cache holds exactly the tokens it says (SES-1): a warm session
