@@ -172,7 +172,10 @@ class StatusBuilder:
             "load_progress": progress,
             "requests_finished": snap["requests_finished"],
             "stalled_s": snap["stalled_s"],
-            # Speculative decoding (docs/speculation.md): accepted / drafted, and tokens per pass.
+            # Speculative decoding (docs/speculation.md): tokens drafted and accepted, accepted /
+            # drafted, and tokens per pass (None before any row that could draft ended).
+            "speculation_drafted": (snap.get("speculation") or {}).get("drafted"),
+            "speculation_accepted": (snap.get("speculation") or {}).get("accepted"),
             "speculation_acceptance": (snap.get("speculation") or {}).get("acceptance"),
             "tokens_per_pass": (snap.get("speculation") or {}).get("tokens_per_pass"),
         }

@@ -67,6 +67,14 @@
       formatNumber(view.tokens_per_pass, 2) + " tokens per decode pass";
   }
 
+  // The same counts in words under the tokens/s figure, where the model has drafted: a share
+  // seen at a glance, the tooltip keeps the long form.
+  function speculationLine(view) {
+    if (!view || !view.speculation_drafted) return null;
+    return "drafts: " + Math.round(view.speculation_acceptance * 100) + "% of " + view.speculation_drafted +
+      " accepted \u00b7 " + formatNumber(view.tokens_per_pass, 2) + "/pass";
+  }
+
   // Set or remove a title: never an empty title="" (a tooltip of nothing).
   function setTitle(node, title) {
     if (!node) return;
@@ -260,6 +268,7 @@
     formatBytes: formatBytes,
     formatNumber: formatNumber,
     speculationTitle: speculationTitle,
+    speculationLine: speculationLine,
     setTitle: setTitle,
     roundBytes: roundBytes,
     byteSteps: function () { return BYTE_STEPS; }, // the memory axis's tick increments
@@ -438,7 +447,13 @@
       el("td", { className: "kind", "data-label": "Kind", text: view.kind || "chat" }),
       state,
       el("td", { className: "num lane", "data-label": "Active / queued / capacity", text: lane + (view.draining ? " (draining)" : "") }),
-      withTitle(el("td", { className: "num tps", "data-label": "Tokens/s", text: formatNumber(view.tokens_per_s) }), speculationTitle(view)),
+      withTitle(
+        el("td", { className: "num tps", "data-label": "Tokens/s" }, [
+          formatNumber(view.tokens_per_s),
+          speculationLine(view) ? el("div", { className: "quiet speculation", text: speculationLine(view) }) : null,
+        ]),
+        speculationTitle(view)
+      ),
       el("td", { className: "num ttft", "data-label": "TTFT (ms, incl. queue)" }, ttft),
       el("td", {
         className: "num warm",

@@ -176,7 +176,12 @@
     setText(tr, ".memory", live.resident ? h.formatBytes(view.memory_bytes) : DASH);
     setText(tr, ".unload", (view && view.unload_label) || DASH);
     setText(tr, ".lane", live.resident ? view.active + " / " + view.queued + " / " + view.capacity : DASH);
-    setText(tr, ".tps", live.resident ? h.formatNumber(view.tokens_per_s) : DASH);
+    var tps = tr.querySelector(".tps");
+    var drafts = live.resident ? h.speculationLine(view) : null;
+    if (tps) {
+      tps.replaceChildren(live.resident ? h.formatNumber(view.tokens_per_s) : DASH);
+      if (drafts) tps.append(h.el("div", { className: "quiet speculation", text: drafts }));
+    }
     h.setTitle(tr.querySelector(".tps"), live.resident ? h.speculationTitle(view) : null);
     var hits = live.resident && view.cache_hit_rate != null ? Math.round(view.cache_hit_rate * 100) + "%" : DASH;
     setText(tr, ".hits", hits);

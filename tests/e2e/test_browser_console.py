@@ -339,6 +339,12 @@ def test_an_embedding_models_charts_and_cells_say_only_what_applies(
             " window.mlxhost.speculationTitle({kind: 'embedding'})]"
         )
         assert "totals since the engine started" in title[0] and title[1] is None, title
+        line = page.evaluate(
+            "[window.mlxhost.speculationLine({speculation_drafted: 120, speculation_acceptance: 0.625,"
+            " tokens_per_pass: 3.4}), window.mlxhost.speculationLine({speculation_drafted: 0}),"
+            " window.mlxhost.speculationLine({kind: 'embedding'})]"
+        )
+        assert line == ["drafts: 63% of 120 accepted \u00b7 3.40/pass", None, None], line
         steps = page.evaluate("window.mlxhost.byteSteps().map(window.mlxhost.roundBytes)")
         assert "200 MB" in steps and "1 GB" in steps and not any("." in s for s in steps), steps
         assert page.evaluate(OVERFLOW) <= 0
