@@ -50,6 +50,7 @@ atexit.register(mx.clear_streams)
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
+    from mlxhost.engine.backends.mlx.quantized_kv import KVQuantization
     from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, Tool
 
 
@@ -75,15 +76,19 @@ class MlxModel:
 
     shared_cache = False  # every request gets its own prompt cache object
 
-    def __init__(self, model: Any, tokenizer: Any, path: Path) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, path: Path, kv_quantization: KVQuantization | None = None
+    ) -> None:
         self._model = model
         self._tokenizer = tokenizer
         self.path = path
+        # The KV cache format (quantized_kv.py): None keeps full precision.
+        self.kv_quantization = kv_quantization
         self._bytes = sum(p.stat().st_size for p in path.glob("model*.safetensors"))
         args = getattr(model, "args", None)
         self.vocab_size = int(getattr(args, "vocab_size", 0) or len(tokenizer.vocab))
         self.context_length: int | None = getattr(args, "max_position_embeddings", None)
-        self.kv_bytes_per_token = _kv_bytes_per_token(model)
+        self.kv_bytes_per_token = _kv_bytes_per_token(model, kv_quantization)
         self.chars_per_token = chars_per_token(tokenizer._tokenizer)
         # mlx-lm's tokenizer wrapper knows the template's tool format and thinking markers.
         self.knows_tools = bool(tokenizer.has_tool_calling and tokenizer.tool_parser is not None)
@@ -190,6 +195,7 @@ class MlxModel:
             sampler=sampler,
             logits_processors=processors,
             prompt_cache=kv,
+            **self._kv_arguments(),
         )
         # mlx-lm's `response.text` drops the first token's leading space: the text is ours.
         detokenizer = ExactDetokenizer(self._tokenizer, [*context, *prompt_ids])
@@ -212,6 +218,13 @@ class MlxModel:
         finally:
             responses.close()
 
+    def _kv_arguments(self) -> dict[str, Any]:
+        """mlx-lm's own KV quantization for a sequence run alone (`generate_step`)."""
+        q = self.kv_quantization
+        if q is None:
+            return {}
+        return {"kv_bits": q.bits, "kv_group_size": q.group_size, "quantized_kv_start": q.start}
+
     def can_batch(self) -> bool:
         """Whether this model's cache can merge sequences (mlx-lm's batch needs `merge`)."""
         return self._model is not None and all(
@@ -228,6 +241,7 @@ class MlxModel:
             capacity,
             vocabulary=self.vocabulary,
             speculation=SpeculationConfig() if speculation else None,
+            kv_quantization=self.kv_quantization,
         )
 
     def memory_bytes(self) -> int:
@@ -256,8 +270,9 @@ def _kv_prefix(layer: KVCache, n: int) -> KVCache:
     return prefix
 
 
-def _kv_bytes_per_token(model: Any) -> int:
-    """Keys and values of one token across the layers, in the activations' dtype; 0 if unknown."""
+def _kv_bytes_per_token(model: Any, quantization: KVQuantization | None = None) -> int:
+    """Keys and values of one token across the layers, in the activations' dtype (quantized: its
+    bits plus a scale and a bias per group); 0 if unknown."""
     args: Any = getattr(model, "args", None)
     try:
         heads = int(args.num_attention_heads)
@@ -269,7 +284,8 @@ def _kv_bytes_per_token(model: Any) -> int:
     weights = cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters()))
     floats = [v.dtype for _, v in weights if mx.issubdtype(v.dtype, mx.floating)]
     itemsize = floats[0].size if floats else 4
-    return 2 * layers * kv_heads * head_dim * itemsize
+    per_element = quantization.bytes_per_element(itemsize) if quantization is not None else itemsize
+    return round(2 * layers * kv_heads * head_dim * per_element)
 
 
 class MlxBackend:

@@ -16,6 +16,7 @@ from mlxhost.engine.backends.base import BatchStep, DraftCounts, SequenceCache
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
 from mlxhost.engine.backends.mlx.drafting import PredictionAligner, SpeculationConfig
 from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
+from mlxhost.engine.backends.mlx.quantized_kv import KVQuantization, batch_rows
 from mlxhost.engine.backends.mlx.speculative import RowPlan, SpeculativeGenerationBatch
 from mlxhost.engine.errors import GrammarFailedError
 
@@ -173,8 +174,11 @@ class MlxBatch:
         prefill_step_alone: int = PREFILL_STEP_ALONE,
         vocabulary: Vocabulary | None = None,
         speculation: SpeculationConfig | None = None,
+        kv_quantization: KVQuantization | None = None,
     ) -> None:
         self.capacity = capacity
+        # Quantized KV in the batch (quantized_kv.py): every row enters it as a mergeable row.
+        self._kv_quantization = kv_quantization
         self._vocabulary = vocabulary
         self._top: dict[int, int] = {}  # handle -> alternatives per token, for requests with logprobs
         self._tokenizer = tokenizer
@@ -230,6 +234,11 @@ class MlxBatch:
         client's predicted output, OpenAI Predicted Outputs) is its draft source; without,
         drafts come from its own prompt and output. `max_draft` caps its drafts per step below
         the batch's own cap (0: it never drafts; None: the batch's cap)."""
+        if self._kv_quantization is not None:
+            kv = batch_rows(
+                cast("list[Any]", kv) if kv is not None else make_prompt_cache(self._model),
+                self._kv_quantization,
+            )
         suffix = len(prompt_ids) - cached
         # Fed alone while the batch decodes, within the per-step prefill budget (`prefill_step`
         # tokens between two steps, as a prefill chunk has): the running streams wait no longer.
