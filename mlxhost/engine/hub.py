@@ -63,7 +63,7 @@ class HubChanges:
 def hub_token() -> str | None:
     """The server's hub token (`MLXHOST_HF_TOKEN`); None lets huggingface_hub use its own
     (`HF_TOKEN`, or a stored `hf auth login`)."""
-    return os.environ.get(TOKEN_ENV, "").strip() or None
+    return os.environ.get("MLXHOST_HF_TOKEN", "").strip() or None
 
 
 def hub_resolve(repo_id: str, revision: str = "") -> HubCommit:
