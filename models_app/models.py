@@ -66,7 +66,10 @@ class Model(BaseModel):
     local_path = models.CharField(max_length=512, blank=True, help_text="A folder relative to MODELS_ROOT.")
     hf_repo = models.CharField(max_length=200, blank=True, verbose_name="Hugging Face repo id")
     hf_revision = models.CharField(
-        max_length=128, blank=True, verbose_name="revision", help_text="A branch, tag or commit (empty: main)."
+        max_length=128,
+        blank=True,
+        verbose_name="revision",
+        help_text="A branch, tag or commit (empty: main).",
     )
     # The commit the revision named when the model was saved or last updated (issue 28): what
     # loads, and what the fingerprint names, so a branch that moves never changes an instance.

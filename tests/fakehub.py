@@ -8,7 +8,8 @@ resolve a revision and download files, served by a threaded `http.server` on 127
 
 Errors carry the hub's `X-Error-Code` (RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo),
 which huggingface_hub turns into its typed errors. A test moves a branch (`commit`), gates or
-privatises a repo, cuts a file's first transfer after some bytes, or fails a file once; `requests`
+privatises a repo, cuts a file's first transfer after some bytes, hangs it (for a kill), or
+fails a file once; `requests`
 records what came in (method, path, Range, Authorization).
 """
 
@@ -51,6 +52,9 @@ class FakeHub:
         self.requests: list[Seen] = []
         self.cut_after: dict[str, int] = {}  # path -> bytes sent before the first GET is cut
         self.fail_once: set[str] = set()  # paths whose next GET answers 500
+        self.stall_after: dict[str, int] = {}  # path -> bytes sent before the first GET hangs
+        self.stalled = threading.Event()  # set once a stalled GET has sent its bytes
+        self._release = threading.Event()
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
@@ -66,6 +70,7 @@ class FakeHub:
         return self
 
     def close(self) -> None:
+        self._release.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -91,13 +96,20 @@ class FakeHub:
         with self._lock:
             self.requests.append(seen)
 
-    def take_fault(self, path: str) -> tuple[int | None, bool]:
-        """(bytes to send before cutting the transfer, or None; whether to answer 500), once."""
+    def take_fault(self, path: str) -> tuple[int | None, bool, int | None]:
+        """(bytes to send before cutting the transfer; whether to answer 500; bytes to send before
+        hanging), each once."""
         with self._lock:
             cut = self.cut_after.pop(path, None)
             failed = path in self.fail_once
             self.fail_once.discard(path)
-        return cut, failed
+            stall = self.stall_after.pop(path, None)
+        return cut, failed, stall
+
+    def hang(self) -> None:
+        """A stalled transfer: say so, then wait until the hub closes (the client is killed meanwhile)."""
+        self.stalled.set()
+        self._release.wait()
 
 
 def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
@@ -145,7 +157,8 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if (repo := self._repo(repo_id, auth)) is None or (sha := self._sha(repo, revision)) is None:
                 return
             siblings = [
-                {"rfilename": p, "size": len(c), "blobId": blob_id(c)} for p, c in sorted(repo.commits[sha].items())
+                {"rfilename": p, "size": len(c), "blobId": blob_id(c)}
+                for p, c in sorted(repo.commits[sha].items())
             ]
             data = {"id": repo_id, "sha": sha, "private": repo.private, "gated": "auto" if repo.gated else False,
                     "siblings": siblings}  # fmt: skip
@@ -162,9 +175,11 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             headers = {"X-Repo-Commit": sha, "ETag": f'"{blob_id(content)}"', "Accept-Ranges": "bytes"}
             if not body:
                 return self._send(200, b"", {**headers, "Content-Length": str(len(content))}, head=True)
-            cut, failed = hub.take_fault(path)
+            cut, failed, stall = hub.take_fault(path)
             if failed:
                 return self._error(500, "", "Internal Error")
+            if stall is not None:
+                return self._stall(content, stall, headers)
             start = _range_start(self.headers.get("Range"))
             status = 206 if start else 200
             if start:
@@ -173,6 +188,20 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             headers["Content-Length"] = str(len(rest))
             self._send(status, rest if cut is None else rest[:cut], headers, cut=cut is not None)
 
+        def _stall(self, content: bytes, sent: int, headers: dict[str, str]) -> None:
+            self.send_response(200)
+            for name, value in {
+                **headers,
+                "Content-Length": str(len(content)),
+                "Connection": "close",
+            }.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(content[:sent])
+            self.wfile.flush()
+            self.close_connection = True
+            hub.hang()
+
         def _error(self, status: int, code: str, message: str = "", commit: str | None = None) -> None:
             headers = {"X-Error-Code": code} if code else {}
             if message:
@@ -180,7 +209,9 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
             if commit:
                 headers["X-Repo-Commit"] = commit
             payload = json.dumps({"error": message or code}).encode()
-            self._send(status, payload, {**headers, "Content-Type": "application/json"}, head=self.command == "HEAD")
+            self._send(
+                status, payload, {**headers, "Content-Type": "application/json"}, head=self.command == "HEAD"
+            )
 
         def _send(self, status: int, payload: bytes, headers: dict[str, str], *, head: bool = False,
                   cut: bool = False) -> None:  # fmt: skip

@@ -126,10 +126,10 @@ def hub_download(
     """The snapshot folder of commit `sha` with every file a load needs, downloaded first where
     the cache lacks them: one file at a time, reporting bytes of the whole and of the file.
 
-    Finished files stay in the cache, so a download cut by a kill goes on from the next file; a
-    file cut by a dropped connection resumes from its last byte (huggingface_hub's HTTP Range
-    retry). A file appears in the snapshot only once complete, and the folder is returned only
-    when every file of the commit is in it.
+    A file is fetched to a partial file that the next attempt resumes from its last byte with an
+    HTTP Range request, whether the last one was cut by a dropped connection or by a kill; it
+    appears in the snapshot only once complete, and the folder is returned only when every file
+    of the commit is in it.
 
     Raises:
         HubError: the hub is unreachable (and the cache lacks the commit), refuses the download,
@@ -155,7 +155,9 @@ def hub_download(
     folder = _snapshot_folder(repo_id, sha)
     absent = [f.path for f in wanted if not (folder / f.path).is_file()]
     if absent:
-        raise HubError(f"The download of {repo_id}@{sha[:12]} is incomplete: {', '.join(absent)}.", "incomplete")
+        raise HubError(
+            f"The download of {repo_id}@{sha[:12]} is incomplete: {', '.join(absent)}.", "incomplete"
+        )
     return folder
 
 
@@ -194,7 +196,10 @@ def hub_error(exc: BaseException, repo_id: str, revision: str) -> HubError:
     elif isinstance(exc, HfHubHTTPError):
         text, reason = f"The hub answered {status} for {where}.", "http"
     elif isinstance(exc, (OfflineModeIsEnabled, ConnectionError, TimeoutError)) or _is_network(exc):
-        text, reason = f"The hub ({_endpoint()}) cannot be reached for {where}: {type(exc).__name__}.", "offline"
+        text, reason = (
+            f"The hub ({_endpoint()}) cannot be reached for {where}: {type(exc).__name__}.",
+            "offline",
+        )
     elif isinstance(exc, OSError):
         text, reason = f"Could not write {where} to the cache: {exc}", "disk"
     else:
@@ -233,7 +238,13 @@ class _FileBar:
     def update(self, n: float | None = 1) -> None:
         self.n = max(0, self.n + int(n or 0))
         done = min(self.n, self._file.size)
-        self._progress(self._before + done, self._total, "bytes", "download", file=(self._file.path, done, self._file.size))
+        self._progress(
+            self._before + done,
+            self._total,
+            "bytes",
+            "download",
+            file=(self._file.path, done, self._file.size),
+        )
 
     def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to show: the engine's progress is the record."""
@@ -249,9 +260,13 @@ class _FileBar:
 
 
 def _fetch(commit: HubCommit, file: HubFile, cache: Path, bar: type) -> None:
+    """One file into the cache: its blob fetched to a partial file that a later attempt (after a
+    kill too) resumes with a Range, renamed into place when complete; then huggingface_hub finds
+    the blob and links it into the commit's snapshot, as for any file it downloaded itself."""
     from huggingface_hub import hf_hub_download
 
     try:
+        _fetch_blob(commit, file, cache, bar)
         hf_hub_download(
             commit.repo_id,
             file.path,
@@ -259,10 +274,45 @@ def _fetch(commit: HubCommit, file: HubFile, cache: Path, bar: type) -> None:
             cache_dir=cache,
             token=hub_token(),
             endpoint=_endpoint(),
-            tqdm_class=bar,
         )
+    except HubError:
+        raise
     except Exception as exc:
         raise hub_error(exc, commit.repo_id, commit.sha) from None
+
+
+def _fetch_blob(commit: HubCommit, file: HubFile, cache: Path, bar: type) -> None:
+    from urllib.parse import urlsplit
+
+    from filelock import FileLock
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get, repo_folder_name
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(commit.repo_id, file.path, revision=commit.sha, endpoint=_endpoint())
+    meta = get_hf_file_metadata(url, token=hub_token(), endpoint=_endpoint())
+    if meta.etag is None:
+        raise HubError(f"The hub gave no ETag for {file.path} of {commit.repo_id}.", "protocol")
+    storage = cache / repo_folder_name(repo_id=commit.repo_id, repo_type="model")
+    blob = storage / "blobs" / meta.etag
+    partial = blob.with_name(f"{meta.etag}.mlxhost-partial")  # one name, so a later attempt finds it
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(partial) + ".lock"):  # another process fetching the same blob waits for it
+        if blob.exists():
+            return
+        # The token goes to the hub only, never to the CDN a large file is redirected to.
+        same_host = urlsplit(meta.location).netloc == urlsplit(url).netloc
+        headers = build_hf_headers(token=hub_token() if same_host else False)
+        with partial.open("ab") as handle:
+            http_get(
+                meta.location,
+                handle,
+                resume_size=handle.tell(),
+                headers=headers,
+                expected_size=meta.size,
+                tqdm_class=bar,
+            )
+        os.replace(partial, blob)
 
 
 def _cached_snapshot(repo_id: str, sha: str, offline: HubError) -> Path:

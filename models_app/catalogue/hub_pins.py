@@ -80,7 +80,9 @@ class HubUpdate:
             if paths
         ]
         files = "; ".join(parts) if parts else "no file differs"
-        return f"{name}: {where} moved from {self.old_sha[:12] or 'unpinned'} to {self.new_sha[:12]} ({files})."
+        return (
+            f"{name}: {where} moved from {self.old_sha[:12] or 'unpinned'} to {self.new_sha[:12]} ({files})."
+        )
 
 
 def model_hub_check(*, model: Model) -> HubUpdate:

@@ -146,7 +146,10 @@ def model_hub_update(*, model: Model, actor: Actor = None) -> hub_pins.HubUpdate
     """
     update = hub_pins.model_hub_check(model=model)  # off the transaction: it waits on the network
     if update.moved:
-        model.hf_sha, model.hub_pinned_for = update.new_sha, (model.hf_repo.strip(), model.hf_revision.strip())
+        model.hf_sha, model.hub_pinned_for = (
+            update.new_sha,
+            (model.hf_repo.strip(), model.hf_revision.strip()),
+        )
         model_save(model=model, actor=actor)
     return update
 

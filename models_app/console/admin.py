@@ -89,7 +89,17 @@ class ModelAdmin(HubPinActions, _ModelAdminBase):
         (None, {"fields": ("name", "description", "pinned", "instance")}),
         (
             "Weights",
-            {"fields": ("source_kind", "local_path", "hf_repo", "hf_revision", "hf_sha", "kind", "matryoshka")},
+            {
+                "fields": (
+                    "source_kind",
+                    "local_path",
+                    "hf_repo",
+                    "hf_revision",
+                    "hf_sha",
+                    "kind",
+                    "matryoshka",
+                )
+            },
         ),
         (
             "Admission lane (shared by every alias of this model)",

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+import time
 from collections import namedtuple
+from fnmatch import fnmatch
+from pathlib import Path
 
 import pytest
 from huggingface_hub import constants
@@ -55,7 +60,9 @@ def test_a_download_reports_bytes_of_the_whole_and_of_each_file(fake_hub):
     progress = Progress()
     folder = hub.hub_download(REPO, sha, progress)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == {
-        p: c for p, c in files.items() if p != "README.md"  # not a file a load needs
+        p: c
+        for p, c in files.items()
+        if p != "README.md"  # not a file a load needs
     }
     wanted = len(files["config.json"]) + len(files["model.safetensors"])
     assert progress.calls[0][:4] == (0, wanted, "bytes", "download")
@@ -78,6 +85,52 @@ def test_a_cut_transfer_resumes_from_the_bytes_it_had(fake_hub, monkeypatch):
     gets = [r for r in fake_hub.seen() if r.path.endswith("model.safetensors")]
     assert len(gets) == 2 and gets[0].range is None
     assert gets[1].range is not None and 0 < int(gets[1].range.split("=")[1].rstrip("-")) <= 100_000
+
+
+KILLED_DOWNLOAD = """
+import sys
+from huggingface_hub import constants
+constants.DOWNLOAD_CHUNK_SIZE = 4096
+from mlxhost.engine import hub
+hub.hub_download(sys.argv[1], sys.argv[2], lambda *a, **k: None)
+"""
+
+
+def test_a_download_killed_mid_file_resumes_from_the_bytes_on_disk(fake_hub, tmp_path):
+    """A kill leaves the file's partial blob; the next download asks only for the rest (Range)."""
+    files = weights(400_000)
+    sha = fake_hub.commit(REPO, files)
+    fake_hub.stall_after["model.safetensors"] = 150_000
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": constants.HF_HUB_CACHE,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    child = subprocess.Popen([sys.executable, "-c", KILLED_DOWNLOAD, REPO, sha], env=env)
+    try:
+        assert fake_hub.stalled.wait(60), "the child never reached the stalled transfer"
+        partials = wait_for(
+            lambda: [p for p in Path(constants.HF_HUB_CACHE).rglob("*.mlxhost-partial") if p.stat().st_size]
+        )
+    finally:
+        child.kill()
+        child.wait()
+    [partial] = partials
+    kept = partial.stat().st_size
+    assert 0 < kept <= 150_000
+    folder = hub.hub_download(REPO, sha, Progress())
+    assert (folder / "model.safetensors").read_bytes() == files["model.safetensors"]
+    gets = [r for r in fake_hub.seen() if r.path.endswith("model.safetensors")]
+    assert [g.range for g in gets] == [None, f"bytes={kept}-"]
+    assert not list(Path(constants.HF_HUB_CACHE).rglob("*.mlxhost-partial"))
+
+
+def wait_for(condition, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while not (found := condition()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+    return found
 
 
 def test_a_download_stopped_part_way_keeps_finished_files_and_serves_nothing(fake_hub):
@@ -189,4 +242,70 @@ def test_the_mlx_backend_loads_the_pinned_commit_from_the_hub(fake_hub, tiny_mod
 
 def test_an_unreachable_hub_fails_the_load_in_words():
     with pytest.raises(ModelLoadError, match=r"cannot be reached for org/tiny@"):
-        MlxBackend().load(ModelSpec(instance_id=1, source=REPO, revision="a" * 40, fingerprint="f"), Progress())
+        MlxBackend().load(
+            ModelSpec(instance_id=1, source=REPO, revision="a" * 40, fingerprint="f"), Progress()
+        )
+
+
+@pytest.mark.parametrize(
+    ("setup", "words"),
+    [
+        ("missing", "HubError: The hub has no repo org/tiny"),
+        ("gated", "HubError: org/tiny is gated: accept its conditions"),
+        ("offline", "HubError: The hub (http://127.0.0.1:9) cannot be reached for org/tiny@"),
+    ],
+)
+async def test_a_hub_refusal_at_load_is_the_instance_error_in_words(fake_hub, monkeypatch, setup, words):
+    """Issue 28: what the admin and the Models page show for an instance the hub refused."""
+    from mlxhost.engine import Engine, EngineConfig
+
+    sha = "0" * 40 if setup == "missing" else fake_hub.commit(REPO, weights(1000))
+    if setup == "gated":
+        fake_hub.repos[REPO].gated = True
+        monkeypatch.delenv("MLXHOST_HF_TOKEN")
+    if setup == "offline":
+        monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    engine = Engine(EngineConfig(), backend=MlxBackend())
+    try:
+        with pytest.raises(ModelLoadError):
+            await engine.load(ModelSpec(instance_id=5, source=REPO, revision=sha, fingerprint="f"))
+        [snap] = engine.snapshot()
+        assert snap["state"] == "error"
+        assert snap["last_error"].startswith(words)
+        assert fake_hub.token not in snap["last_error"]
+    finally:
+        await engine.shutdown()
+
+
+class RecordingBackend(MlxBackend):
+    """The real backend, recording the instance's published progress at each report."""
+
+    def __init__(self, engine_of, seen: list[dict]) -> None:
+        self._engine_of, self._seen = engine_of, seen
+
+    def load(self, spec, progress):
+        def recording(*args, **kwargs):
+            progress(*args, **kwargs)
+            self._seen.append(self._engine_of().get(spec.instance_id).snapshot()["load_progress"])
+
+        return super().load(spec, recording)
+
+
+async def test_the_instance_publishes_the_file_in_flight_while_it_downloads(fake_hub, tiny_model_dir):
+    """Issue 28: the Models page's per-file progress comes from the instance's snapshot."""
+    from mlxhost.engine import Engine, EngineConfig
+
+    files = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.is_file()}
+    sha = fake_hub.commit(REPO, files)
+    seen: list[dict] = []
+    engine = Engine(EngineConfig(), backend=RecordingBackend(lambda: engine, seen))
+    try:
+        await engine.load(ModelSpec(instance_id=6, source=REPO, revision=sha, fingerprint="f"))
+    finally:
+        await engine.shutdown()
+    downloads = [p for p in seen if p["phase"] == "download" and p["file"]]
+    wanted = sum(len(c) for name, c in files.items() if any(fnmatch(name, pat) for pat in hub.LOAD_PATTERNS))
+    assert downloads and {p["total"] for p in downloads} == {wanted}
+    last = [p for p in downloads if p["file"] == "model.safetensors"][-1]
+    assert last["file_done"] == last["file_total"] == len(files["model.safetensors"])
+    assert seen[-1]["phase"] == "build"

@@ -43,7 +43,9 @@ def test_saving_pins_the_commit_and_the_admin_shows_revision_and_commit(admin_cl
         ("offline", "cannot be reached for org/tiny@main"),
     ],
 )
-def test_a_hub_refusal_is_a_form_error_in_words_without_the_token(admin_client, fake_hub, monkeypatch, setup, words):
+def test_a_hub_refusal_is_a_form_error_in_words_without_the_token(
+    admin_client, fake_hub, monkeypatch, setup, words
+):
     if setup != "missing":
         fake_hub.commit(REPO, FILES)
     if setup == "gated":
