@@ -73,7 +73,13 @@ class Model(BaseModel):
     )
     # The commit the revision named when the model was saved or last updated (issue 28): what
     # loads, and what the fingerprint names, so a branch that moves never changes an instance.
-    hf_sha = models.CharField(max_length=40, blank=True, editable=False, verbose_name="pinned commit")
+    hf_sha = models.CharField(
+        max_length=40,
+        blank=True,
+        editable=False,
+        verbose_name="pinned commit",
+        help_text="What loads: the commit the revision named when saved. Check for updates / Update move it.",
+    )
     instance = models.ForeignKey(
         ModelInstance, null=True, blank=True, on_delete=models.PROTECT, related_name="models", editable=False
     )

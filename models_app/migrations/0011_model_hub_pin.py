@@ -25,7 +25,13 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="model",
             name="hf_sha",
-            field=models.CharField(blank=True, editable=False, max_length=40, verbose_name="pinned commit"),
+            field=models.CharField(
+                blank=True,
+                editable=False,
+                help_text="What loads: the commit the revision named when saved. Check for updates / Update move it.",
+                max_length=40,
+                verbose_name="pinned commit",
+            ),
         ),
         migrations.AlterField(
             model_name="model",
