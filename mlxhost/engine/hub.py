@@ -143,6 +143,7 @@ def hub_download(
         return _cached_snapshot(repo_id, sha, exc)
     wanted = [f for f in commit.files if _wanted(f.path, patterns)]
     cache = _cache_dir()
+    sha = commit.sha  # the same, unless an instance registered before pins names a tag
     missing = [f for f in wanted if _cached_path(repo_id, f.path, sha) is None]
     _check_room(cache, sum(f.size for f in missing))
     total = sum(f.size for f in wanted)
