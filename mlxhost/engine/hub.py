@@ -288,7 +288,7 @@ def _fetch_blob(commit: HubCommit, file: HubFile, cache: Path, bar: type) -> Non
     from filelock import FileLock
     from huggingface_hub import get_hf_file_metadata, hf_hub_url
     from huggingface_hub.file_download import http_get, repo_folder_name
-    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub.utils import build_hf_headers  # type: ignore[attr-defined]  # public, lazily exported
 
     url = hf_hub_url(commit.repo_id, file.path, revision=commit.sha, endpoint=_endpoint())
     meta = get_hf_file_metadata(url, token=hub_token(), endpoint=_endpoint())
@@ -313,7 +313,7 @@ def _fetch_blob(commit: HubCommit, file: HubFile, cache: Path, bar: type) -> Non
                 expected_size=meta.size,
                 tqdm_class=bar,
             )
-        os.replace(partial, blob)
+        partial.replace(blob)
 
 
 def _cached_snapshot(repo_id: str, sha: str, offline: HubError) -> Path:
