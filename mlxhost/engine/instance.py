@@ -41,9 +41,9 @@ class LoadProgress:
 
     done: int = 0
     total: int = 0
-    unit: str = "bytes"  # or "files" (a hub download)
-    # "starting", "verify" (hashing a local folder), "download" (files), "read" (bytes), or
-    # "build" (mlx-lm makes the model from the read weights; nothing to count).
+    unit: str = "bytes"  # or "files" (a count of files, for a backend that reports them)
+    # "starting", "verify" (hashing a local folder), "download" (a hub's files, in bytes), "read"
+    # (bytes), or "build" (mlx-lm makes the model from the read weights; nothing to count).
     phase: str = "starting"
     # A hub download's file in flight (issue 28): its path, and its bytes of its size.
     file: str = ""
