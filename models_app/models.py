@@ -66,7 +66,19 @@ class Model(BaseModel):
     local_path = models.CharField(max_length=512, blank=True, help_text="A folder relative to MODELS_ROOT.")
     hf_repo = models.CharField(max_length=200, blank=True, verbose_name="Hugging Face repo id")
     hf_revision = models.CharField(
-        max_length=128, blank=True, verbose_name="pinned revision", help_text="A commit hash or tag."
+        max_length=128,
+        blank=True,
+        verbose_name="revision",
+        help_text="A branch, tag or commit (empty: main).",
+    )
+    # The commit the revision named when the model was saved or last updated (issue 28): what
+    # loads, and what the fingerprint names, so a branch that moves never changes an instance.
+    hf_sha = models.CharField(
+        max_length=40,
+        blank=True,
+        editable=False,
+        verbose_name="pinned commit",
+        help_text="What loads: the commit the revision named when saved. Check for updates / Update move it.",
     )
     instance = models.ForeignKey(
         ModelInstance, null=True, blank=True, on_delete=models.PROTECT, related_name="models", editable=False
@@ -113,13 +125,19 @@ class Model(BaseModel):
             )
         ]
 
+    # The (repo, revision) that `hf_sha` was resolved for in this process, when it was: the pin
+    # then stands for this object's source without asking the database (models_app.catalogue.hub_pins).
+    hub_pinned_for: tuple[str, str] | None = None
+
     def __str__(self) -> str:
         return self.name
 
     @property
     def source_label(self) -> str:
         if self.source_kind == ModelInstance.SourceKind.HUB:
-            return f"{self.hf_repo}@{self.hf_revision}"
+            revision = self.hf_revision or "main"
+            pinned = f" ({self.hf_sha[:12]})" if self.hf_sha and self.hf_sha != revision else ""
+            return f"{self.hf_repo}@{revision}{pinned}"
         return self.local_path
 
 

@@ -200,3 +200,32 @@ def celery_publishes():
     app.conf.task_always_eager = False
     yield
     app.conf.task_always_eager = eager
+
+
+@pytest.fixture(autouse=True)
+def no_real_hub(monkeypatch, tmp_path_factory):
+    """No test reaches the internet (issue 28): the hub is a closed local port unless a test asks
+    for `fake_hub`, the cache a folder of the session's, and no token of the machine's is used."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path_factory.getbasetemp() / "hf-cache"))
+    monkeypatch.delenv("MLXHOST_HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path_factory.getbasetemp() / "no-hf-token"))
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """A local fake hub (tests/fakehub.py) that HF_ENDPOINT points at, a cache of this test's, and
+    the fake's token as the server's secret (MLXHOST_HF_TOKEN)."""
+    from huggingface_hub import constants
+
+    from tests.fakehub import FakeHub
+
+    hub = FakeHub().start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("MLXHOST_HF_TOKEN", hub.token)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    yield hub
+    hub.close()

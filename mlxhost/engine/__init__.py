@@ -14,6 +14,7 @@ from mlxhost.engine.errors import (
     EngineClosedError,
     EngineError,
     GenerationFailedError,
+    HubError,
     InvalidModelFolderError,
     InvalidRequestError,
     ModelLoadError,
@@ -27,6 +28,7 @@ from mlxhost.engine.errors import (
     WrongModelKindError,
 )
 from mlxhost.engine.generation import Generation
+from mlxhost.engine.hub import HubChanges, HubCommit, hub_changes, hub_check_access, hub_resolve
 from mlxhost.engine.names import instance_id_of_name, is_internal_name
 from mlxhost.engine.retention import Retention
 from mlxhost.engine.sessions import SessionQuery, SessionScoper
@@ -91,6 +93,9 @@ __all__ = [
     "GenerationFailedError",
     "GenerationRequest",
     "Histogram",
+    "HubChanges",
+    "HubCommit",
+    "HubError",
     "InvalidModelFolderError",
     "InvalidRequestError",
     "LaneSettings",
@@ -126,7 +131,10 @@ __all__ = [
     "WrongModelKindError",
     "detect_kind",
     "folder_fingerprint",
+    "hub_changes",
+    "hub_check_access",
     "hub_fingerprint",
+    "hub_resolve",
     "instance_id_of_name",
     "is_internal_name",
     "remove_saved",

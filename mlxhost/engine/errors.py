@@ -27,6 +27,17 @@ class WeightsChangedError(ModelLoadError):
     code = "weights_changed"
 
 
+class HubError(ModelLoadError):
+    """The Hugging Face hub could not give a revision's files: unreachable, refused (401, gated),
+    no such repo or revision (404), or no room on disk for them. `reason` says which."""
+
+    code = "hub_error"
+
+    def __init__(self, message: str, reason: str = "unknown") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class InvalidModelFolderError(EngineError):
     """A model folder is unsafe or incomplete (remote code, non-safetensors weights, no config)."""
 

@@ -41,10 +41,14 @@ class LoadProgress:
 
     done: int = 0
     total: int = 0
-    unit: str = "bytes"  # or "files" (a hub download)
-    # "starting", "verify" (hashing a local folder), "download" (files), "read" (bytes), or
-    # "build" (mlx-lm makes the model from the read weights; nothing to count).
+    unit: str = "bytes"  # or "files" (a count of files, for a backend that reports them)
+    # "starting", "verify" (hashing a local folder), "download" (a hub's files, in bytes), "read"
+    # (bytes), or "build" (mlx-lm makes the model from the read weights; nothing to count).
     phase: str = "starting"
+    # A hub download's file in flight (issue 28): its path, and its bytes of its size.
+    file: str = ""
+    file_done: int = 0
+    file_total: int = 0
 
 
 PHASE_OF_UNIT = {"files": "download", "bytes": "read"}
@@ -267,6 +271,9 @@ class Instance:
                 "total": self.progress.total,
                 "unit": self.progress.unit,
                 "phase": self.progress.phase,
+                "file": self.progress.file,
+                "file_done": self.progress.file_done,
+                "file_total": self.progress.file_total,
             },
             "prefix_cache": self._cache_snapshot(),
             "worker_alive": self._worker.alive,
@@ -374,11 +381,18 @@ class Instance:
             if resident is not None:
                 resident.close()
 
-    def _on_progress(self, done: int, total: int, unit: str = "bytes", phase: str = "") -> None:
+    def _on_progress(
+        self,
+        done: int,
+        total: int,
+        unit: str = "bytes",
+        phase: str = "",
+        file: tuple[str, int, int] = ("", 0, 0),
+    ) -> None:
         if not total:  # a phase with nothing to count (the build) keeps what was read, for the record
             last = self.progress
             done, total, unit = last.done, last.total, last.unit
-        self.progress = LoadProgress(done, total, unit, phase or PHASE_OF_UNIT.get(unit, "read"))
+        self.progress = LoadProgress(done, total, unit, phase or PHASE_OF_UNIT.get(unit, "read"), *file)
 
     async def _on_worker(self, fn: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()

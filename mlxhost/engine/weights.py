@@ -134,7 +134,7 @@ def folder_fingerprint(folder: Path) -> str:
 
 
 def hub_fingerprint(repo_id: str, revision: str) -> str:
-    """A Hugging Face commit is immutable, so repo id + pinned revision identify the weights."""
+    """A Hugging Face commit is immutable, so repo id + the pinned commit identify the weights."""
     return hashlib.sha256(f"hf\0{repo_id}\0{revision}".encode()).hexdigest()
 
 

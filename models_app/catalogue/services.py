@@ -25,7 +25,7 @@ from mlxhost.engine import (
 )
 from mlxhost.runtime import runtime_settings
 from models_app.accounting.apikeys import key_generate, key_hash, key_prefix
-from models_app.catalogue import control, hotcache
+from models_app.catalogue import control, hotcache, hub_pins
 from models_app.catalogue.audit import ADDED, actor_named, audit_changes, audit_record, audit_saved
 from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 
@@ -38,19 +38,20 @@ logger = logging.getLogger(__name__)
 HF_REPO_HELP = "A Hugging Face repo id looks like 'owner/name'."
 
 
-def model_source_check(*, model: Model) -> tuple[str, str, str]:
-    """Validate the model's weights source; return (source, revision, fingerprint).
+def model_source_check(*, model: Model, resolve: bool = True) -> tuple[str, str, str]:
+    """Validate the model's weights source; return (source, revision, fingerprint). A hub
+    source's revision is its pinned commit, resolved from the hub when the repo or revision is
+    new (issue 28; `resolve` False never asks the hub, as a reload must not move a pin).
 
     Raises:
         ValidationError: keyed by the offending field, with a message for the admin form.
     """
     if model.source_kind == ModelInstance.SourceKind.HUB:
-        repo, revision = model.hf_repo.strip(), model.hf_revision.strip()
+        repo = model.hf_repo.strip()
         if repo.count("/") != 1 or repo.startswith(("/", ".")) or ".." in repo:
             raise ValidationError({"hf_repo": HF_REPO_HELP})
-        if not revision:
-            raise ValidationError({"hf_revision": "Pin a revision (a commit hash or tag) for hub models."})
-        return repo, revision, hub_fingerprint(repo, revision)
+        sha = hub_pins.hub_pin(model=model, resolve=resolve)
+        return repo, sha, hub_fingerprint(repo, sha)
     if not model.local_path.strip():
         raise ValidationError({"local_path": "Choose a model folder under MODELS_ROOT."})
     try:
@@ -90,11 +91,12 @@ def model_save(*, model: Model, actor: Actor = None) -> Model:
     """
     source, revision, fingerprint = model_source_check(model=model)
     if model.source_kind == ModelInstance.SourceKind.LOCAL:
-        model.local_path, model.hf_repo, model.hf_revision = source, "", ""
+        model.local_path, model.hf_repo, model.hf_revision, model.hf_sha = source, "", "", ""
         # A local folder says what it is (API-13); a hub repo's kind is the staff's choice.
         model.kind = detect_kind(resolve_under(Path(settings.MODELS_ROOT), source))
     else:
-        model.hf_repo, model.hf_revision, model.local_path = source, revision, ""
+        model.hf_repo, model.hf_revision = source, model.hf_revision.strip()
+        model.hf_sha, model.local_path = revision, ""
     model.instance = instance_register(
         source_kind=model.source_kind, source=source, revision=revision, fingerprint=fingerprint
     )
@@ -129,10 +131,27 @@ def model_fresh_instance(*, model: Model) -> ModelInstance:
     Raises:
         ValidationError: the source is no longer valid.
     """
-    source, revision, fingerprint = model_source_check(model=model)
+    source, revision, fingerprint = model_source_check(model=model, resolve=False)
     return instance_register(
         source_kind=model.source_kind, source=source, revision=revision, fingerprint=fingerprint
     )
+
+
+def model_hub_update(*, model: Model, actor: Actor = None) -> hub_pins.HubUpdate:
+    """Pin the model to the commit its revision names now, if it moved: a new instance, which the
+    engines swap to as for any changed source (REG-4, REG-6); the old one serves until then.
+
+    Raises:
+        ValidationError: not a hub model, or the hub refuses.
+    """
+    update = hub_pins.model_hub_check(model=model)  # off the transaction: it waits on the network
+    if update.moved:
+        model.hf_sha, model.hub_pinned_for = (
+            update.new_sha,
+            (model.hf_repo.strip(), model.hf_revision.strip()),
+        )
+        model_save(model=model, actor=actor)
+    return update
 
 
 @transaction.atomic

@@ -18,6 +18,7 @@ from mlxhost.engine import ALIAS_SAMPLING_FIELDS
 from models_app.catalogue import control, services
 from models_app.console import admin_keys as admin_keys  # registers the API key and usage pages (KEY-1..4)
 from models_app.console import admin_responses as admin_responses  # registers stored responses (ADM-5)
+from models_app.console.admin_hub import HUB_ACTIONS, HubPinActions
 from models_app.console.admin_live import DASH, live_columns, live_context
 from models_app.console.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
 from models_app.console.forms import ALIAS_LABELS, ModelAliasForm, ModelForm
@@ -74,21 +75,31 @@ class AliasInline(_AliasInlineBase):
 
 
 @admin.register(Model)
-class ModelAdmin(_ModelAdminBase):
+class ModelAdmin(HubPinActions, _ModelAdminBase):
     """Weights, their admission lane and memory policy, and the load / unload / reload actions."""
 
     form = ModelForm
     list_display = ("name", "served_as", "weights", "kind", "pinned", "concurrency")
     list_filter = ("kind", "pinned", "source_kind")
     search_fields = ("name", "local_path", "hf_repo", "description", "aliases__name")
-    readonly_fields = ("instance", "created_at", "updated_at")
-    actions = ("load", "unload", "reload")
+    readonly_fields = ("instance", "hf_sha", "created_at", "updated_at")
+    actions = ("load", "unload", "reload", *HUB_ACTIONS)
     inlines = (AliasInline,)
     fieldsets = (
         (None, {"fields": ("name", "description", "pinned", "instance")}),
         (
             "Weights",
-            {"fields": ("source_kind", "local_path", "hf_repo", "hf_revision", "kind", "matryoshka")},
+            {
+                "fields": (
+                    "source_kind",
+                    "local_path",
+                    "hf_repo",
+                    "hf_revision",
+                    "hf_sha",
+                    "kind",
+                    "matryoshka",
+                )
+            },
         ),
         (
             "Admission lane (shared by every alias of this model)",

@@ -49,7 +49,7 @@ NO_FOLDERS_HELP = (
 )
 API_KEY_CREATE_FIELDS = ("owner", "name", "requests_per_minute", "tokens_per_day")
 API_KEY_CHANGE_FIELDS = ("name", "requests_per_minute", "tokens_per_day")
-SOURCE_HELP = "A folder under MODELS_ROOT, or a Hugging Face repo id with a pinned revision."
+SOURCE_HELP = "A folder under MODELS_ROOT, or a Hugging Face repo id at a revision (pinned to its commit)."
 API_KEY_ONCE_HELP = (
     "A label for people, such as the machine or app that uses the key. The full key is shown "
     "once, right after you save; only its prefix is kept readable."
@@ -65,7 +65,7 @@ MODEL_LABELS = {
     "source_kind": "Weights come from",
     "local_path": "Folder",
     "hf_repo": "Hugging Face repo id",
-    "hf_revision": "Pinned revision",
+    "hf_revision": "Revision",
     "concurrency": "Concurrent requests",
     "queue_depth": "Queue depth",
     "queue_unbounded": "Unbounded queue",
@@ -80,8 +80,9 @@ MODEL_HELP = {
     "source_kind": SOURCE_HELP,
     "local_path": NO_FOLDERS_HELP,
     "hf_repo": "For a hub source: owner/name, such as mlx-community/SmolLM2-135M-Instruct. Empty for a folder.",
-    "hf_revision": "For a hub source: the commit hash or tag to serve, so the weights never change under "
-    "a name. Empty for a folder.",
+    "hf_revision": "For a hub source: a branch, tag or commit (empty: main). Saving pins the commit it "
+    "names now, which is what loads: a branch that moves later changes nothing until you use the "
+    "Update action. Empty for a folder.",
     "concurrency": "1 to 64. 1 runs one request at a time (exclusive); more runs them batched. Every alias "
     "of this model shares these slots. A model that cannot batch (its KV cache cannot merge "
     "sequences) is served one request at a time whatever this says, and its page says so.",

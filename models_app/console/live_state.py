@@ -41,6 +41,10 @@ class AliasLiveState:
     progress_done: int = 0
     progress_total: int = 0
     progress_phase: str = ""
+    # A hub download's file in flight (issue 28): its path, and its bytes of its size.
+    progress_file: str = ""
+    progress_file_done: int = 0
+    progress_file_total: int = 0
     last_action: str = ""  # "reload failed: <reason>", "load done", "unload running"
     last_action_state: str = ""  # waiting (its turn in a rolling reload) | running | done | failed
     memory_bytes: int = 0
@@ -153,6 +157,9 @@ def model_live_state(
         progress_done=int(progress.get("done") or 0),
         progress_total=int(progress.get("total") or 0),
         progress_phase=str(progress.get("phase") or ""),
+        progress_file=str(progress.get("file") or ""),
+        progress_file_done=int(progress.get("file_done") or 0),
+        progress_file_total=int(progress.get("file_total") or 0),
         last_action=action,
         last_action_state=action_state,
         memory_bytes=int(view.get("memory_bytes") or 0),

@@ -96,7 +96,7 @@
   }
 
   // Load progress (OPS-4), phase by phase as the engine reports them: checking the weights,
-  // downloading (files), reading (bytes), building the model in memory. Only the phases that count
+  // downloading (bytes, and the file in flight), reading (bytes), building the model in memory. Only the phases that count
   // show a percentage; the others an indeterminate bar, never "100 %" while the build runs.
   var LOAD_PHASES = {
     starting: "starting",
@@ -117,6 +117,8 @@
     var detail = words + ": " + percent + "%";
     if (progress.unit === "bytes") detail += " (" + formatBytes(progress.done) + " of " + formatBytes(progress.total) + ")";
     else if (progress.unit === "files") detail += " (" + progress.done + " of " + progress.total + " files)";
+    // A hub download names the file in flight and its own bytes (issue 28).
+    if (phase === "download" && progress.file) detail += ", " + progress.file + ": " + formatBytes(progress.file_done || 0) + " of " + formatBytes(progress.file_total || 0);
     return el("div", { className: "load", "data-phase": phase }, [
       el("progress", { max: String(progress.total), value: String(progress.done), title: progress.done + " of " + progress.total }),
       el("span", { className: "quiet", text: detail }),

@@ -116,6 +116,8 @@ def model_row(page):
 PHASES = """() => [
   {phase: "verify", done: 0, total: 0, unit: "bytes"},
   {phase: "download", done: 3, total: 7, unit: "files"},
+  {phase: "download", done: 268435456, total: 539700000, unit: "bytes",
+   file: "model-00002.safetensors", file_done: 104857600, file_total: 209715200},
   {phase: "read", done: 268435456, total: 539700000, unit: "bytes"},
   {phase: "build", done: 0, total: 0, unit: ""},
 ].map(p => { const node = window.mlxhost.loadProgress(p);
@@ -123,7 +125,7 @@ PHASES = """() => [
 
 
 def test_a_load_shows_its_phases_as_they_are(daphne_server, two_aliases, open_context):
-    """OPS-4: checking, downloading (files), reading (bytes) and building each say so; only the
+    """OPS-4: checking, downloading (files, or bytes and the file in flight), reading (bytes) and building each say so; only the
     phases that count show a percentage, so a build never shows "100 %" beside memory 0 B."""
     page = open_context(PHONE).new_page()
     page.goto("/dashboard/models/")
@@ -131,6 +133,8 @@ def test_a_load_shows_its_phases_as_they_are(daphne_server, two_aliases, open_co
     assert page.evaluate(PHASES) == [
         ["checking the weights\u2026", False],
         ["downloading: 43% (3 of 7 files)", True],
+        # A hub download (issue 28): the whole in bytes, and the file in flight with its own.
+        ["downloading: 50% (256.0 MB of 514.7 MB), model-00002.safetensors: 100.0 MB of 200.0 MB", True],
         ["reading the weights: 50% (256.0 MB of 514.7 MB)", True],
         ["building the model in memory\u2026", False],
     ]

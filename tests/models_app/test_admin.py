@@ -398,16 +398,21 @@ def _edit_json(path, **fields):
     path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
 
 
-def test_a_hub_model_needs_repo_and_revision(admin_client, tiny_model_dir):
-    """ADM-1 / REG-1: a Hugging Face source takes a repo id and a pinned revision, errors on the right field."""
+def test_a_hub_model_needs_a_repo_and_pins_its_revision(admin_client, fake_hub):
+    """ADM-1 / REG-1 / issue 28: a Hugging Face source takes a repo id and a revision (empty:
+    main), errors on the right field, and is saved pinned to the commit the revision names."""
+    sha = fake_hub.commit("mlx-community/tiny", {"config.json": b"{}"})
+    fake_hub.repos["mlx-community/tiny"].branches["abc123"] = sha
     hub = {**MODEL_FORM, "source_kind": "hub", "local_path": "", "hf_repo": "mlx-community/tiny"}
-    response = admin_client.post(f"{MODELS_URL}add/", hub)
-    assert list(response.context["adminform"].form.errors) == ["hf_revision"]
     response = admin_client.post(f"{MODELS_URL}add/", {**hub, "hf_repo": "not-a-repo", "hf_revision": "abc"})
     assert list(response.context["adminform"].form.errors) == ["hf_repo"]
+    response = admin_client.post(f"{MODELS_URL}add/", {**hub, "hf_revision": "nope"})
+    assert list(response.context["adminform"].form.errors) == ["hf_revision"]
     response = admin_client.post(f"{MODELS_URL}add/", {**hub, "hf_revision": "abc123"})
     assert response.status_code == 302
-    assert Model.objects.get(name="tiny-admin").source_label == "mlx-community/tiny@abc123"
+    model = Model.objects.get(name="tiny-admin")
+    assert (model.hf_revision, model.hf_sha) == ("abc123", sha)
+    assert model.source_label == f"mlx-community/tiny@abc123 ({sha[:12]})"
 
 
 def test_a_new_api_key_is_shown_once_then_only_its_prefix(admin_client, admin_user):

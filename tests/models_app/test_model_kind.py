@@ -66,12 +66,13 @@ def test_saving_a_local_model_detects_its_kind_and_the_spec_carries_it(minilm_fo
 
 
 @pytest.mark.django_db
-def test_a_hub_model_keeps_the_kind_staff_chose():
+def test_a_hub_model_keeps_the_kind_staff_chose(fake_hub):
     """API-13: a hub repo is not on disk when it is saved; its kind is the staff's choice."""
     from models_app.catalogue import services
 
+    fake_hub.commit("org/embedder", {"config.json": b"{}"})
     alias = services.alias_register(
-        name="hub-embed", source_kind="hub", hf_repo="org/embedder", hf_revision="abc123", kind="embedding"
+        name="hub-embed", source_kind="hub", hf_repo="org/embedder", hf_revision="main", kind="embedding"
     )
     assert alias.model.kind == Model.Kind.EMBEDDING
 

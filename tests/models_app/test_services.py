@@ -81,15 +81,17 @@ def test_changed_weights_get_a_new_monotonic_instance_id(tiny_model_dir, setting
         shutil.rmtree(copy)
 
 
-def test_hub_alias_requires_a_pinned_revision():
-    with pytest.raises(ValidationError) as info:
-        services.alias_register(name="hub", source_kind="hub", hf_repo="mlx-community/SmolLM2-135M-Instruct")
-    assert "hf_revision" in info.value.message_dict
-    alias = services.alias_register(
-        name="hub", source_kind="hub", hf_repo="mlx-community/SmolLM2-135M-Instruct", hf_revision="abc123"
-    )
+def test_a_hub_alias_is_pinned_to_the_commit_its_revision_names(fake_hub):
+    """Issue 28: the spec names the commit, resolved at save (empty revision: main)."""
+    repo = "mlx-community/SmolLM2-135M-Instruct"
+    sha = fake_hub.commit(repo, {"config.json": b"{}"})
+    alias = services.alias_register(name="hub", source_kind="hub", hf_repo=repo)
     spec = specs.model_spec_for(alias=alias)
-    assert (spec.source, spec.revision) == ("mlx-community/SmolLM2-135M-Instruct", "abc123")
+    assert (spec.source, spec.revision) == (repo, sha)
+    assert (alias.model.hf_revision, alias.model.hf_sha) == ("", sha)
+    with pytest.raises(ValidationError) as info:
+        services.alias_register(name="hub2", source_kind="hub", hf_repo="org/none", hf_revision="main")
+    assert "no repo org/none" in info.value.message_dict["hf_repo"][0]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
     from mlxhost.engine.answer import TextSplitter
     from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, TokenLogprob, Tool
 
-# (done, total[, unit]): bytes read ("bytes", the default), or files downloaded ("files").
+# (done, total[, unit[, phase]], file=(path, done, size)): bytes read ("bytes", the default) or
+# downloaded (phase "download", with the file in flight), or files ("files").
 ProgressCallback = Callable[..., None]
 
 

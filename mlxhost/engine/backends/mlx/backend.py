@@ -39,6 +39,7 @@ from mlxhost.engine.backends.mlx.grammar import (
     tool_markers,
 )
 from mlxhost.engine.errors import ModelLoadError
+from mlxhost.engine.hub import hub_download
 from mlxhost.engine.structure import template_messages, template_tools
 from mlxhost.engine.weights import validate_model_folder
 
@@ -377,28 +378,8 @@ def _read_with_progress(folder: Path, progress: ProgressCallback) -> None:
 
 
 def _download(repo_id: str, revision: str | None, progress: ProgressCallback) -> Path:
-    # Real users register hub repos; offline this fails in about a second (LocalEntryNotFoundError).
-    from huggingface_hub import snapshot_download
-
-    # "*/config.json": an embedding model's pooling settings (1_Pooling/config.json).
-    patterns = ["*.json", "*/config.json", "model*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
-    try:
-        folder = snapshot_download(
-            repo_id, revision=revision, allow_patterns=patterns, tqdm_class=_reporting_bar(progress)
-        )
-    except Exception as exc:
-        raise ModelLoadError(f"Could not fetch {repo_id}@{revision or 'main'} from the hub: {exc}") from exc
-    return Path(folder)
-
-
-def _reporting_bar(progress: ProgressCallback) -> type:
-    """A tqdm class for `snapshot_download` that reports files fetched as load progress (OPS-4)."""
-    from tqdm.auto import tqdm
-
-    class ReportingBar(tqdm):  # type: ignore[misc]  # tqdm ships no types: a subclass of Any
-        def update(self, n: float | None = 1) -> bool | None:
-            shown: bool | None = super().update(n)
-            progress(int(self.n), int(self.total or 0), "files")
-            return shown
-
-    return ReportingBar
+    """The snapshot of the pinned commit (issue 28): a hub model's spec names a sha, resolved when
+    the model was saved, so a moved branch never changes what an instance loads."""
+    if not revision:
+        raise ModelLoadError(f"{repo_id} has no pinned commit: save the model again to pin one.")
+    return hub_download(repo_id, revision, progress)
