@@ -14,7 +14,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mlxhost.settings")
 
 app = Celery("mlxhost")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["models_app.persistence"])  # models_app/persistence/tasks.py
+app.autodiscover_tasks(["models_app.persistence", "models_app.catalogue"])  # their tasks.py
 
 P = ParamSpec("P")
 R = TypeVar("R", covariant=True)
