@@ -9,6 +9,8 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import TextChoices
 
+from mlxhost.engine import QUANT_BITS, QUANT_GROUP_SIZES
+
 
 class BaseModel(models.Model):
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
@@ -394,8 +396,8 @@ class QuantizedCopy(BaseModel):
     result = models.OneToOneField(
         Model, null=True, blank=True, on_delete=models.SET_NULL, related_name="quantized_from"
     )
-    bits = models.PositiveSmallIntegerField(choices=[(4, "4-bit"), (8, "8-bit")])
-    group_size = models.PositiveSmallIntegerField(choices=[(32, "32"), (64, "64"), (128, "128")])
+    bits = models.PositiveSmallIntegerField(choices=[(b, f"{b}-bit") for b in QUANT_BITS])
+    group_size = models.PositiveSmallIntegerField(choices=[(g, str(g)) for g in QUANT_GROUP_SIZES])
     folder = models.CharField(max_length=512, help_text="The copy's folder, relative to MODELS_ROOT.")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
     stage = models.CharField(max_length=16, choices=Stage.choices, blank=True)

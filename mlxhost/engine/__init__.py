@@ -62,6 +62,8 @@ from mlxhost.engine.types import (
     Usage,
 )
 from mlxhost.engine.weights import (
+    QUANT_BITS,
+    QUANT_GROUP_SIZES,
     detect_kind,
     folder_fingerprint,
     hub_fingerprint,
@@ -73,6 +75,8 @@ __all__ = [
     "ALIAS_SAMPLING_FIELDS",
     "MAX_EMBEDDING_INPUTS",
     "OVERLOADED_CODES",
+    "QUANT_BITS",
+    "QUANT_GROUP_SIZES",
     "SAMPLING_KNOBS",
     "Delta",
     "Done",

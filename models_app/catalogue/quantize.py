@@ -1,48 +1,27 @@
-"""Quantized copies (issue 28, item 2): ask for one, run it (the Celery task's body), register the result.
+"""Asking for a quantized copy (issue 28, item 2): checks, the row, and its hand-off to the task.
 
-The copy is made by mlx-lm's quantization in `mlxhost.engine.backends.mlx.quantize`, written into
-`MODELS_ROOT/quantized/<name>/` and registered as a new local Model with its own fingerprint. A
-failure at any stage leaves the row `failed` with its message, no Model, and no folder.
+The run itself (the task's body) is `quantize_job`'s.
 """
 
 from __future__ import annotations
 
-import logging
-import shutil
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, connections, transaction
-from django.utils import timezone
 
-from mlxhost.engine import InvalidModelFolderError, QuantizationError, resolve_under
-from models_app.catalogue import services
+from mlxhost.engine import QUANT_BITS, QUANT_GROUP_SIZES
 from models_app.catalogue.audit import audit_record
+from models_app.catalogue.quantize_job import QUANTIZED_DIR, copy_name
 from models_app.models import Model, ModelInstance, QuantizedCopy
 
 if TYPE_CHECKING:
-    from mlxhost.engine.backends.mlx.quantize import QuantizedCopy as MadeCopy
     from models_app.catalogue.audit import Actor
 
-logger = logging.getLogger(__name__)
-
-QUANTIZED_DIR = "quantized"  # the managed folder under MODELS_ROOT
-BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128)
-# The lane and memory settings a copy starts with: the original's.
-INHERITED_FIELDS = ("concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s", "keep_alive_s")
 ONLY_LOCAL = "Only a local folder can be quantized here; register the hub model's folder first."
 ONLY_CHAT = "Only chat models can be quantized here (mlx-lm quantizes language models)."
 IN_FLIGHT = "A {bits}-bit copy of {name} with group size {group} is already being made."
-
-
-def copy_name(*, model: Model, bits: int, group_size: int) -> str:
-    """The copy's folder and Model name: the original's name with its settings, e.g. `tiny-4bit-g64`."""
-    suffix = f"-{bits}bit-g{group_size}"
-    return model.name[: 64 - len(suffix)] + suffix
 
 
 def quantized_copy_request(*, model: Model, bits: int, group_size: int, actor: Actor = None) -> QuantizedCopy:
@@ -51,8 +30,10 @@ def quantized_copy_request(*, model: Model, bits: int, group_size: int, actor: A
     Raises:
         ValidationError: not a local chat model, settings out of range, or the same copy in flight.
     """
-    if bits not in BITS or group_size not in GROUP_SIZES:
-        raise ValidationError(f"Choose 4 or 8 bits and a group size of {', '.join(map(str, GROUP_SIZES))}.")
+    if bits not in QUANT_BITS or group_size not in QUANT_GROUP_SIZES:
+        raise ValidationError(
+            f"Choose 4 or 8 bits and a group size of {', '.join(map(str, QUANT_GROUP_SIZES))}."
+        )
     if model.source_kind != ModelInstance.SourceKind.LOCAL:
         raise ValidationError(ONLY_LOCAL)
     if model.kind != Model.Kind.CHAT:
@@ -93,106 +74,3 @@ def _run_eagerly(copy_id: int) -> None:
     finally:
         connections.close_all()  # this thread's connections only
         release_thread()
-
-
-def quantized_copy_run(*, copy_id: int) -> QuantizedCopy | None:
-    """Make the copy `copy_id` asked for and register it: the task's body, idempotent.
-
-    A row already done or failed (a redelivered task) is left as it is. Every failure is recorded
-    on the row with a message for the admin; nothing half-made stays (no Model, no folder).
-    """
-    from mlxhost.engine.backends.mlx.quantize import quantize_folder
-
-    copy = QuantizedCopy.objects.select_related("source", "source__instance").filter(pk=copy_id).first()
-    if copy is None or copy.status in (QuantizedCopy.Status.DONE, QuantizedCopy.Status.FAILED):
-        return copy
-    _set(copy, status=QuantizedCopy.Status.RUNNING, stage="", error="")
-    root = Path(settings.MODELS_ROOT)
-    try:
-        source = resolve_under(root, copy.source.local_path)
-        dest = resolve_under(root, copy.folder)
-        made = quantize_folder(
-            source,
-            dest,
-            bits=copy.bits,
-            group_size=copy.group_size,
-            source_fingerprint=copy.source.instance.fingerprint if copy.source.instance else "",
-            on_stage=lambda stage: _set(copy, stage=stage),
-        )
-        _set(copy, stage=QuantizedCopy.Stage.REGISTERING)
-        _register(copy, made)
-    except (QuantizationError, InvalidModelFolderError, ValidationError) as exc:
-        _fail(copy, _message(exc))
-    except Exception as exc:
-        _fail(copy, f"Unexpected error: {exc}")
-        raise
-    return copy
-
-
-def _register(copy: QuantizedCopy, made: MadeCopy) -> None:
-    """The copy's Model and the row's measurements, in one transaction (never a half-registered Model)."""
-    source = copy.source
-    with transaction.atomic():
-        model = Model.objects.filter(
-            source_kind=ModelInstance.SourceKind.LOCAL, local_path=copy.folder
-        ).first()
-        if model is None:
-            model = Model(
-                name=services.free_model_name(
-                    copy_name(model=source, bits=copy.bits, group_size=copy.group_size)
-                ),
-                description=f"{copy.bits}-bit copy of {source.name} (group size {copy.group_size})"[:200],
-                source_kind=ModelInstance.SourceKind.LOCAL,
-                local_path=copy.folder,
-                **{field: getattr(source, field) for field in INHERITED_FIELDS},
-            )
-            services.model_save(model=model)
-        _set(
-            copy,
-            status=QuantizedCopy.Status.DONE,
-            stage="",
-            result=model,
-            finished_at=timezone.now(),
-            quantized_layers=made.quantized_layers,
-            source_bytes=made.source.weights_bytes,
-            source_load_s=made.source.load_s,
-            source_tokens_per_s=made.source.tokens_per_s,
-            copy_bytes=made.copy.weights_bytes,
-            copy_load_s=made.copy.load_s,
-            copy_tokens_per_s=made.copy.tokens_per_s,
-        )
-        audit_record(actor=None, obj=source, message=f"Made a quantized copy: {model.name}.")
-
-
-def _fail(copy: QuantizedCopy, message: str) -> None:
-    logger.warning("quantized copy %s failed: %s", copy.pk, message)
-    if not Model.objects.filter(local_path=copy.folder).exists():  # a registered folder is served: keep it
-        _remove_folder(copy.folder)
-    _set(copy, status=QuantizedCopy.Status.FAILED, error=message, finished_at=timezone.now())
-
-
-def _remove_folder(relative: str) -> None:
-    from mlxhost.engine.backends.mlx.tiny import MARKER_NAME
-
-    try:
-        folder = resolve_under(Path(settings.MODELS_ROOT), relative)
-    except InvalidModelFolderError:
-        return
-    if (folder / MARKER_NAME).is_file():  # only a folder mlxhost built
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _set(copy: QuantizedCopy, **fields: object) -> None:
-    # `update`, not `save`: the admin shows each stage as it begins, and nothing else is rewritten.
-    for name, value in fields.items():
-        setattr(copy, name, value)
-    fields["updated_at"] = timezone.now()
-    if "result" in fields:
-        fields["result_id"] = fields.pop("result").pk  # type: ignore[union-attr]  # a saved Model
-    QuantizedCopy.objects.filter(pk=copy.pk).update(**fields)
-
-
-def _message(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        return "The copy could not be registered: " + "; ".join(exc.messages)
-    return str(exc)

@@ -18,6 +18,6 @@ from mlxhost.celery import task
     max_retries=3,
 )
 def model_quantize(copy_id: int) -> None:
-    from models_app.catalogue.quantize import quantized_copy_run
+    from models_app.catalogue.quantize_job import quantized_copy_run
 
     quantized_copy_run(copy_id=copy_id)

@@ -16,7 +16,8 @@ from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 
-from models_app.catalogue.quantize import BITS, GROUP_SIZES, quantized_copy_request
+from mlxhost.engine import QUANT_BITS, QUANT_GROUP_SIZES
+from models_app.catalogue.quantize import quantized_copy_request
 from models_app.console.admin_live import DASH
 from models_app.models import Model, QuantizedCopy
 
@@ -38,14 +39,14 @@ class QuantizeForm(forms.Form):
 
     bits = forms.TypedChoiceField(
         label="bits per weight",
-        choices=[(b, f"{b}-bit") for b in BITS],
+        choices=[(b, f"{b}-bit") for b in QUANT_BITS],
         coerce=int,
         initial=4,
         help_text="4-bit is about a quarter of 16-bit weights' size, 8-bit about half; 8-bit stays closer to the original.",
     )
     group_size = forms.TypedChoiceField(
         label="group size",
-        choices=[(g, str(g)) for g in GROUP_SIZES],
+        choices=[(g, str(g)) for g in QUANT_GROUP_SIZES],
         coerce=int,
         initial=64,
         help_text=(
@@ -76,7 +77,9 @@ class QuantizeAdminMixin:
 
     def get_urls(self) -> list[URLPattern]:
         # Before the defaults, whose "<path:object_id>/" would swallow "quantize/".
-        quantize = path("quantize/", self.admin_site.admin_view(self.quantize_view), name="models_app_model_quantize")
+        quantize = path(
+            "quantize/", self.admin_site.admin_view(self.quantize_view), name="models_app_model_quantize"
+        )
         return [quantize, *super().get_urls()]  # type: ignore[misc]  # ModelAdmin's
 
     def quantize_view(self, request: HttpRequest) -> HttpResponse:
@@ -114,7 +117,9 @@ class QuantizeAdminMixin:
 
     def quantize_context(self, request: HttpRequest, model: Model) -> dict[str, Any]:
         """The change page's panel: this model beside its copies (or its original), measured."""
-        copies = QuantizedCopy.objects.filter(Q(source=model) | Q(result=model)).select_related("source", "result")
+        copies = QuantizedCopy.objects.filter(Q(source=model) | Q(result=model)).select_related(
+            "source", "result"
+        )
         url = ""
         if request.user.has_perm("models_app.add_model"):
             url = reverse("admin:models_app_model_quantize") + f"?ids={model.pk}"
@@ -128,12 +133,14 @@ def copy_row(copy: QuantizedCopy) -> dict[str, Any]:
         "state": copy_state(copy),
         "source": (copy.source_bytes, copy.source_load_s, copy.source_tokens_per_s),
         "result": (copy.copy_bytes, copy.copy_load_s, copy.copy_tokens_per_s),
-        "ratio": f"{copy.copy_bytes / copy.source_bytes:.0%}" if copy.copy_bytes and copy.source_bytes else DASH,
+        "ratio": f"{copy.copy_bytes / copy.source_bytes:.0%}"
+        if copy.copy_bytes and copy.source_bytes
+        else DASH,
     }
 
 
 def copy_state(copy: QuantizedCopy) -> str:
-    """"Running: quantizing", "Failed: <why>", "Done", ... in words."""
+    """ "Running: quantizing", "Failed: <why>", "Done", ... in words."""
     if copy.status == QuantizedCopy.Status.RUNNING and copy.stage:
         return f"Running: {copy.get_stage_display().lower()}"
     if copy.status == QuantizedCopy.Status.FAILED:

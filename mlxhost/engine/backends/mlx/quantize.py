@@ -20,14 +20,12 @@ from mlx_lm.utils import load, quantize_model, save
 
 from mlxhost.engine.backends.mlx.tiny import folder_is_built, publish_folder
 from mlxhost.engine.errors import InvalidModelFolderError, QuantizationError
-from mlxhost.engine.weights import validate_model_folder
+from mlxhost.engine.weights import QUANT_BITS, QUANT_GROUP_SIZES, validate_model_folder
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
-BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128)
 # What `quantize_folder` reports, in order (the registering stage is the caller's).
 STAGES = ("loading", "quantizing", "saving", "measuring")
 MEASURE_TOKENS = 32
@@ -84,10 +82,10 @@ def quantize_folder(
         QuantizationError: an unsupported or already quantized model, settings mlx cannot use,
             too little free disk space, or a write that failed (the temporary folder is removed).
     """
-    if bits not in BITS or group_size not in GROUP_SIZES:
+    if bits not in QUANT_BITS or group_size not in QUANT_GROUP_SIZES:
         raise QuantizationError(
-            f"Choose {' or '.join(map(str, BITS))} bits and a group size of "
-            f"{', '.join(map(str, GROUP_SIZES))}."
+            f"Choose {' or '.join(map(str, QUANT_BITS))} bits and a group size of "
+            f"{', '.join(map(str, QUANT_GROUP_SIZES))}."
         )
     _check_source(source)
     marker = copy_marker(source_fingerprint=source_fingerprint, bits=bits, group_size=group_size)
