@@ -31,6 +31,8 @@ class TypedTask(Protocol[P, R]):
 
     def apply(self, args: Sequence[Any] = (), *, throw: bool = False) -> Any: ...
 
+    def delay(self, *args: P.args, **kwargs: P.kwargs) -> Any: ...
+
 
 def task(**options: Any) -> Callable[[Callable[P, R]], TypedTask[P, R]]:
     """`app.task(**options)`, typed: the decorated function keeps its signature for mypy."""

@@ -125,14 +125,14 @@ def _remove_folder(relative: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _set(copy: QuantizedCopy, **fields: object) -> None:
+def _set(copy: QuantizedCopy, *, result: Model | None = None, **fields: object) -> None:
     # `update`, not `save`: the admin shows each stage as it begins, and nothing else is rewritten.
+    if result is not None:
+        copy.result = result
+        fields["result_id"] = result.pk
     for name, value in fields.items():
         setattr(copy, name, value)
-    fields["updated_at"] = timezone.now()
-    if "result" in fields:
-        fields["result_id"] = fields.pop("result").pk  # type: ignore[union-attr]  # a saved Model
-    QuantizedCopy.objects.filter(pk=copy.pk).update(**fields)
+    QuantizedCopy.objects.filter(pk=copy.pk).update(**fields, updated_at=timezone.now())
 
 
 def _message(exc: Exception) -> str:

@@ -12,6 +12,7 @@ from django.contrib.admin.utils import quote
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.db.models import Q
 from django.shortcuts import redirect
+from django.template.defaultfilters import filesizeformat
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
@@ -173,12 +174,12 @@ class QuantizedCopyAdmin(_CopyAdminBase):
     def copy_link(self, obj: QuantizedCopy) -> SafeString | str:
         if obj.result is None:
             return DASH
-        url = reverse("admin:models_app_model_change", args=(quote(obj.result_id),))
+        url = reverse("admin:models_app_model_change", args=(quote(obj.result.pk),))
         return format_html('<a href="{}">{}</a>', url, obj.result.name)
 
     @admin.display(description="size on disk (original → copy)")
     def size(self, obj: QuantizedCopy) -> str:
-        return _pair(obj.source_bytes, obj.copy_bytes, _megabytes)
+        return _pair(obj.source_bytes, obj.copy_bytes, filesizeformat)
 
     @admin.display(description="load time")
     def load_time(self, obj: QuantizedCopy) -> str:
@@ -193,10 +194,6 @@ class QuantizedCopyAdmin(_CopyAdminBase):
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
-
-
-def _megabytes(n: float) -> str:
-    return f"{n / 1e6:.2f} MB"
 
 
 def _pair(before: float | None, after: float | None, shown: Any) -> str:

@@ -10,7 +10,7 @@ import json
 import shutil
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -128,7 +128,8 @@ def _load(folder: Path) -> tuple[Any, Any, dict[str, Any], float]:
     started = time.perf_counter()
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            model, tokenizer, config = load(str(folder), return_config=True)
+            loaded = cast("tuple[Any, Any, dict[str, Any]]", load(str(folder), return_config=True))
+        model, tokenizer, config = loaded
         mx.eval(model.parameters())
     except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: MLX's own reader
         raise QuantizationError(f"mlx-lm cannot load this model: {exc}") from exc
@@ -153,7 +154,7 @@ def _quantize(
 
 
 def _quantized_layers(model: Any) -> int:
-    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding)  # type: ignore[attr-defined]  # mlx's stubs lack them
     return sum(1 for _, module in model.named_modules() if isinstance(module, kinds))
 
 
