@@ -106,6 +106,21 @@ def test_the_task_makes_measures_and_registers_a_copy(
     assert leftovers(models_root) == ["tiny-4bit-g32"]
 
 
+def test_a_task_redelivered_after_the_save_reuses_the_folder(tiny, models_root, stages, dispatched):
+    """A worker killed between saving and registering (acks_late: the task comes again): the second
+    run finds the copy built from the same original and settings, measures and registers it."""
+    copy = run(quantize.quantized_copy_request(model=tiny, bits=4, group_size=64))
+    built = (models_root / copy.folder / "model.safetensors").stat().st_mtime_ns
+    copy.result.delete()  # registering commits with the row's `done`: a kill before it leaves neither
+    QuantizedCopy.objects.filter(pk=copy.pk).update(status="running", stage="saving")
+    stages.clear()
+    again = run(copy)
+    assert again.status == QuantizedCopy.Status.DONE, again.error
+    assert stages == ["", "loading", "measuring", "registering", ""]
+    assert (models_root / copy.folder / "model.safetensors").stat().st_mtime_ns == built
+    assert again.result.local_path == copy.folder and again.quantized_layers == copy.quantized_layers
+
+
 def test_a_second_copy_with_the_same_settings_waits_for_the_first(tiny, dispatched):
     quantize.quantized_copy_request(model=tiny, bits=8, group_size=64)
     with pytest.raises(ValidationError, match="already being made"):
@@ -226,6 +241,9 @@ def test_the_list_shows_each_stage_and_why_a_copy_failed(admin_client, tiny):
     )
     page = admin_client.get(COPIES_URL).content.decode()
     assert "Running: quantizing" in page and "Failed: Disk full." in page
+    running = QuantizedCopy.objects.get(bits=4)
+    assert admin_client.get(f"{COPIES_URL}{running.pk}/change/").status_code == 200  # read-only
+    assert admin_client.get(f"{COPIES_URL}add/").status_code == 403
 
 
 def test_the_model_pages_show_the_copy_beside_the_original(admin_client, tiny, dispatched):
