@@ -17,7 +17,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 from django.utils import timezone
 
-from mlxhost.engine import InvalidModelFolderError, QuantizationError, resolve_under
+from mlxhost.engine import InvalidModelFolderError, QuantizationError, folder_fingerprint, resolve_under
 from models_app.catalogue import services
 from models_app.catalogue.audit import audit_record
 from models_app.models import Model, ModelInstance, QuantizedCopy
@@ -46,7 +46,7 @@ def quantized_copy_run(*, copy_id: int) -> QuantizedCopy | None:
     """
     from mlxhost.engine.backends.mlx.quantize import quantize_folder
 
-    copy = QuantizedCopy.objects.select_related("source", "source__instance").filter(pk=copy_id).first()
+    copy = QuantizedCopy.objects.select_related("source").filter(pk=copy_id).first()
     if copy is None or copy.status in (QuantizedCopy.Status.DONE, QuantizedCopy.Status.FAILED):
         return copy
     _set(copy, status=QuantizedCopy.Status.RUNNING, stage="", error="")
@@ -59,7 +59,7 @@ def quantized_copy_run(*, copy_id: int) -> QuantizedCopy | None:
             dest,
             bits=copy.bits,
             group_size=copy.group_size,
-            source_fingerprint=copy.source.instance.fingerprint if copy.source.instance else "",
+            source_fingerprint=folder_fingerprint(source),  # the bytes there now, whatever was registered
             on_stage=lambda stage: _set(copy, stage=stage),
         )
         _set(copy, stage=QuantizedCopy.Stage.REGISTERING)
