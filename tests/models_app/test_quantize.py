@@ -121,11 +121,22 @@ def test_a_task_redelivered_after_the_save_reuses_the_folder(tiny, models_root, 
     assert again.result.local_path == copy.folder and again.quantized_layers == copy.quantized_layers
 
 
-def test_a_second_copy_with_the_same_settings_waits_for_the_first(tiny, dispatched):
+def test_a_second_copy_with_the_same_settings_waits_for_the_first(tiny, dispatched, celery_publishes):
+    """With a broker: the first copy is the worker's (redelivered if it dies), so a second waits."""
     quantize.quantized_copy_request(model=tiny, bits=8, group_size=64)
     with pytest.raises(ValidationError, match="already being made"):
         quantize.quantized_copy_request(model=tiny, bits=8, group_size=64)
     quantize.quantized_copy_request(model=tiny, bits=8, group_size=128)  # another setting is another copy
+
+
+def test_without_a_broker_a_copy_whose_thread_is_gone_was_interrupted(tiny, dispatched):
+    """Eager mode: a row still in flight with no thread running it (the process restarted) is failed
+    as interrupted when the same copy is asked for again, and the new request goes ahead."""
+    old = quantize.quantized_copy_request(model=tiny, bits=8, group_size=64)
+    new = quantize.quantized_copy_request(model=tiny, bits=8, group_size=64)
+    old.refresh_from_db()
+    assert (old.status, old.error) == (QuantizedCopy.Status.FAILED, quantize.INTERRUPTED)
+    assert new.status == QuantizedCopy.Status.QUEUED
 
 
 @pytest.mark.parametrize(

@@ -205,3 +205,31 @@ async def test_the_disk_tier_saves_and_loads_quantized_kv(engines, tmp_path):
     replay, replay_spec = await engines(1)
     _, cold = await turn(replay, replay_spec, "r", turn_two)
     assert outcome(events) == outcome(cold)
+
+
+def test_a_bfloat16_copy_counts_its_kv_at_two_bytes(tiny_model_dir, tmp_path):
+    """mlx-community's usual form (bfloat16 scales): the KV is bfloat16 too, and the estimate the
+    budget uses is half the float32 one and equals the bytes the cache holds."""
+    from mlx_lm import convert
+
+    from mlxhost.engine import SamplingParams
+    from mlxhost.engine.backends.mlx.backend import MlxBackend
+
+    folder = tmp_path / "bf16-4bit"
+    convert(str(tiny_model_dir), str(folder), quantize=True, q_bits=4, q_group_size=64, dtype="bfloat16")
+    backend = MlxBackend()
+    models = [
+        backend.load(ModelSpec(i, str(f), "b" * 64), lambda *_: None)
+        for i, f in enumerate((tiny_model_dir, folder))
+    ]
+    full, copy = models
+    try:
+        assert copy.kv_bytes_per_token * 2 == full.kv_bytes_per_token
+        kv = copy.new_cache()
+        steps = list(copy.generate(copy.encode("hello"), SamplingParams(temperature=0.0, max_tokens=4), kv))
+        assert steps
+        held = copy.cache_length(kv)
+        assert copy.cache_nbytes(copy.copy_cache(kv, held)) == held * copy.kv_bytes_per_token
+    finally:
+        for model in models:
+            model.close()
