@@ -158,12 +158,15 @@ def _quantized_layers(model: Any) -> int:
     return sum(1 for _, module in model.named_modules() if isinstance(module, kinds))
 
 
-def _check_free_space(source: Path, dest: Path, *, bits: int) -> None:
+def _space_needed(source: Path, bits: int) -> int:
     # `bits`/8 of the source's weight bytes is more than a copy of 16- or 32-bit weights takes
-    # (its scales and biases included); the other files are copied as they are.
-    need = weights_bytes(source) * bits // 8 + sum(
-        p.stat().st_size for p in source.iterdir() if p.is_file() and not p.name.startswith("model")
-    )
+    # (its scales and biases included); the other files are about the same size in the copy.
+    others = sum(p.stat().st_size for p in source.iterdir() if p.is_file() and not p.name.startswith("model"))
+    return weights_bytes(source) * bits // 8 + others
+
+
+def _check_free_space(source: Path, dest: Path, *, bits: int) -> None:
+    need = _space_needed(source, bits)
     dest.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(dest.parent).free
     if free < need:
@@ -180,6 +183,8 @@ def _disk_full(where: Path, need: int, free: int) -> str:
 def _save(
     source: Path, dest: Path, marker: dict[str, Any], model: Any, tokenizer: Any, config: dict[str, Any]
 ) -> None:
+    bits = int(marker["bits"])
+
     def write(folder: Path) -> None:
         with contextlib.redirect_stdout(io.StringIO()):
             save(folder, source, model, tokenizer, config)
@@ -190,7 +195,8 @@ def _save(
         raise QuantizationError(f"{dest.name} is in the way: {exc}") from exc
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise QuantizationError(_disk_full(dest.parent, weights_bytes(source), 0)) from exc
+            free = shutil.disk_usage(dest.parent).free
+            raise QuantizationError(_disk_full(dest.parent, _space_needed(source, bits), free)) from exc
         raise QuantizationError(f"The copy could not be written: {exc}") from exc
 
 
