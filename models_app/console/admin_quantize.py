@@ -19,7 +19,8 @@ from django.utils.html import format_html
 
 from mlxhost.engine import QUANT_BITS, QUANT_GROUP_SIZES
 from models_app.catalogue.quantize import quantized_copy_request
-from models_app.console.admin_live import DASH
+from models_app.console.admin_live import DASH, live_state_of
+from models_app.console.live_state import live_views
 from models_app.models import Model, QuantizedCopy
 
 if TYPE_CHECKING:
@@ -124,7 +125,19 @@ class QuantizeAdminMixin:
         url = ""
         if request.user.has_perm("models_app.add_model"):
             url = reverse("admin:models_app_model_quantize") + f"?ids={model.pk}"
-        return {"quantized_copies": [copy_row(c) for c in copies[:20]], "quantize_url": url}
+        views, actions = live_views()  # one status read for the panel's "served now" column
+
+        def served(other: Model | None) -> str:
+            live = live_state_of(other, views, actions) if other is not None else None
+            if live is None or not live.resident_counts or not live.tokens_per_s:
+                return DASH
+            return f"{live.tokens_per_s:.1f} tok/s"
+
+        rows = [
+            {**copy_row(c), "source_served": served(c.source), "result_served": served(c.result)}
+            for c in copies[:20]
+        ]
+        return {"quantized_copies": rows, "quantize_url": url}
 
 
 def copy_row(copy: QuantizedCopy) -> dict[str, Any]:

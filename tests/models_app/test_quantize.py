@@ -290,3 +290,15 @@ def test_without_a_broker_the_copy_runs_in_a_thread_of_its_own(tiny, models_root
     )
     assert done.status == QuantizedCopy.Status.DONE, done.error
     assert done.result.local_path == "quantized/tiny-8bit-g64"
+
+
+def test_a_served_copy_shows_its_instance_s_own_rate(admin_client, tiny, dispatched):
+    """"Or from the instance's stats when served": the panel adds each resident instance's tokens/s."""
+    from tests.models_app.test_admin import _publish, _view
+
+    copy = run(quantize.quantized_copy_request(model=tiny, bits=4, group_size=32))
+    url = f"{MODELS_URL}{tiny.pk}/change/"
+    assert "42.5 tok/s" not in admin_client.get(url).content.decode()
+    _publish(_view(copy.result.instance_id, aliases=[], tokens_per_s=42.5))
+    page = admin_client.get(url).content.decode()
+    assert "<td>42.5 tok/s</td>" in page
