@@ -293,7 +293,7 @@ def test_without_a_broker_the_copy_runs_in_a_thread_of_its_own(tiny, models_root
 
 
 def test_a_served_copy_shows_its_instance_s_own_rate(admin_client, tiny, dispatched):
-    """"Or from the instance's stats when served": the panel adds each resident instance's tokens/s."""
+    """ "Or from the instance's stats when served": the panel adds each resident instance's tokens/s."""
     from tests.models_app.test_admin import _publish, _view
 
     copy = run(quantize.quantized_copy_request(model=tiny, bits=4, group_size=32))
