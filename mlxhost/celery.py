@@ -14,7 +14,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mlxhost.settings")
 
 app = Celery("mlxhost")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["models_app.persistence"])  # models_app/persistence/tasks.py
+app.autodiscover_tasks(["models_app.persistence", "models_app.catalogue"])  # their tasks.py
 
 P = ParamSpec("P")
 R = TypeVar("R", covariant=True)
@@ -30,6 +30,8 @@ class TypedTask(Protocol[P, R]):
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
 
     def apply(self, args: Sequence[Any] = (), *, throw: bool = False) -> Any: ...
+
+    def delay(self, *args: P.args, **kwargs: P.kwargs) -> Any: ...
 
 
 def task(**options: Any) -> Callable[[Callable[P, R]], TypedTask[P, R]]:

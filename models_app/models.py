@@ -9,6 +9,8 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import TextChoices
 
+from mlxhost.engine import QUANT_BITS, QUANT_GROUP_SIZES
+
 
 class BaseModel(models.Model):
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
@@ -388,3 +390,56 @@ class InstanceTombstone(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.instance_id} for {self.response_public_id}"
+
+
+class QuantizedCopy(BaseModel):
+    """A quantized copy of a local Model's weights, made by the Celery task `model_quantize` (issue 28):
+    its settings, its stage while it runs, the Model it registered, and what each side costs (size on
+    disk, load time, decode speed of a short greedy run), measured by the task on the same machine."""
+
+    class Status(TextChoices):
+        QUEUED = "queued", "Queued"
+        RUNNING = "running", "Running"
+        DONE = "done", "Done"
+        FAILED = "failed", "Failed"
+
+    class Stage(TextChoices):
+        LOADING = "loading", "Loading the original"
+        QUANTIZING = "quantizing", "Quantizing"
+        SAVING = "saving", "Saving the copy"
+        MEASURING = "measuring", "Measuring the copy"
+        REGISTERING = "registering", "Registering the copy"
+
+    source = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="quantized_copies")
+    result = models.OneToOneField(
+        Model, null=True, blank=True, on_delete=models.SET_NULL, related_name="quantized_from"
+    )
+    bits = models.PositiveSmallIntegerField(choices=[(b, f"{b}-bit") for b in QUANT_BITS])
+    group_size = models.PositiveSmallIntegerField(choices=[(g, str(g)) for g in QUANT_GROUP_SIZES])
+    folder = models.CharField(max_length=512, help_text="The copy's folder, relative to MODELS_ROOT.")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
+    stage = models.CharField(max_length=16, choices=Stage.choices, blank=True)
+    error = models.TextField(blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    quantized_layers = models.PositiveIntegerField(null=True, blank=True)
+    source_bytes = models.BigIntegerField(null=True, blank=True)
+    source_load_s = models.FloatField(null=True, blank=True)
+    source_tokens_per_s = models.FloatField(null=True, blank=True)
+    copy_bytes = models.BigIntegerField(null=True, blank=True)
+    copy_load_s = models.FloatField(null=True, blank=True)
+    copy_tokens_per_s = models.FloatField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-id"]
+        verbose_name_plural = "quantized copies"
+        constraints = [
+            # One copy of a model per setting at a time: a second click waits for the first.
+            models.UniqueConstraint(
+                fields=["source", "bits", "group_size"],
+                condition=models.Q(status__in=["queued", "running"]),
+                name="quantized_copy_one_in_flight",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.source.name} at {self.bits} bits, group {self.group_size}"

@@ -229,3 +229,39 @@ def fake_hub(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     yield hub
     hub.close()
+
+
+# Quantized copies of the tiny models (issue 28): 4-bit with group size 32 and 8-bit with group size
+# 64 both fit its widths (64 and 128), so every linear layer and the embedding are quantized.
+QUANTIZED_SETTINGS = {"4bit-g32": (4, 32), "8bit-g64": (8, 64)}
+
+
+def quantized_tiny(source: Path, name: str) -> Path:
+    """`source` quantized by mlx-lm (through the product's `quantize_folder`) into a sibling folder
+    `<source>-<name>`; built once, on the main thread, and reused while the source is unchanged."""
+    from mlxhost.engine import folder_fingerprint
+    from mlxhost.engine.backends.mlx.quantize import quantize_folder
+
+    bits, group_size = QUANTIZED_SETTINGS[name]
+    dest = source.with_name(f"{source.name}-{name}")
+    made = quantize_folder(
+        source,
+        dest,
+        bits=bits,
+        group_size=group_size,
+        source_fingerprint=folder_fingerprint(source),
+        measure_tokens=0,
+    )
+    return made.folder
+
+
+@pytest.fixture(scope="session", params=list(QUANTIZED_SETTINGS))
+def tiny_quantized_dir(request, tiny_model_dir: Path) -> Path:
+    """The tiny llama quantized, once per setting in QUANTIZED_SETTINGS (the test runs for each)."""
+    return quantized_tiny(tiny_model_dir, request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_tools_quantized_dir(tiny_tools_model_dir: Path) -> Path:
+    """The tool-capable tiny llama at 4 bits (group size 32)."""
+    return quantized_tiny(tiny_tools_model_dir, "4bit-g32")

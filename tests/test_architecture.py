@@ -245,9 +245,10 @@ def test_api_and_models_app_never_import_engine_internals(graph: Graph) -> None:
 
 
 # Offline tools that build model folders (the tiny test model, the demo's GGUF conversion, the
-# demo embedding model's unpacking).
+# demo embedding model's unpacking, quantized copies made by a Celery task).
 ENGINE_TOOLS = (
     "mlxhost.engine.backends.mlx.tiny",
+    "mlxhost.engine.backends.mlx.quantize",
     "mlxhost.engine.backends.mlx.gguf",
     "mlxhost.engine.backends.mlx.minilm",
 )

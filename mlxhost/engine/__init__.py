@@ -19,6 +19,7 @@ from mlxhost.engine.errors import (
     InvalidRequestError,
     ModelLoadError,
     PromptTooLongError,
+    QuantizationError,
     QueueFullError,
     QueueTimeoutError,
     RequestCancelledError,
@@ -63,6 +64,8 @@ from mlxhost.engine.types import (
     Usage,
 )
 from mlxhost.engine.weights import (
+    QUANT_BITS,
+    QUANT_GROUP_SIZES,
     detect_kind,
     folder_fingerprint,
     hub_fingerprint,
@@ -74,6 +77,8 @@ __all__ = [
     "ALIAS_SAMPLING_FIELDS",
     "MAX_EMBEDDING_INPUTS",
     "OVERLOADED_CODES",
+    "QUANT_BITS",
+    "QUANT_GROUP_SIZES",
     "SAMPLING_KNOBS",
     "Delta",
     "Done",
@@ -105,6 +110,7 @@ __all__ = [
     "ModelSpec",
     "Permit",
     "PromptTooLongError",
+    "QuantizationError",
     "QueueFullError",
     "QueueTimeoutError",
     "Queued",

@@ -178,3 +178,9 @@ OVERLOADED_CODES = frozenset({QueueFullError.code, DrainingError.code})
 # Why a request was refused at admission, as `/metrics` counts it: 429/529 queue_full, 503 draining
 # and queue_timeout.
 REJECTION_CODES = (QueueFullError.code, DrainingError.code, QueueTimeoutError.code)
+
+
+class QuantizationError(EngineError):
+    """A quantized copy could not be made (an unsupported or already quantized model, a full disk)."""
+
+    code = "quantization_failed"

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 # Weight formats that can execute code or that mlx-lm cannot read safely.
 UNSAFE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt", ".gguf")
 REMOTE_CODE_KEYS = ("auto_map", "model_file")
+# The quantized copies mlxhost makes (mlx-lm's affine quantization): bits per weight, group sizes.
+QUANT_BITS = (4, 8)
+QUANT_GROUP_SIZES = (32, 64, 128)
 _FINGERPRINT_CHUNK = 8 * 1024 * 1024
 
 _memo: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}

@@ -231,7 +231,7 @@ def alias_register(*, name: str, model_name: str = "", **fields: Any) -> ModelAl
     alias = ModelAlias.objects.select_related("model").filter(name=name).first() or ModelAlias(name=name)
     model = _model_for_source(model_fields, current=alias.model if alias.pk else None)
     if model.pk is None:
-        model.name = _free_model_name(model_name or name)
+        model.name = free_model_name(model_name or name)
     for field, value in model_fields.items():
         setattr(model, field, value)
     if model.pk is None or model_fields:
@@ -268,7 +268,8 @@ def _model_for_source(model_fields: dict[str, Any], *, current: Model | None) ->
     return Model.objects.filter(**source).first() or Model()
 
 
-def _free_model_name(wanted: str) -> str:
+def free_model_name(wanted: str) -> str:
+    """`wanted`, or `wanted-2`, `wanted-3`, ...: the first name no Model has yet."""
     name, n = wanted, 2
     while Model.objects.filter(name=name).exists():
         name, n = f"{wanted}-{n}", n + 1

@@ -20,6 +20,7 @@ from models_app.console import admin_keys as admin_keys  # registers the API key
 from models_app.console import admin_responses as admin_responses  # registers stored responses (ADM-5)
 from models_app.console.admin_hub import HUB_ACTIONS, HubPinActions
 from models_app.console.admin_live import DASH, live_columns, live_context
+from models_app.console.admin_quantize import QuantizeAdminMixin  # also registers quantized copies
 from models_app.console.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
 from models_app.console.forms import ALIAS_LABELS, ModelAliasForm, ModelForm
 from models_app.console.forms import MODEL_FORM_FIELDS as MODEL_FORM_FIELDS
@@ -75,7 +76,7 @@ class AliasInline(_AliasInlineBase):
 
 
 @admin.register(Model)
-class ModelAdmin(HubPinActions, _ModelAdminBase):
+class ModelAdmin(HubPinActions, QuantizeAdminMixin, _ModelAdminBase):
     """Weights, their admission lane and memory policy, and the load / unload / reload actions."""
 
     form = ModelForm
@@ -201,6 +202,7 @@ class ModelAdmin(HubPinActions, _ModelAdminBase):
                 model_actions=self._action_buttons(request, obj),
                 fleet_hosts=[(host, f"h{host:02d}") for host in control.fleet_hosts()],
                 add_alias_url=add_alias,
+                **self.quantize_context(request, obj),
             )
         return super().render_change_form(request, context, add, change, form_url, obj)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from django.conf import settings
 
+from models_app.catalogue import tasks as catalogue_tasks
 from models_app.persistence import tasks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,4 +46,4 @@ def test_the_worker_discovers_every_task_the_beat_schedules() -> None:
     discovered = set(json.loads(found.stdout.splitlines()[-1]))
     scheduled = {entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()}
     assert scheduled
-    assert {*scheduled, tasks.response_persist.name} <= discovered
+    assert {*scheduled, tasks.response_persist.name, catalogue_tasks.model_quantize.name} <= discovered
