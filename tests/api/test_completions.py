@@ -195,7 +195,9 @@ async def test_a_mid_stream_failure_is_an_error_payload_then_done():
     from mlxhost.engine import Delta, Failed
 
     generation = ScriptedGeneration(Delta(text="Hi"), Failed(code="generation_failed", message="boom"))
-    frames = [f async for f in completion_sse(ChatTurn(id="cmpl-x", model="tiny", instance_id=1), generation)]
+    frames = [
+        f async for f in completion_sse(ChatTurn(id="cmpl-x", model="tiny", instance_id=1), [generation])
+    ]
     assert json.loads(frames[1].decode().removeprefix("data: "))["error"]["code"] == "generation_failed"
     assert frames[-1] == b"data: [DONE]\n\n"
 
