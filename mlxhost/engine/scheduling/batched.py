@@ -84,12 +84,12 @@ class Batch:
         try:
             # The cached prefix, as on the exclusive path; a later choice of the request, the
             # prompt its first choice prefilled (docs/api.md, `n`).
-            kv, reuse = self.shared.start_kv(job)
+            kv, held, reuse = self.shared.start_kv(job)
             handle = self.runner.insert(
                 job.prompt_ids,
                 sampling,
                 kv,
-                reuse,
+                held,
                 prediction_ids=job.prediction_ids or None,
                 max_draft=job.max_draft,
             )

@@ -38,24 +38,27 @@ class SharedPrompts:
     def __len__(self) -> int:
         return len(self._lent)
 
-    def start_kv(self, job: GenerateJob) -> tuple[object | None, int]:
-        """The cache `job` starts from and how many prompt tokens it holds (`GenerateJob.start_kv`
-        for a job that is not a row of a group)."""
+    def start_kv(self, job: GenerateJob) -> tuple[object | None, int, int]:
+        """The cache `job` starts from, how many prompt tokens it holds, and how many of them
+        count as cached (its usage): `GenerateJob.start_kv` for a job that is no group's row.
+        The first row's prompt was computed for it, so only the prefix cache's part counts."""
         rows, model, prompt = job.rows, self.model, job.prompt_ids
         if rows is None or rows.size < 2 or model.shared_cache:
-            return job.start_kv(model)
+            kv, reuse = job.start_kv(model)
+            return kv, reuse, reuse
         lent = self._lent.get(rows.key)
         if rows.index > 0 and lent is not None and tuple(prompt[: len(lent.tokens)]) == lent.tokens:
-            return self._take(rows.key, lent), len(lent.tokens)
+            held = len(lent.tokens)
+            return self._take(rows.key, lent), held, held
         kv, reuse = job.start_kv(model)
         shared = len(prompt) - 1
         if rows.index > 0 or shared <= reuse:
-            return kv, reuse  # nothing left to share beyond what the prefix cache gave
+            return kv, reuse, reuse  # nothing left to share beyond what the prefix cache gave
         kv = model.prefill(kv, prompt[reuse:shared])
         copy = model.copy_cache(kv, shared)
         if copy is not None:
             self._pending = (rows.key, _Lent(copy, tuple(prompt[:shared]), rows.size - 1, -1))
-        return kv, shared
+        return kv, shared, reuse
 
     def adopt(self, handle: int) -> None:
         """The first row is in the batch as `handle`: keep its copy for the others until it ends."""
