@@ -58,7 +58,9 @@ async def test_greedy_choices_are_equal_and_usage_counts_the_prompt_once(
     await eventually(lambda: lane(mlx_engine)["active"] == 0, what="every row's slot back")
 
 
-async def test_seeded_choices_are_reproducible_and_each_has_its_own_seed(batched, api_key, mlx_engine, no_eos):
+async def test_seeded_choices_are_reproducible_and_each_has_its_own_seed(
+    batched, api_key, mlx_engine, no_eos
+):
     sampled = {"n": 2, "temperature": 1.0, "seed": 1234, "max_tokens": 12, "logit_bias": no_eos}
     first = texts((await post_chat(api_key, **sampled)).json())
     again = texts((await post_chat(api_key, **sampled)).json())
@@ -90,7 +92,9 @@ async def test_streamed_choices_carry_their_index_and_one_usage(batched, api_key
 
 
 async def test_logprobs_come_with_every_choice(batched, api_key, mlx_engine, no_eos):
-    body = (await post_chat(api_key, n=2, max_tokens=3, logprobs=True, top_logprobs=2, logit_bias=no_eos)).json()
+    body = (
+        await post_chat(api_key, n=2, max_tokens=3, logprobs=True, top_logprobs=2, logit_bias=no_eos)
+    ).json()
     for choice in body["choices"]:
         assert len(choice["logprobs"]["content"]) == 3
         assert all(len(entry["top_logprobs"]) == 2 for entry in choice["logprobs"]["content"])
@@ -127,7 +131,10 @@ async def test_choices_beyond_the_lane_are_refused_with_its_envelope_and_take_no
 @pytest.mark.parametrize(
     ("extra", "field"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+            "tools",
+        ),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ],
 )
