@@ -1,4 +1,4 @@
-"""`n` > 1 on chat and text completions through Django with the tiny real MLX model: the choices
+"""API-1: `n` > 1 on chat and text completions through Django with the tiny real MLX model: the choices
 as rows of one batch, their indices, usage, seeds, slots and cancel (docs/api.md)."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ async def test_text_completions_take_n_streamed_and_not(batched, api_key, mlx_en
 async def test_choices_beyond_the_lane_are_refused_with_its_envelope_and_take_nothing(
     batched, api_key, mlx_engine, no_eos
 ):
-    """Each choice takes a slot: 5 choices on 4 slots and no queue are a 429 queue_full, and the
+    """LANE-2: each choice takes a slot: 5 choices on 4 slots and no queue are a 429 queue_full, and the
     four permits taken before the fifth was refused go back."""
     response = await post_chat(api_key, n=5, max_tokens=2, logit_bias=no_eos)
     assert response.status_code == 429, response.content
