@@ -68,6 +68,9 @@ async def test_seeded_choices_are_reproducible_and_each_has_its_own_seed(
     assert first[0] != first[1], first  # seed 1234 and 1235 (docs/api.md): two draws
     other = texts((await post_chat(api_key, **{**sampled, "seed": 99})).json())
     assert other != first
+    # Choice i samples with seed + i: the second choice is what one choice with seed 1235 gives.
+    alone = texts((await post_chat(api_key, **{**sampled, "n": 1, "seed": 1235})).json())
+    assert alone == first[1:]
 
 
 async def test_streamed_choices_carry_their_index_and_one_usage(batched, api_key, mlx_engine, no_eos):
