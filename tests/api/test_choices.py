@@ -164,3 +164,12 @@ async def test_a_disconnect_cancels_every_choice(batched, api_key, mlx_engine, n
     await reader.hang_up()
     await eventually(lambda: lane(mlx_engine)["active"] == 0, timeout=10, what="all three rows cancelled")
     assert mlx_engine.snapshot()[0]["requests_cancelled"] == 3
+
+
+async def test_at_concurrency_one_the_choices_run_one_after_another(tiny_alias, api_key, mlx_engine, no_eos):
+    """The exclusive scheduler: no batch, each row waits for the one slot; same greedy texts."""
+    one = (await post_chat(api_key, max_tokens=4, logit_bias=no_eos, cache_salt="elsewhere")).json()
+    body = (await post_chat(api_key, n=2, max_tokens=4, logit_bias=no_eos)).json()
+    assert texts(body) == texts(one) * 2
+    assert body["usage"]["completion_tokens"] == 8
+    assert mlx_engine.snapshot()[0]["lane"]["capacity"] == 1
