@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -9,6 +10,8 @@ from api.errors import ApiError, cut_short_error, failed_error
 from mlxhost.engine import Delta, Done, Failed
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from mlxhost.engine import Generation, TokenLogprob
 
 NO_RESULT = "The generation ended without a result."
@@ -49,3 +52,15 @@ async def collect_answer(generation: Generation) -> Collected:
                 raise error  # no header is out yet: a partial answer is a status, not a 200
             return Collected("".join(parts), event, logprobs)
     raise ApiError(500, NO_RESULT, "server_error", "generation_failed")
+
+
+async def collect_answers(generations: Sequence[Generation]) -> list[Collected]:
+    """Every choice's whole answer, in order (OpenAI `n`); one that fails or is cut short raises
+    as `collect_answer` does, and the others are cancelled."""
+    if len(generations) == 1:
+        return [await collect_answer(generations[0])]
+    try:
+        return list(await asyncio.gather(*(collect_answer(g) for g in generations)))
+    finally:
+        for generation in generations:
+            generation.cancel()  # a no-op for those that ended

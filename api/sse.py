@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from mlxhost import wire
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Sequence
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -60,3 +60,39 @@ async def with_keepalive(
             with contextlib.suppress(BaseException):
                 await pending
         await source.aclose()  # type: ignore[attr-defined]  # every stream here is an async generator
+
+
+async def merged(streams: Sequence[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The frames of several streams (a request's choices, OpenAI `n`) as each comes. Each stream
+    waits while the reader is slow, as one stream would; closing this, or one stream raising,
+    closes them all (their generations are cancelled)."""
+    if len(streams) == 1:
+        async for frame in streams[0]:
+            yield frame
+        return
+    queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(stream: AsyncIterator[bytes]) -> None:
+        try:
+            async for frame in stream:
+                await queue.put(frame)
+        except Exception as error:
+            await queue.put(error)
+        else:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                left -= 1
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

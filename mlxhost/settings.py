@@ -244,6 +244,8 @@ MLXHOST_WS_AUTH_RECHECK_S = env.float("MLXHOST_WS_AUTH_RECHECK_S", default=5.0)
 # An SSE stream idle this long gets a keep-alive (Anthropic `ping`, an SSE comment elsewhere): a long
 # prefill must not look like a dead connection to coding agents and proxies (issue 17).
 MLXHOST_SSE_KEEPALIVE_S = env.float("MLXHOST_SSE_KEEPALIVE_S", default=5.0)
+# The most choices (`n`) one chat or text completion may ask for; each takes a lane slot.
+MLXHOST_MAX_CHOICES = env.int("MLXHOST_MAX_CHOICES", default=8)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MLXHOST_MAX_REQUEST_BYTES
 # Browser origins (comma-separated, `*` for any) whose pages may call /v1/ (CORS); empty: none.
 MLXHOST_CORS_ORIGINS = [o.rstrip("/") for o in env.list("MLXHOST_CORS_ORIGINS", default=[]) if o]

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from api.collect import collect_answer
+from api.collect import Collected, collect_answers
 from api.errors import cut_short_error, error_body, failed_error
-from api.sse import SSE_DONE, sse_event
+from api.sse import SSE_DONE, merged, sse_event
 from api.tools import logprob_body
 from mlxhost.engine import (
     Delta,
@@ -24,7 +24,9 @@ from mlxhost.engine import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Sequence
+
+    from api.errors import ApiError
 
 # Complete or length-limited answers only: "cancelled" and "aborted" end the stream with an error
 # event instead (the openai SDK raises APIError on it), never with a finish_reason that reads
@@ -55,13 +57,28 @@ class ChatTurn:
         }
 
     def chunk(
-        self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None
+        self, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None, index: int = 0
     ) -> dict[str, Any]:
         body = self.envelope("chat.completion.chunk")
-        body["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        body["choices"] = [
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ]
         if self.include_usage:
             body["usage"] = None
         return body
+
+
+def choices_usage(usages: Sequence[Usage]) -> Usage:
+    """The usage of a request's choices (OpenAI `n`), as OpenAI counts it: the prompt once (the
+    first choice's, with its cached tokens), the completion tokens of every choice summed."""
+    first = usages[0]
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=first.cached_tokens,
+        accepted_prediction_tokens=sum(u.accepted_prediction_tokens for u in usages),
+        rejected_prediction_tokens=sum(u.rejected_prediction_tokens for u in usages),
+    )
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -79,44 +96,76 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
-async def chat_sse(turn: ChatTurn, generation: Generation) -> AsyncIterator[bytes]:
-    """Stream a generation as OpenAI chunks, ending with `data: [DONE]`.
+async def chat_sse(turn: ChatTurn, generations: Sequence[Generation]) -> AsyncIterator[bytes]:
+    """Stream a request's choices as OpenAI chunks (each with its choice's `index`), then the
+    usage of them all when asked for, then the first error if one was cut short or failed, then
+    `data: [DONE]`.
 
     An async generator on purpose: Django buffers sync iterators under ASGI. When the client
-    disconnects, Django cancels this generator and `Generation.stream()` sets the stop flag.
+    disconnects, Django cancels this generator and every choice's generation is cancelled.
     """
+    endings: list[Done | Failed | None] = [None] * len(generations)
+    try:
+        streams = [_choice_sse(turn, g, index, endings) for index, g in enumerate(generations)]
+        async for frame in merged(streams):
+            yield frame
+    finally:
+        for generation in generations:
+            generation.cancel()  # a no-op for those that ended
+    dones = [ending for ending in endings if isinstance(ending, Done)]
+    if turn.include_usage and dones and len(dones) == len(endings):
+        final = turn.envelope("chat.completion.chunk")
+        final.update(choices=[], usage=usage_body(choices_usage([done.usage for done in dones])))
+        yield sse_event(final)
+    if (error := ending_error(endings)) is not None:
+        yield sse_event(error_body(error, "openai"))
+    yield SSE_DONE
+
+
+def ending_error(endings: Sequence[Done | Failed | None]) -> ApiError | None:
+    """The error the first choice that was cut short or failed ends the stream with, if any."""
+    for ending in endings:
+        if isinstance(ending, Failed):
+            return failed_error(ending)
+        if isinstance(ending, Done) and (cut := cut_short_error(ending)) is not None:
+            return cut
+    return None
+
+
+async def _choice_sse(
+    turn: ChatTurn, generation: Generation, index: int, endings: list[Done | Failed | None]
+) -> AsyncIterator[bytes]:
+    """One choice's chunks, up to its finish chunk; how it ended goes to `endings[index]`."""
     request = generation.request
     mode = request.tool_choice.mode if request.tools else "none"
     # The opening delta: `content` is null when a tool call follows, as OpenAI's is (a "" there
     # is an empty text part to Vercel's useChat). With `auto` that is known at the first event.
     opened = mode != "auto"
     if opened:
-        yield sse_event(turn.chunk({"role": "assistant", "content": None if mode == "required" else ""}))
+        opening = {"role": "assistant", "content": None if mode == "required" else ""}
+        yield sse_event(turn.chunk(opening, index=index))
     async for event in generation.stream():
         if not opened and _shows(event):
             opened = True
             content = "" if isinstance(event, Delta) else None
-            yield sse_event(turn.chunk({"role": "assistant", "content": content}))
+            yield sse_event(turn.chunk({"role": "assistant", "content": content}, index=index))
         if isinstance(event, Delta) and (event.text or event.logprobs):
             logprobs = {"content": [logprob_body(lp) for lp in event.logprobs]} if event.logprobs else None
-            yield sse_event(turn.chunk({"content": event.text}, logprobs=logprobs))
+            yield sse_event(turn.chunk({"content": event.text}, logprobs=logprobs, index=index))
         elif isinstance(event, ReasoningDelta):
-            yield sse_event(turn.chunk({"reasoning_content": event.text}))
+            yield sse_event(turn.chunk({"reasoning_content": event.text}, index=index))
         elif isinstance(event, ToolCallDelta):
-            yield sse_event(turn.chunk({"tool_calls": [tool_call_part(event)]}))
+            yield sse_event(turn.chunk({"tool_calls": [tool_call_part(event)]}, index=index))
         elif isinstance(event, Done):
-            cut = cut_short_error(event)
-            finish = CUT_SHORT_FINISH if cut else FINISH_REASONS.get(event.finish_reason, "stop")
-            yield sse_event(turn.chunk({}, finish))
-            if turn.include_usage:
-                final = turn.envelope("chat.completion.chunk")
-                final.update(choices=[], usage=usage_body(event.usage))
-                yield sse_event(final)
-            if cut is not None:
-                yield sse_event(error_body(cut, "openai"))
+            endings[index] = event
+            finish = (
+                CUT_SHORT_FINISH
+                if cut_short_error(event)
+                else FINISH_REASONS.get(event.finish_reason, "stop")
+            )
+            yield sse_event(turn.chunk({}, finish, index=index))
         elif isinstance(event, Failed):
-            yield sse_event(error_body(failed_error(event), "openai"))
-    yield SSE_DONE
+            endings[index] = event
 
 
 def _shows(event: object) -> bool:
@@ -126,15 +175,24 @@ def _shows(event: object) -> bool:
     return not isinstance(event, Queued | Started)
 
 
-async def chat_complete(turn: ChatTurn, generation: Generation) -> dict[str, Any]:
-    """Collect a generation into one `chat.completion` object.
+async def chat_complete(turn: ChatTurn, generations: Sequence[Generation]) -> dict[str, Any]:
+    """Collect a request's choices into one `chat.completion` object.
 
     Raises:
-        ApiError: 500 when the model failed mid-generation.
+        ApiError: 500 when the model failed mid-generation (as `collect_answers`).
     """
-    answer = await collect_answer(generation)
-    done = answer.done
+    answers = await collect_answers(generations)
     body = turn.envelope("chat.completion")
+    body["choices"] = [
+        _choice_body(answer, generation.request.sampling.logprobs is not None, index)
+        for index, (answer, generation) in enumerate(zip(answers, generations, strict=True))
+    ]
+    body["usage"] = usage_body(choices_usage([answer.done.usage for answer in answers]))
+    return body
+
+
+def _choice_body(answer: Collected, with_logprobs: bool, index: int) -> dict[str, Any]:
+    done = answer.done
     message: dict[str, Any] = {"role": "assistant", "content": answer.text, "refusal": None}
     if done.tool_calls:
         message["content"] = answer.text or None
@@ -142,18 +200,14 @@ async def chat_complete(turn: ChatTurn, generation: Generation) -> dict[str, Any
     if done.reasoning:
         message["reasoning_content"] = done.reasoning
     logprobs = None
-    if generation.request.sampling.logprobs is not None:
+    if with_logprobs:
         logprobs = {"content": [logprob_body(lp) for lp in answer.logprobs], "refusal": None}
-    body["choices"] = [
-        {
-            "index": 0,
-            "message": message,
-            "logprobs": logprobs,
-            "finish_reason": FINISH_REASONS.get(done.finish_reason, "stop"),
-        }
-    ]
-    body["usage"] = usage_body(done.usage)
-    return body
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": FINISH_REASONS.get(done.finish_reason, "stop"),
+    }
 
 
 def tool_call_body(call: ToolCall) -> dict[str, Any]:

@@ -8,18 +8,31 @@ from typing import TYPE_CHECKING, Any
 from rest_framework import serializers
 
 from api.auth import Caller, api_endpoint, caller_of
-from api.collect import collect_answer
-from api.errors import cut_short_error, error_body, failed_error
-from api.openai.chat import CUT_SHORT_FINISH, FINISH_REASONS, ChatTurn, usage_body
-from api.openai.serializers import ONE_CHOICE, StreamOptionsInput, StrictBooleanField, TextSamplingInput
+from api.collect import collect_answers
+from api.errors import cut_short_error, error_body
+from api.openai.chat import (
+    CUT_SHORT_FINISH,
+    FINISH_REASONS,
+    ChatTurn,
+    choices_usage,
+    ending_error,
+    usage_body,
+)
+from api.openai.serializers import (
+    StreamOptionsInput,
+    StrictBooleanField,
+    TextSamplingInput,
+    choices_count,
+    choices_field,
+)
 from api.openai.views import body_for_turn, chat_shaped_response, validated
 from api.sampling import sampling_overrides
-from api.sse import SSE_DONE, sse_event
+from api.sse import SSE_DONE, merged, sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, TokenLogprob
 from models_app.turns.turns import CacheScope, TurnRequest, turn_start
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Sequence
 
     from django.http import HttpRequest, HttpResponseBase
 
@@ -36,9 +49,7 @@ class CompletionInput(TextSamplingInput):
     prompt = serializers.JSONField()
     stream = StrictBooleanField(required=False, default=False)
     stream_options = StreamOptionsInput(required=False, allow_null=True)
-    n = serializers.IntegerField(
-        required=False, allow_null=True, min_value=1, max_value=1, error_messages={"max_value": ONE_CHOICE}
-    )
+    n = choices_field()
     best_of = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=1)
     user = serializers.CharField(required=False, allow_blank=True, max_length=256)
     logprobs = serializers.IntegerField(
@@ -59,7 +70,11 @@ class CompletionInput(TextSamplingInput):
             raise serializers.ValidationError("prompt must not be empty.")
         return value
 
+    def validate_n(self, value: int | None) -> int:
+        return choices_count(value)
+
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        attrs["n"] = attrs.get("n") or 1
         for name, message in UNSUPPORTED.items():
             if self.initial_data.get(name):  # echo=false and suffix="" are no-ops
                 raise serializers.ValidationError({name: message})
@@ -82,10 +97,14 @@ def _completion_turn(data: dict[str, Any], caller: Caller) -> TurnRequest:
 
 
 def _body(
-    turn: ChatTurn, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
+    turn: ChatTurn,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     body = turn.envelope(OBJECT)
-    body["choices"] = [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]
+    body["choices"] = [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}]
     return body
 
 
@@ -104,42 +123,71 @@ def legacy_logprobs(entries: list[TokenLogprob], offset: int = 0) -> dict[str, A
     }
 
 
-async def completion_sse(turn: ChatTurn, generation: Generation) -> AsyncIterator[bytes]:
-    """Stream `text_completion` chunks, then usage when asked for, then `data: [DONE]`.
+async def completion_sse(turn: ChatTurn, generations: Sequence[Generation]) -> AsyncIterator[bytes]:
+    """Stream `text_completion` chunks of every choice (each with its `index`), then the usage
+    of them all when asked for, then the first error if any, then `data: [DONE]`.
 
     An async generator on purpose: Django buffers sync iterators under ASGI, and a client
-    disconnect cancels this generator, which stops the generation (LANE-6).
+    disconnect cancels this generator, which stops every choice's generation (LANE-6).
     """
+    endings: list[Done | Failed | None] = [None] * len(generations)
+    try:
+        streams = [_choice_sse(turn, g, index, endings) for index, g in enumerate(generations)]
+        async for frame in merged(streams):
+            yield frame
+    finally:
+        for generation in generations:
+            generation.cancel()  # a no-op for those that ended
+    dones = [ending for ending in endings if isinstance(ending, Done)]
+    if turn.include_usage and dones and len(dones) == len(endings):
+        usage = usage_body(choices_usage([done.usage for done in dones]))
+        yield sse_event({**turn.envelope(OBJECT), "choices": [], "usage": usage})
+    if (error := ending_error(endings)) is not None:
+        yield sse_event(error_body(error, "openai"))
+    yield SSE_DONE
+
+
+async def _choice_sse(
+    turn: ChatTurn, generation: Generation, index: int, endings: list[Done | Failed | None]
+) -> AsyncIterator[bytes]:
+    """One choice's chunks, up to its finish chunk; how it ended goes to `endings[index]`."""
     usage_field = {"usage": None} if turn.include_usage else {}
     offset = 0
     async for event in generation.stream():
         if isinstance(event, Delta) and (event.text or event.logprobs):
             logprobs = legacy_logprobs(list(event.logprobs), offset) if event.logprobs else None
             offset += len(event.text)
-            yield sse_event({**_body(turn, event.text, None, logprobs), **usage_field})
+            yield sse_event({**_body(turn, event.text, None, logprobs, index), **usage_field})
         elif isinstance(event, Done):
-            cut = cut_short_error(event)  # cut short: "abort", then the error that says why
-            finish = CUT_SHORT_FINISH if cut else FINISH_REASONS.get(event.finish_reason, "stop")
-            yield sse_event({**_body(turn, "", finish), **usage_field})
-            if turn.include_usage:
-                yield sse_event({**turn.envelope(OBJECT), "choices": [], "usage": usage_body(event.usage)})
-            if cut is not None:
-                yield sse_event(error_body(cut, "openai"))
+            endings[index] = event
+            # Cut short: "abort", then (after every choice) the error that says why.
+            finish = (
+                CUT_SHORT_FINISH
+                if cut_short_error(event)
+                else FINISH_REASONS.get(event.finish_reason, "stop")
+            )
+            yield sse_event({**_body(turn, "", finish, index=index), **usage_field})
         elif isinstance(event, Failed):
-            yield sse_event(error_body(failed_error(event), "openai"))
-    yield SSE_DONE
+            endings[index] = event
 
 
-async def completion_collect(turn: ChatTurn, generation: Generation) -> dict[str, Any]:
-    """Collect a generation into one `text_completion` object.
+async def completion_collect(turn: ChatTurn, generations: Sequence[Generation]) -> dict[str, Any]:
+    """Collect a request's choices into one `text_completion` object.
 
     Raises:
-        ApiError: 500 when the model failed mid-generation.
+        ApiError: 500 when the model failed mid-generation (as `collect_answers`).
     """
-    answer = await collect_answer(generation)
-    logprobs = legacy_logprobs(answer.logprobs) if generation.request.sampling.logprobs is not None else None
-    body = _body(turn, answer.text, FINISH_REASONS.get(answer.done.finish_reason, "stop"), logprobs)
-    body["usage"] = usage_body(answer.done.usage)
+    answers = await collect_answers(generations)
+    body = turn.envelope(OBJECT)
+    choices = []
+    for index, (answer, generation) in enumerate(zip(answers, generations, strict=True)):
+        logprobs = (
+            legacy_logprobs(answer.logprobs) if generation.request.sampling.logprobs is not None else None
+        )
+        finish = FINISH_REASONS.get(answer.done.finish_reason, "stop")
+        choices.extend(_body(turn, answer.text, finish, logprobs, index)["choices"])
+    body["choices"] = choices
+    body["usage"] = usage_body(choices_usage([answer.done.usage for answer in answers]))
     return body
 
 
@@ -149,6 +197,8 @@ async def completions(request: HttpRequest) -> HttpResponseBase:
     data = validated(CompletionInput, await body_for_turn(request))
     # Admitted before any header goes out: a queue timeout or drain is a status code.
     turn = await turn_start(
-        _completion_turn(data, caller_of(request)), request_id=f"cmpl-{secrets.token_hex(12)}"
+        _completion_turn(data, caller_of(request)),
+        request_id=f"cmpl-{secrets.token_hex(12)}",
+        choices=data["n"],
     )
     return await chat_shaped_response(data, turn, stream=completion_sse, collect=completion_collect)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from django.conf import settings
 from rest_framework import serializers
 
 from api import tools as tool_inputs
@@ -16,7 +17,8 @@ from models_app.catalogue.specs import EFFORTS
 ROLE_ALIASES = {"developer": "system"}
 # As OpenAI: a predicted answer is text, and a turn with tools may answer with tool calls instead.
 PREDICTION_WITH_TOOLS = "prediction cannot be used with tools: a predicted output must be the answer's text."
-ONE_CHOICE = "n > 1 is not supported: one choice per request."
+# Several choices (OpenAI `n`) run as rows of one batch; tools and predictions stay one choice.
+CHOICES_WITH = "n > 1 cannot be used with {field}: only one choice per request then."
 
 UNSUPPORTED_OPTIONS = {
     "functions": "The legacy 'functions' parameter is not supported; send 'tools'.",
@@ -119,14 +121,25 @@ class TextSamplingInput(SamplingInput):
         return stops
 
 
+def choices_field() -> serializers.IntegerField:
+    """OpenAI's `n`: how many choices, 1 up to `MLXHOST_MAX_CHOICES` (checked by `choices_count`)."""
+    return serializers.IntegerField(required=False, allow_null=True, min_value=1)
+
+
+def choices_count(value: int | None) -> int:
+    """`n` as validated: None is 1; above `MLXHOST_MAX_CHOICES` it is refused."""
+    limit = settings.MLXHOST_MAX_CHOICES
+    if value is not None and value > limit:
+        raise serializers.ValidationError(f"must be at most {limit} on this server.")
+    return value or 1
+
+
 class ChatCompletionInput(TextSamplingInput):
     messages = MessageInput(many=True, allow_empty=False)
     stream = StrictBooleanField(required=False, default=False)
     stream_options = StreamOptionsInput(required=False, allow_null=True)
     max_completion_tokens = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    n = serializers.IntegerField(
-        required=False, allow_null=True, min_value=1, max_value=1, error_messages={"max_value": ONE_CHOICE}
-    )
+    n = choices_field()
     logprobs = StrictBooleanField(required=False, allow_null=True)
     top_logprobs = serializers.IntegerField(
         required=False, allow_null=True, min_value=0, max_value=tool_inputs.MAX_TOP_LOGPROBS
@@ -148,6 +161,9 @@ class ChatCompletionInput(TextSamplingInput):
     def validate_prediction(self, value: Any) -> str | None:
         return prediction_text(value)
 
+    def validate_n(self, value: int | None) -> int:
+        return choices_count(value)
+
     def validate_tools(self, value: Any) -> tool_inputs.ToolSet:
         return tool_inputs.tools_list(
             value, parse=tool_inputs.openai_function, schema_field=".function.parameters"
@@ -166,6 +182,10 @@ class ChatCompletionInput(TextSamplingInput):
         attrs["max_tokens"] = attrs.get("max_completion_tokens") or attrs.get("max_tokens")
         if attrs.get("prediction") is not None and self.initial_data.get("tools"):
             raise serializers.ValidationError({"prediction": PREDICTION_WITH_TOOLS})
+        attrs["n"] = attrs.get("n") or 1
+        for name in ("tools", "prediction"):
+            if attrs["n"] > 1 and self.initial_data.get(name):
+                raise serializers.ValidationError({"n": CHOICES_WITH.format(field=name)})
         if attrs.get("top_logprobs") is not None and not attrs.get("logprobs"):
             raise serializers.ValidationError({"top_logprobs": "needs logprobs set to true."})
         attrs["logprobs"] = (attrs.get("top_logprobs") or 0) if attrs.get("logprobs") else None

@@ -27,7 +27,7 @@ from models_app.models import ModelAlias
 from models_app.turns.turns import CacheScope, StartedTurn, TurnRequest, turn_refuse_if_full, turn_start
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Awaitable, Callable
+    from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
     from rest_framework import serializers
 
@@ -131,7 +131,9 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     data = validated(ChatCompletionInput, await body_for_turn(request))
     # Admitted before any header goes out, so a queue timeout or drain is a 503 (LANE-7/8).
     turn = await turn_start(
-        _chat_turn(data, caller_of(request)), request_id=f"chatcmpl-{secrets.token_hex(12)}"
+        _chat_turn(data, caller_of(request)),
+        request_id=f"chatcmpl-{secrets.token_hex(12)}",
+        choices=data["n"],
     )
     return await chat_shaped_response(data, turn, stream=chat_sse, collect=chat_complete)
 
@@ -140,18 +142,19 @@ async def chat_shaped_response(
     data: dict[str, Any],
     turn: StartedTurn,
     *,
-    stream: Callable[[ChatTurn, Generation], AsyncIterator[bytes]],
-    collect: Callable[[ChatTurn, Generation], Awaitable[dict[str, Any]]],
+    stream: Callable[[ChatTurn, Sequence[Generation]], AsyncIterator[bytes]],
+    collect: Callable[[ChatTurn, Sequence[Generation]], Awaitable[dict[str, Any]]],
 ) -> HttpResponseBase:
-    """The answer of an admitted chat or text completion: SSE chunks, or one JSON body."""
+    """The answer of an admitted chat or text completion (all its choices): SSE chunks, or one
+    JSON body."""
     include_usage = bool((data.get("stream_options") or {}).get("include_usage"))
     generation = turn.generation
     shape = ChatTurn(
         id=turn.request_id, model=turn.model, instance_id=generation.instance_id, include_usage=include_usage
     )
     if data["stream"]:
-        return sse_response(stream(shape, generation), turn.headers)
-    return json_response(await collect(shape, generation), headers=turn.headers)
+        return sse_response(stream(shape, turn.generations), turn.headers)
+    return json_response(await collect(shape, turn.generations), headers=turn.headers)
 
 
 def _engine_states() -> dict[int, str]:

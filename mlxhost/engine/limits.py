@@ -35,6 +35,13 @@ _RANGES: tuple[tuple[str, float, float], ...] = (
 )
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a request's choice `index` (OpenAI `n`, docs/api.md): the request's seed plus
+    the index, wrapping past MAX_SEED, so the same request gives the same choices again and its
+    first choice is what the request with `n` = 1 gives. No seed: each choice draws freely."""
+    return None if seed is None else (seed + index) % (MAX_SEED + 1)
+
+
 def checked_sampling(sampling: SamplingParams, *, vocab_size: int) -> SamplingParams:
     """`sampling` made safe for a model with `vocab_size` tokens.
 

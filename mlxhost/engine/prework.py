@@ -82,6 +82,8 @@ class Prework:
         model = await self.loaded(instance)  # a reload waits here, under the permit (LANE-3)
         # Checked before any work: nothing a request sets may reach MLX unchecked (limits.py).
         sampling = limits.checked_sampling(request.sampling, vocab_size=model.vocab_size)
+        if request.rows is not None:  # one choice of several: a seed of its own
+            sampling = replace(sampling, seed=limits.choice_seed(sampling.seed, request.rows.index))
         # A prompt too long in characters to fit is refused before it is rendered (bounded work).
         limits.check_prompt_characters(
             tokenizing.request_characters(request),
@@ -196,6 +198,7 @@ class Start:
         generation.cached_tokens = lease.reuse_tokens if lease else saved.reuse_tokens if saved else 0
         job = GenerateJob(generation, prepared.prompt_ids, self.entered_at, self.on_end, prepared.sampling)
         job.max_draft, job.prediction_ids = prepared.max_draft, prepared.prediction_ids
+        job.rows = generation.request.rows
         if lease is not None:
             job.session_kv, job.session_tokens = lease.entry.kv, lease.entry.tokens
             job.reuse_tokens, job.owns_session = lease.reuse_tokens, lease.owned

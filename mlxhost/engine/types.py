@@ -156,6 +156,16 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RowGroup:
+    """One of a request's `size` choices (OpenAI `n`): the rows of one `key` share one prompt,
+    and in a batch the first row (`index` 0) prefills it once for the others (docs/api.md)."""
+
+    key: str
+    index: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One turn. `binding` names what serves it (an alias) and is only resolved, never bound:
     binding, swapping and reloading belong to control (REG-5), so a request that read an older
@@ -190,6 +200,8 @@ class GenerationRequest:
     # Predicted Outputs), the draft source while the answer follows it.
     max_draft: int = 8
     prediction: str | None = None
+    # One choice of a request with several (`n` > 1); None: the request's only one.
+    rows: RowGroup | None = None
 
 
 @dataclass(frozen=True, slots=True)

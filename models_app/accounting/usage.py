@@ -97,17 +97,22 @@ class UsageRecorder:
 
     # Recording (on the loop; O(1), no I/O) ------------------------------------------------------
 
-    def turn_ended(self, event: Done | Failed, *, owner_id: int, key_id: int | None) -> None:
+    def turn_ended(self, event: Done | Failed, *, owner_id: int, key_id: int | None, choice: int = 0) -> None:
         """Tally a turn's usage as its terminal event is posted, read by the client or not.
 
         A turn that never reached the model (refused, or cancelled while it waited) counts nothing.
+        A later choice of a request (`choice` > 0, OpenAI `n`) adds its completion tokens only:
+        the request and its prompt count once, with its first choice, as the answer's usage does.
         """
         if not isinstance(event, Done):
             return
         usage = event.usage
         if usage.prompt_tokens == 0 and usage.completion_tokens == 0:
             return
-        turn = Tally(1, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
+        if choice:
+            turn = Tally(0, 0, 0, usage.completion_tokens)
+        else:
+            turn = Tally(1, usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
         self._add(turn, owner_id=owner_id, key_id=key_id)
 
     def embedded(self, prompt_tokens: int, *, owner_id: int, key_id: int | None) -> None:

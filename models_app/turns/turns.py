@@ -12,6 +12,7 @@ the result to `ended` before the terminal event reaches the encoder, never the e
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from mlxhost.engine import (
     Message,
     QueueFullError,
     QueueTimeoutError,
+    RowGroup,
     Tool,
     ToolChoice,
     WrongModelKindError,
@@ -39,7 +41,6 @@ from models_app.models import Model, ModelAlias
 from models_app.turns.binding import engine_for
 
 if TYPE_CHECKING:
-    import asyncio
     from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
 
     from mlxhost.engine import Engine, Event, Generation, Permit
@@ -119,9 +120,14 @@ class StartedTurn:
     model: str  # the alias name, as the answer names it
     generation: Generation
     hooks: TurnHooks = field(default_factory=TurnHooks)
+    # Every choice's generation, in order (OpenAI `n`); `generation` is the first one.
+    generations: tuple[Generation, ...] = ()
     # When it started, to the microsecond: stored with its record, so turns of one second keep
     # their order (a conversation's newest tip, its branches); the API's `created` is whole seconds.
     started_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.generations = self.generations or (self.generation,)
 
     @property
     def created_at(self) -> int:
@@ -153,12 +159,20 @@ class StartedTurn:
 
 
 def generation_request(
-    alias: ModelAlias, turn: TurnRequest, request_id: str, engine: Engine
+    alias: ModelAlias,
+    turn: TurnRequest,
+    request_id: str,
+    engine: Engine,
+    *,
+    row: tuple[str, int, int] | None = None,
 ) -> EngineRequest:
     """The engine request of `turn` (every surface's one builder). No database access: the alias
     was resolved with its model, so this runs on the loop. It names the alias and carries its
-    limits; which weights serve it is the engine's binding, which only control changes."""
+    limits; which weights serve it is the engine's binding, which only control changes.
+    `row` is (the request's id, this choice's index, the number of choices) when there are
+    several: the choice's place in its group (`RowGroup`), from which the engine derives its seed."""
     cache = turn.cache
+    rows = RowGroup(*row) if row is not None and row[2] > 1 else None
     session = engine.scoper.query(
         tenant=str(turn.owner_id),
         salt=cache.salt,
@@ -185,6 +199,7 @@ def generation_request(
         call_id_prefix=turn.call_id_prefix,
         max_draft=alias.speculation_max_k if alias.speculation else 0,
         prediction=turn.prediction,
+        rows=rows,
     )
 
 
@@ -194,6 +209,7 @@ async def turn_start(
     request_id: str,
     hooks: TurnHooks | None = None,
     on_queued: Callable[[int], Awaitable[None]] | None = None,
+    choices: int = 1,
 ) -> StartedTurn:
     """Start `turn`: resolve its alias, take a lane permit, run `hooks.prepare` under it, submit,
     and wait for a slot, so every refusal comes before any header or frame (LANE-7/8).
@@ -201,6 +217,10 @@ async def turn_start(
     `on_queued` hears each queue position while the turn waits (the WebSocket shows them);
     without it the wait is silent. A caller that gives up while it waits cancels the turn, or
     the waiter would later run its whole answer for nobody (LANE-6).
+
+    `choices` > 1 (OpenAI `n`) starts that many rows of one prompt, each its own generation
+    with a permit of its own, all taken before any is submitted (refused together), and a seed
+    the engine derives for each (`RowGroup`); `StartedTurn.generations` holds them in order.
 
     Raises:
         RateLimitedError: the caller's key is over one of its limits (KEY-4).
@@ -216,35 +236,90 @@ async def turn_start(
     # Grammars first, holding nothing: a slow schema never takes a place in the lane (API-7).
     if turn.tools or turn.json_format is not None:
         await engine.check_answer(generation_request(alias, turn, request_id, engine))
+    ids = [choice_id(request_id, index) for index in range(choices)]
     with overload_counted(key, owner_id=owner_id):
-        permit = engine.reserve(request_id, alias.name)
+        permits = _reserve_all(engine, ids, alias.name)
     try:
-        turn = await hooks.prepare(engine, alias, permit, turn)
-        request = generation_request(alias, turn, request_id, engine)
+        turn = await hooks.prepare(engine, alias, permits[0], turn)
+        requests = [
+            generation_request(alias, turn, row_id, engine, row=(request_id, index, choices))
+            for index, row_id in enumerate(ids)
+        ]
     except BaseException:
-        permit.release()  # idempotent; the place goes back to the lane (LANE-3)
+        for permit in permits:
+            permit.release()  # idempotent; the place goes back to the lane (LANE-3)
         hooks.refused()  # and what prepare took before it failed or was cancelled (REG-6)
         raise
-    generation: Generation | None = None
+    generations: list[Generation] = []
     try:
         with overload_counted(key, owner_id=owner_id):
-            generation = await engine.submit(request, permit)
-            # Tallied as the Done is posted, read or not: a client that hangs up still used tokens.
-            key_id = key.key_id if key is not None else None
-            generation.add_end_listener(
-                partial(usage.recorder().turn_ended, owner_id=owner_id, key_id=key_id)
-            )
-            await _admitted(generation, on_queued)
+            await _submit_all(engine, requests, permits, generations, key, owner_id)
+            for generation in generations:
+                await _admitted(generation, on_queued)
     except BaseException:
-        if generation is not None:
+        for generation in generations:
             generation.cancel()
         hooks.refused()
         raise
     # The request's log line (OPS-6) names the turn: its alias, model and how it ended.
     request_log.note_turn(
-        request_id=request_id, alias=alias.name, model=alias.model.name, generation=generation
+        request_id=request_id, alias=alias.name, model=alias.model.name, generation=generations[0]
     )
-    return StartedTurn(request_id, alias.name, generation, hooks)
+    return StartedTurn(request_id, alias.name, generations[0], hooks, generations=tuple(generations))
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The engine's id of a request's choice `index`: the request's own for the first one."""
+    return request_id if index == 0 else f"{request_id}-{index}"
+
+
+def _reserve_all(engine: Engine, ids: list[str], binding: str) -> list[Permit]:
+    """A permit for each id, or none: a lane that cannot take them all refuses the request."""
+    permits: list[Permit] = []
+    try:
+        for request_id in ids:
+            permits.append(engine.reserve(request_id, binding))
+    except BaseException:
+        for permit in permits:
+            permit.release()
+        raise
+    return permits
+
+
+async def _submit_all(
+    engine: Engine,
+    requests: list[EngineRequest],
+    permits: list[Permit],
+    generations: list[Generation],
+    key: KeyIdentity | None,
+    owner_id: int,
+) -> None:
+    """Submit every row, the first one alone first (it reaches the worker first and prefills the
+    prompt the others share); each generation joins `generations` as soon as it exists, so the
+    caller can cancel every one a failure leaves running."""
+    key_id = key.key_id if key is not None else None
+
+    async def submit(index: int) -> None:
+        try:
+            generation = await engine.submit(requests[index], permits[index])
+        except BaseException:
+            for permit in permits[index + 1 :] if index == 0 else ():
+                permit.release()  # the rows never submitted give their places back
+            raise
+        generations.append(generation)
+        # Tallied as the Done is posted, read or not: a client that hangs up still used tokens.
+        # The prompt and the request count once, with the first choice (KEY-2).
+        generation.add_end_listener(
+            partial(usage.recorder().turn_ended, owner_id=owner_id, key_id=key_id, choice=index)
+        )
+
+    await submit(0)
+    if len(requests) > 1:
+        results = await asyncio.gather(*(submit(i) for i in range(1, len(requests))), return_exceptions=True)
+        order = {request.request_id: index for index, request in enumerate(requests)}
+        generations.sort(key=lambda generation: order[generation.request_id])
+        if errors := [r for r in results if isinstance(r, BaseException)]:
+            raise errors[0]
 
 
 async def turn_refuse_if_full(model: object, key: KeyIdentity | None = None, *, owner_id: int = 0) -> None:

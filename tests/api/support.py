@@ -166,9 +166,14 @@ class ScriptedGeneration:
     def __init__(self, *events: object) -> None:
         self.events = events
 
+        self.cancels = 0
+
     async def stream(self):
         for event in self.events:
             yield event
+
+    def cancel(self) -> None:
+        self.cancels += 1  # the encoders cancel every choice as they end (a no-op once it ended)
 
 
 def settled(actions, model: str, action: str) -> bool:

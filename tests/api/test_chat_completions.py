@@ -157,7 +157,7 @@ async def test_disabled_alias_is_404(tiny_alias, api_key):
         pytest.param({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", id="bad-role"),
         pytest.param({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", id="bad-content"),
         pytest.param({"stop": ["a", "b", "c", "d", "e"]}, "stop", id="too-many-stops"),
-        pytest.param({"n": 2}, "n", id="n-above-one"),
+        pytest.param({"n": 9}, "n", id="n-above-the-max"),
         pytest.param({"stream": "yes"}, "stream", id="stream-not-bool"),
         pytest.param({"tools": [{"type": "function"}]}, "tools", id="tool-without-function"),
         pytest.param(

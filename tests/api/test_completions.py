@@ -166,7 +166,7 @@ async def test_missing_key_is_401_and_unknown_model_is_404(tiny_alias, api_key):
         pytest.param({"echo": True}, "echo", id="echo"),
         pytest.param({"suffix": "the end"}, "suffix", id="suffix"),
         pytest.param({"logprobs": 6}, "logprobs", id="logprobs-over-five"),
-        pytest.param({"n": 2}, "n", id="n-above-one"),
+        pytest.param({"n": 9}, "n", id="n-above-the-max"),
         pytest.param({"best_of": 3}, "best_of", id="best-of-above-one"),
         pytest.param({"max_tokens": 0}, "max_tokens", id="zero-max-tokens"),
         pytest.param({"temperature": 3}, "temperature", id="temperature-above-two"),
@@ -195,7 +195,9 @@ async def test_a_mid_stream_failure_is_an_error_payload_then_done():
     from mlxhost.engine import Delta, Failed
 
     generation = ScriptedGeneration(Delta(text="Hi"), Failed(code="generation_failed", message="boom"))
-    frames = [f async for f in completion_sse(ChatTurn(id="cmpl-x", model="tiny", instance_id=1), generation)]
+    frames = [
+        f async for f in completion_sse(ChatTurn(id="cmpl-x", model="tiny", instance_id=1), [generation])
+    ]
     assert json.loads(frames[1].decode().removeprefix("data: "))["error"]["code"] == "generation_failed"
     assert frames[-1] == b"data: [DONE]\n\n"
 

@@ -187,9 +187,10 @@ async def test_a_prediction_with_tools_is_a_400_saying_why(tiny_alias, api_key):
     assert "tools" in error["message"]
 
 
-async def test_n_above_one_says_it_is_not_supported(tiny_alias, api_key):
-    response = await post_chat(api_key, n=2)
+async def test_n_above_one_with_a_prediction_is_a_400_naming_n(tiny_alias, api_key):
+    """Several choices and a prediction do not combine here (docs/api.md): one choice then."""
+    response = await post_chat(api_key, n=2, prediction={"type": "content", "content": "x"})
     assert response.status_code == 400, response.content
     error = response.json()["error"]
     assert error["param"] == "n"
-    assert "n > 1 is not supported" in error["message"], error
+    assert "prediction" in error["message"], error

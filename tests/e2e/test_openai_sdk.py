@@ -112,3 +112,23 @@ def test_client_disconnect_mid_stream_stops_generation(daphne_server, api_key, t
     time.sleep(0.5)  # the thing under test: nothing more is generated while we look away
     assert instance_snapshot(daphne_server, "tiny", api_key)["tokens_generated"] == produced
     assert produced < 100_000
+
+
+def test_sdk_reads_two_choices_streamed_and_not(client, daphne_server, api_key, tiny_alias, tiny_eos_id):
+    """`n=2` as the SDK sends it: two choices with their indices, the usage of both, and streamed
+    chunks the SDK sorts by `index` (docs/api.md)."""
+    set_lane(daphne_server, api_key, tiny_alias, concurrency=2, queue_depth=2)  # rows of one batch
+    kwargs = {"model": "tiny", "messages": HELLO, "max_tokens": 6, "logit_bias": {str(tiny_eos_id): -100}}
+    whole = client.chat.completions.create(n=2, **kwargs)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.choices[0].message.content == whole.choices[1].message.content  # the alias is greedy
+    assert whole.usage.completion_tokens == 12
+    chunks = list(
+        client.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
+    streamed = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == {0: whole.choices[0].message.content, 1: whole.choices[1].message.content}
+    assert chunks[-1].usage.completion_tokens == 12

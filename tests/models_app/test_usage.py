@@ -74,6 +74,15 @@ def test_turns_are_tallied_per_key_and_day_and_written_as_one_row(recorder, cloc
     ]
 
 
+def test_a_requests_later_choices_add_only_their_completion_tokens(recorder, key, user):
+    """KEY-2 with `n` choices: the request and its prompt count once, with choice 0; every
+    choice's completion tokens add up, as the answer's usage does."""
+    for choice, output in enumerate((4, 6, 5)):
+        recorder.turn_ended(done(10, output, cached=3), owner_id=user.pk, key_id=key.pk, choice=choice)
+    recorder.flush_sync()
+    assert counts(UsageDay.objects.get(key=key)) == (1, 10, 3, 15)
+
+
 def test_turns_that_never_reached_the_model_count_nothing(recorder, key, user):
     """KEY-2: a failed turn, or one cancelled while it waited (no tokens), is not a request."""
     recorder.turn_ended(Failed(code="queue_timeout", message="x"), owner_id=user.pk, key_id=key.pk)

@@ -237,6 +237,11 @@ class LoadedModel(Protocol):
         prefix cache lends one entry to many requests); None when this cache cannot be cut there."""
         ...
 
+    def prefill(self, kv: object | None, token_ids: Sequence[int]) -> object:
+        """Feed `token_ids` on top of `kv` (None: a new cache) without sampling; returns the
+        cache, which then holds them too (the shared prompt of a request's choices, `n` > 1)."""
+        ...
+
     def cache_length(self, kv: object) -> int: ...
 
     def save_cache(self, kv: object, path: Path) -> None:

@@ -179,6 +179,12 @@ class FakeModel:
         copy.tokens = source.tokens[:n]
         return copy
 
+    def prefill(self, kv: object | None, token_ids: Sequence[int]) -> FakeCache:
+        cache = FakeCache() if kv is None else _fake(kv)
+        self._backend.prefills.append(list(token_ids))
+        cache.tokens.extend(token_ids)
+        return cache
+
     def save_cache(self, kv: object, path: Path) -> None:
         self._backend.saves += 1
         path.write_text(json.dumps({"tokens": _fake(kv).tokens}))
@@ -251,7 +257,7 @@ class FakeBackend:
     `batches` every batch opened. A batch opened with `speculation` drafts only from a
     prediction (`_FakeSequence.accepted_drafts`: accepted while it equals the script's next
     pieces), and its accepted pieces come out in the same step, as the mlx batch's do;
-    `predictions` records every insert's prediction ids. `generate_failures` makes the next exclusive generations
+    `predictions` records every insert's prediction ids, `prefills` every shared prompt fed. `generate_failures` makes the next exclusive generations
     raise, `batch_step_failures` the next batch steps (nobody to blame), and a script piece
     `FAULT` fails that one sequence (as its own sampler raising); `recoveries` counts
     `recover()` calls. `vocab_size` and `context_length` are what the
@@ -277,6 +283,7 @@ class FakeBackend:
         self.dispose_failures = 0
         self.dispose_calls = 0
         self.copies = 0  # prefix copies handed to requests (copy_cache)
+        self.prefills: list[list[int]] = []  # prompts fed once for a request's choices (prefill)
         self.saves = 0  # caches written to the disk tier (save_cache)
         self.loads_from_disk = 0  # and read back (load_cache)
         self.render_calls = 0

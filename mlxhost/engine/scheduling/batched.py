@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from mlxhost.engine.jobs import GenerateJob, JobResult, Turn, end_unstarted, post_done
 from mlxhost.engine.scheduling.base import Scheduler
+from mlxhost.engine.scheduling.rows import SharedPrompts
 from mlxhost.engine.stops import StopMatcher
 from mlxhost.engine.types import Delta, Failed, Started
 
@@ -56,6 +57,7 @@ class Batch:
         self._clock = clock
         self._sequences: dict[int, _Sequence] = {}
         self._last_steps: dict[int, BatchStep] = {}  # this step's ending steps, by handle
+        self.shared = SharedPrompts(model)  # a request's choices: their prompt prefilled once
 
     def __len__(self) -> int:
         return len(self._sequences)
@@ -80,19 +82,23 @@ class Batch:
         sampling = job.sampling
         reuse = 0
         try:
-            kv, reuse = job.start_kv(self.model)  # the cached prefix, as on the exclusive path
+            # The cached prefix, as on the exclusive path; a later choice of the request, the
+            # prompt its first choice prefilled (docs/api.md, `n`).
+            kv, held, reuse = self.shared.start_kv(job)
             handle = self.runner.insert(
                 job.prompt_ids,
                 sampling,
                 kv,
-                reuse,
+                held,
                 prediction_ids=job.prediction_ids or None,
                 max_draft=job.max_draft,
             )
         except Exception:
             logger.exception("inserting generation %s into the batch failed", generation.request_id)
+            self.shared.discard_pending()
             self._fail(job)
             return
+        self.shared.adopt(handle)
         if not self._sequences:
             self._stats.last_progress_at = now  # the stall clock starts with the batch's first request
         turn = Turn(started=now, queue_ms=(now - job.submitted_at) * 1000, cached=reuse)
@@ -131,6 +137,7 @@ class Batch:
             self._fail(sequence.job)
 
     def close(self) -> None:
+        self.shared.close()
         try:
             self.runner.close()
         except Exception:
@@ -142,6 +149,7 @@ class Batch:
             return  # a speculating step's tokens past a stop string that already ended it
         if step.failed:  # its own sampler or processors raised: it fails alone, the batch goes on
             sequence = self._sequences.pop(step.handle)
+            self.shared.ended(step.handle)
             if step.cache is not None:
                 self.model.dispose_cache(step.cache.kv)
             # One line with the request id: a grammar refusing the text is that request's own
@@ -176,6 +184,7 @@ class Batch:
 
     def _end(self, handle: int, finish: str, cache: SequenceCache | None, tail: str = "") -> None:
         sequence = self._sequences.pop(handle)
+        self.shared.ended(handle)
         job = sequence.job
         result = JobResult(finish, touched=True)
         try:

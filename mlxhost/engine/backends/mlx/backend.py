@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
+from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import (
     KVCache,
     can_trim_prompt_cache,
@@ -22,6 +23,7 @@ from mlx_lm.models.cache import (
 
 from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
 from mlxhost.engine.backends.mlx.batch import (
+    PREFILL_STEP_ALONE,
     MlxBatch,
     make_processors,
     make_request_sampler,
@@ -160,6 +162,16 @@ class MlxModel:
         if extra:
             trim_prompt_cache(copied, extra)
         return copied
+
+    def prefill(self, kv: object | None, token_ids: Sequence[int]) -> list[Any]:
+        # As mlx-lm's generate_step feeds a prompt: in chunks, each evaluated before the next.
+        layers = make_prompt_cache(self._model) if kv is None else _layers(kv)
+        with mx.stream(generation_stream):
+            for start in range(0, len(token_ids), PREFILL_STEP_ALONE):
+                chunk = mx.array(list(token_ids[start : start + PREFILL_STEP_ALONE]), dtype=mx.uint32)
+                self._model(chunk[None], cache=layers)
+                mx.eval([layer.state for layer in layers])
+        return layers
 
     def save_cache(self, kv: object, path: Path) -> None:
         # Slices of exactly the tokens held: the padding past them is never written.
