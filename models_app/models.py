@@ -9,7 +9,7 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import TextChoices
 
-from mlxhost.engine import QUANT_BITS, QUANT_GROUP_SIZES
+from mlxhost.engine import QUANT_BITS, QUANT_GROUP_SIZES, KVQuantization
 
 
 class BaseModel(models.Model):
@@ -37,6 +37,9 @@ class ModelInstance(models.Model):
     source = models.CharField(max_length=512, help_text="Folder relative to MODELS_ROOT, or a repo id.")
     revision = models.CharField(max_length=128, blank=True)
     fingerprint = models.CharField(max_length=64, db_index=True)
+    # The KV cache format these weights are served with (`KVQuantization.tag`; "" full precision):
+    # part of the instance's identity, so KV of one format is never reused under another.
+    kv_format = models.CharField(max_length=32, blank=True, default="")
     created_at = models.DateTimeField(auto_now_add=True)
     retired_at = models.DateTimeField(null=True, blank=True, db_index=True)
 
@@ -118,6 +121,25 @@ class Model(BaseModel):
     queue_depth = models.PositiveIntegerField(default=16, help_text="Waiters beyond the running requests.")
     queue_unbounded = models.BooleanField(default=False)
     queue_timeout_s = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.1)])
+    # KV cache quantization (issue 28, docs/models.md): the same KV budget holds more tokens.
+    kv_bits = models.PositiveSmallIntegerField(
+        "KV cache bits",
+        null=True,
+        blank=True,
+        choices=[(8, "8 bits"), (4, "4 bits")],
+        help_text="Quantize the KV cache (empty: full precision). Batching, the prefix cache and the disk tier all keep it quantized.",
+    )
+    kv_group_size = models.PositiveSmallIntegerField(
+        "KV group size",
+        default=64,
+        choices=[(32, "32"), (64, "64"), (128, "128")],
+        help_text="Numbers per scale along the head dimension; must divide it (64 for most models).",
+    )
+    kv_quantized_start = models.PositiveIntegerField(
+        "KV quantized from token",
+        default=0,
+        help_text="A request served alone keeps full precision until it holds this many tokens; a batch quantizes every row from its first.",
+    )
 
     class Meta:
         ordering = ["name"]
@@ -133,6 +155,13 @@ class Model(BaseModel):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def kv_format(self) -> str:
+        """The KV cache format as the instance records it ("" full precision, embedding models)."""
+        if self.kv_bits is None or self.kind == Model.Kind.EMBEDDING:
+            return ""
+        return KVQuantization(self.kv_bits, self.kv_group_size, self.kv_quantized_start).tag
 
     @property
     def source_label(self) -> str:

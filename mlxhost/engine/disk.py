@@ -65,7 +65,7 @@ class DiskStats:
     evicted: int = 0
 
 
-def weights_folder(root: Path, weights_key: tuple[str, str, str]) -> Path:
+def weights_folder(root: Path, weights_key: tuple[str, ...]) -> Path:
     """The folder of one set of weights: a file from other weights is never even looked at."""
     digest = hashlib.sha256("\0".join(weights_key).encode()).hexdigest()[:32]
     return root / digest

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-WeightsKey = tuple[str, str, str]
+WeightsKey = tuple[str, ...]  # ModelSpec.weights_key
 
 
 @dataclass(slots=True)

@@ -126,6 +126,36 @@ class LaneSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class KVQuantization:
+    """A model's KV cache format (issue 28): `bits` (4 or 8) per number in groups of `group_size`
+    along the head dimension. `start`: a sequence run alone keeps full precision until it holds
+    this many tokens (mlx-lm's `quantized_kv_start`); a batch quantizes every row from its first
+    token (backends/mlx/quantized_kv.py)."""
+
+    bits: int
+    group_size: int = 64
+    start: int = 0
+
+    @property
+    def tag(self) -> str:
+        """The format in a cache key: KV of one format is never reused under another."""
+        return f"kv{self.bits}g{self.group_size}s{self.start}"
+
+    @classmethod
+    def from_tag(cls, tag: str) -> KVQuantization | None:
+        """The format a `tag` names; None for "" (full precision)."""
+        if not tag:
+            return None
+        bits, rest = tag.removeprefix("kv").split("g", 1)
+        group, start = rest.split("s", 1)
+        return cls(int(bits), int(group), int(start))
+
+    def bytes_per_element(self, itemsize: int) -> float:
+        """Bytes one cached number takes: its bits, plus a scale and a bias per group."""
+        return self.bits / 8 + 2 * itemsize / self.group_size
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """What the engine needs to host one registration of weights (REG-3); never an alias.
 
@@ -148,11 +178,15 @@ class ModelSpec:
     verify_weights: bool = False
     # Chat models generate; embedding models turn inputs into vectors (API-13), on the same lane.
     kind: ModelKind = "chat"
+    # The KV cache format (issue 28); None keeps the activations' dtype.
+    kv_quantization: KVQuantization | None = None
 
     @property
-    def weights_key(self) -> tuple[str, str, str]:
-        """What makes two specs the same weights (REG-2): source, revision and file fingerprint."""
-        return (self.source, self.revision or "", self.fingerprint)
+    def weights_key(self) -> tuple[str, ...]:
+        """What makes two specs the same served weights (REG-2): source, revision and file
+        fingerprint, and the KV format where it is quantized (its KV is another cache's)."""
+        key = (self.source, self.revision or "", self.fingerprint)
+        return key if self.kv_quantization is None else (*key, self.kv_quantization.tag)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from mlxhost.runtime import runtime_settings
 from models_app.accounting.apikeys import key_generate, key_hash, key_prefix
 from models_app.catalogue import control, hotcache, hub_pins
 from models_app.catalogue.audit import ADDED, actor_named, audit_changes, audit_record, audit_saved
+from models_app.catalogue.kv_format import kv_format_check
 from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 
 if TYPE_CHECKING:
@@ -59,22 +60,31 @@ def model_source_check(*, model: Model, resolve: bool = True) -> tuple[str, str,
         validate_model_folder(folder)
     except InvalidModelFolderError as exc:
         raise ValidationError({"local_path": str(exc)}) from exc
+    kv_format_check(model=model, folder=folder)
     relative = str(folder.relative_to(Path(settings.MODELS_ROOT).resolve()))
     return relative, "", folder_fingerprint(folder)
 
 
-def instance_register(*, source_kind: str, source: str, revision: str, fingerprint: str) -> ModelInstance:
-    """The live instance for these exact weights, created with a fresh sequence id if new (REG-3)."""
+def instance_register(
+    *, source_kind: str, source: str, revision: str, fingerprint: str, kv_format: str = ""
+) -> ModelInstance:
+    """The live instance for these exact weights served with this KV format, created with a fresh
+    sequence id if new (REG-3): another KV format is another instance, with caches of its own."""
     instance = ModelInstance.objects.filter(
         source_kind=source_kind,
         source=source,
         revision=revision,
         fingerprint=fingerprint,
+        kv_format=kv_format,
         retired_at__isnull=True,
     ).first()
     if instance is None:
         instance = ModelInstance.objects.create(
-            source_kind=source_kind, source=source, revision=revision, fingerprint=fingerprint
+            source_kind=source_kind,
+            source=source,
+            revision=revision,
+            fingerprint=fingerprint,
+            kv_format=kv_format,
         )
     return instance
 
@@ -98,7 +108,11 @@ def model_save(*, model: Model, actor: Actor = None) -> Model:
         model.hf_repo, model.hf_revision = source, model.hf_revision.strip()
         model.hf_sha, model.local_path = revision, ""
     model.instance = instance_register(
-        source_kind=model.source_kind, source=source, revision=revision, fingerprint=fingerprint
+        source_kind=model.source_kind,
+        source=source,
+        revision=revision,
+        fingerprint=fingerprint,
+        kv_format=model.kv_format,
     )
     model.full_clean()
     changes = audit_changes(model) if actor is not None else []
@@ -133,7 +147,11 @@ def model_fresh_instance(*, model: Model) -> ModelInstance:
     """
     source, revision, fingerprint = model_source_check(model=model, resolve=False)
     return instance_register(
-        source_kind=model.source_kind, source=source, revision=revision, fingerprint=fingerprint
+        source_kind=model.source_kind,
+        source=source,
+        revision=revision,
+        fingerprint=fingerprint,
+        kv_format=model.kv_format,
     )
 
 
@@ -245,7 +263,7 @@ def alias_register(*, name: str, model_name: str = "", **fields: Any) -> ModelAl
 MODEL_SOURCE_FIELDS = ("source_kind", "local_path", "hf_repo", "hf_revision")
 MODEL_ONLY_FIELDS = frozenset(
     (*MODEL_SOURCE_FIELDS, "pinned", "keep_alive_s", "concurrency", "queue_depth", "queue_unbounded",
-     "queue_timeout_s", "kind", "matryoshka")
+     "queue_timeout_s", "kind", "matryoshka", "kv_bits", "kv_group_size", "kv_quantized_start")
 )  # fmt: skip
 
 
@@ -432,10 +450,10 @@ def response_delete(*, public_id: str, owner_id: int) -> bool:
 
 
 def tombstone_record(
-    *, instance_id: int, weights_key: tuple[str, str, str] | list[str], public_id: str
+    *, instance_id: int, weights_key: tuple[str, ...] | list[str], public_id: str
 ) -> InstanceTombstone:
     """Record that the persist breaker gave up waiting for `public_id`'s row (PER-4, REG-7)."""
-    source, revision, fingerprint = weights_key
+    source, revision, fingerprint = weights_key[:3]
     return InstanceTombstone.objects.create(
         instance_id=instance_id,
         source=source,

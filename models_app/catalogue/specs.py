@@ -11,6 +11,7 @@ from django.conf import settings
 from mlxhost.engine import (
     ALIAS_SAMPLING_FIELDS,
     SAMPLING_KNOBS,
+    KVQuantization,
     LaneSettings,
     ModelSpec,
     SamplingParams,
@@ -63,6 +64,7 @@ def model_spec_for(
         keep_alive_s=model.keep_alive_s,  # None: never freed for idleness (OPS-3)
         pinned=model.pinned,
         kind="embedding" if model.kind == Model.Kind.EMBEDDING else "chat",
+        kv_quantization=KVQuantization.from_tag(instance.kv_format),
     )
 
 

@@ -107,6 +107,7 @@ class ModelAdmin(HubPinActions, QuantizeAdminMixin, _ModelAdminBase):
             {"fields": ("concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s")},
         ),
         ("Memory", {"fields": ("keep_alive_s",)}),
+        ("KV cache", {"fields": ("kv_bits", "kv_group_size", "kv_quantized_start")}),
         ("History", {"fields": ("created_at", "updated_at")}),
     )
 

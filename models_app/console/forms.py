@@ -32,6 +32,7 @@ MODEL_FORM_FIELDS = (
     "name", "description", "pinned",
     "source_kind", "local_path", "hf_repo", "hf_revision", "kind", "matryoshka",
     "concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s", "keep_alive_s",
+    "kv_bits", "kv_group_size", "kv_quantized_start",
 )  # fmt: skip
 ALIAS_FORM_FIELDS = (
     "name", "description", "model", "enabled",
@@ -58,6 +59,7 @@ MAX_TOKENS_OVER_CLAMP = "The default ({default}) is above the clamp ({clamp}): r
 SOURCE_FIELDS = ("source_kind", "local_path", "hf_repo", "hf_revision")
 MAX_SUGGESTIONS = 30  # folders shown under the field; the datalist offers them all
 
+KV_FIELDS = ("kv_bits", "kv_group_size", "kv_quantized_start")  # checked with the folder they apply to
 MODEL_LABELS = {
     "name": "Name",
     "description": "Description",
@@ -71,6 +73,9 @@ MODEL_LABELS = {
     "queue_unbounded": "Unbounded queue",
     "queue_timeout_s": "Queue timeout (seconds)",
     "keep_alive_s": "Keep-alive (idle seconds)",
+    "kv_bits": "KV cache bits",
+    "kv_group_size": "KV group size",
+    "kv_quantized_start": "KV quantized from token",
 }
 MODEL_HELP = {
     "name": "A slug for staff (letters, digits, - and _; up to 64). Clients never see it: they use aliases.",
@@ -92,6 +97,15 @@ MODEL_HELP = {
     "queue_timeout_s": "0.1 or more: a request waiting longer gets 503. Empty: it waits as long as it takes.",
     "keep_alive_s": "0 or more (default 1800, half an hour): free the memory after this long without a "
     "request; the next request loads it again. Empty: never free it for idleness.",
+    "kv_bits": "Empty (default): the KV cache keeps the activations' precision. 8 or 4: it is quantized, so "
+    "the same KV budget holds about 3.5x (8 bits) or 6x (4 bits) the cached tokens of float32, at some "
+    "cost in exactness. Batching, the prefix cache and the disk tier keep it quantized. Changing it "
+    "makes a new instance (a hot swap): KV of one format is never reused under another. Chat models only.",
+    "kv_group_size": "32, 64 (default) or 128 numbers per scale, along the model's head dimension, which it "
+    "must divide (the model fails to load with a message otherwise). Smaller groups are more exact.",
+    "kv_quantized_start": "0 or more (default 0): a request served alone (concurrency 1) keeps full "
+    "precision until it holds this many tokens, as mlx-lm's quantized_kv_start. A batch quantizes "
+    "every row from its first token.",
 }
 ALIAS_LABELS = {
     "name": "Name (what clients send as model)",
@@ -212,8 +226,9 @@ class ModelForm(_ModelFormBase):
         # offending field, before save_model runs; checked whatever else is wrong, so the page
         # shows every error at once.
         if all(field in cleaned for field in SOURCE_FIELDS):
-            for field in SOURCE_FIELDS:
-                setattr(self.instance, field, cleaned[field])
+            for field in (*SOURCE_FIELDS, *KV_FIELDS):
+                if field in cleaned:
+                    setattr(self.instance, field, cleaned[field])
             try:
                 services.model_source_check(model=self.instance)
             except ValidationError as exc:

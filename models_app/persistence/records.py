@@ -63,7 +63,7 @@ class ResponseRecord:
     alias_name: str
     instance_id: int
     weights_fingerprint: str
-    weights_key: tuple[str, str, str]  # (source, revision, fingerprint); a list is accepted
+    weights_key: tuple[str, ...]  # (source, revision, fingerprint[, KV format]); a list is accepted
     boot_id: str
     previous_response_id: str = ""
     request: dict[str, Any] = field(default_factory=dict)
@@ -78,8 +78,8 @@ class ResponseRecord:
         if self.status not in TERMINAL_STATUSES:
             raise ValueError(f"A stored response ends {sorted(TERMINAL_STATUSES)}, not {self.status!r}.")
         key = tuple(self.weights_key)
-        if len(key) != 3:
-            raise ValueError("weights_key is (source, revision, fingerprint).")
+        if len(key) not in (3, 4):
+            raise ValueError("weights_key is (source, revision, fingerprint[, KV format]).")
         object.__setattr__(self, "weights_key", key)
 
     def as_payload(self) -> dict[str, Any]:

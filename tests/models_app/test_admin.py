@@ -25,6 +25,9 @@ MODEL_FORM = {
     "queue_depth": "16",
     "queue_timeout_s": "",
     "keep_alive_s": "1800",
+    "kv_bits": "",
+    "kv_group_size": "64",
+    "kv_quantized_start": "0",
     # The model page lists its aliases inline (read-only, none to add).
     "aliases-TOTAL_FORMS": "0",
     "aliases-INITIAL_FORMS": "0",

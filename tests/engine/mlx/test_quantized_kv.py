@@ -18,10 +18,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
-from mlxhost.engine import ModelSpec, SamplingParams
+from mlxhost.engine import KVQuantization, ModelSpec, SamplingParams
 from mlxhost.engine.backends.mlx.backend import MlxBackend, MlxModel
 from mlxhost.engine.backends.mlx.batch import MlxBatch
-from mlxhost.engine.backends.mlx.quantized_kv import BatchQuantizedKVCache, KVQuantization, batch_rows
+from mlxhost.engine.backends.mlx.quantized_kv import BatchQuantizedKVCache, batch_rows
 from mlxhost.engine.backends.mlx.tiny import build_random_llama
 
 pytestmark = pytest.mark.timeout(300)

@@ -53,8 +53,7 @@ atexit.register(mx.clear_streams)
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-    from mlxhost.engine.backends.mlx.quantized_kv import KVQuantization
-    from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, Tool
+    from mlxhost.engine.types import Grammar, KVQuantization, Message, ModelSpec, SamplingParams, Tool
 
 
 # Canonical composition (NFC, NFKC) folds at most this many characters into one: no canonical
@@ -283,6 +282,25 @@ def _kv_prefix(layer: KVCache, n: int) -> KVCache:
     return prefix
 
 
+def check_kv_quantization(model: Any, quantization: KVQuantization) -> None:
+    """Whether this model's KV can take the format: mlx quantizes groups along the head dimension.
+
+    Raises:
+        ModelLoadError: the head dimension is not a multiple of the group size, or the cache is
+            not mlx-lm's plain KV cache (rotating, recurrent caches have no quantized form here).
+    """
+    args: Any = getattr(model, "args", None)
+    heads = int(getattr(args, "num_attention_heads", 0) or 0)
+    head_dim = int(getattr(args, "head_dim", None) or (args.hidden_size // heads if heads else 0))
+    if not head_dim or head_dim % quantization.group_size:
+        raise ModelLoadError(
+            f"KV quantization needs a head dimension divisible by the group size: this model's is "
+            f"{head_dim or 'unknown'}, the group size {quantization.group_size}. Choose another group size."
+        )
+    if not all(type(layer) is KVCache for layer in make_prompt_cache(model)):
+        raise ModelLoadError("This model's cache cannot be quantized (only plain KV caches can).")
+
+
 def _kv_bytes_per_token(model: Any, quantization: KVQuantization | None = None) -> int:
     """Keys and values of one token across the layers, in the activations' dtype (quantized: its
     bits plus a scale and a bias per group); 0 if unknown."""
@@ -346,7 +364,9 @@ class MlxBackend:
             model, tokenizer = mlx_load(str(path))[:2]
         except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: MLX's own reader
             raise ModelLoadError(f"mlx-lm could not load the model: {exc}") from exc
-        return MlxModel(model, tokenizer, path)
+        if spec.kv_quantization is not None:
+            check_kv_quantization(model, spec.kv_quantization)
+        return MlxModel(model, tokenizer, path, spec.kv_quantization)
 
     def load_embedder(self, spec: ModelSpec, progress: ProgressCallback) -> MlxEmbedder:
         """Load an embedding model (API-13) from a local folder or a pinned hub revision.

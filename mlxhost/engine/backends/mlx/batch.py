@@ -16,7 +16,7 @@ from mlxhost.engine.backends.base import BatchStep, DraftCounts, SequenceCache
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
 from mlxhost.engine.backends.mlx.drafting import PredictionAligner, SpeculationConfig
 from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
-from mlxhost.engine.backends.mlx.quantized_kv import KVQuantization, batch_rows
+from mlxhost.engine.backends.mlx.quantized_kv import batch_rows
 from mlxhost.engine.backends.mlx.speculative import RowPlan, SpeculativeGenerationBatch
 from mlxhost.engine.errors import GrammarFailedError
 
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from mlxhost.engine.backends.mlx.grammar import Vocabulary
-    from mlxhost.engine.types import SamplingParams, TokenLogprob
+    from mlxhost.engine.types import KVQuantization, SamplingParams, TokenLogprob
 
 # Sequences prefilled together; more would make a long prompt's arrival stall every stream longer.
 PREFILL_BATCH = 8

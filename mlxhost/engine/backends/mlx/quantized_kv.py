@@ -29,33 +29,16 @@ arrays only, and `QuantizedKVCache` has no `merge`, so `mlx_lm.server` stops bat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, dynamic_roll
 
+if TYPE_CHECKING:
+    from mlxhost.engine.types import KVQuantization
+
 Triple = tuple[mx.array, mx.array, mx.array]
-
-
-@dataclass(frozen=True, slots=True)
-class KVQuantization:
-    """A model's KV cache format: `bits` (4 or 8) per element in groups of `group_size` along the
-    head dimension, from the moment a sequence (or a batch's longest row) holds `start` tokens."""
-
-    bits: int
-    group_size: int = 64
-    start: int = 0
-
-    @property
-    def tag(self) -> str:
-        """The format in a cache key: KV of one format is never reused under another."""
-        return f"kv{self.bits}g{self.group_size}s{self.start}"
-
-    def bytes_per_element(self, itemsize: int) -> float:
-        """Bytes one cached number takes: its bits, plus a scale and a bias per group."""
-        return self.bits / 8 + 2 * itemsize / self.group_size
 
 
 def _quantize(x: mx.array, q: KVQuantization) -> Triple:
