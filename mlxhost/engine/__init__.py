@@ -66,7 +66,9 @@ from mlxhost.engine.weights import (
     hub_fingerprint,
     resolve_under,
     validate_model_folder,
+    with_draft,
 )
+from mlxhost.engine.vocabularies import folder_vocabulary, vocabulary_mismatch
 
 __all__ = [
     "ALIAS_SAMPLING_FIELDS",
@@ -126,10 +128,13 @@ __all__ = [
     "WrongModelKindError",
     "detect_kind",
     "folder_fingerprint",
+    "folder_vocabulary",
     "hub_fingerprint",
     "instance_id_of_name",
     "is_internal_name",
     "remove_saved",
     "resolve_under",
     "validate_model_folder",
+    "vocabulary_mismatch",
+    "with_draft",
 ]

@@ -21,6 +21,10 @@ class ModelLoadError(EngineError):
     code = "model_load_failed"
 
 
+class DraftMismatchError(ModelLoadError):
+    """The model's draft model does not share its vocabulary (speculative decoding)."""
+
+
 class WeightsChangedError(ModelLoadError):
     """The folder's files no longer match the fingerprint they were registered with (REG-3)."""
 

@@ -148,6 +148,10 @@ class ModelSpec:
     verify_weights: bool = False
     # Chat models generate; embedding models turn inputs into vectors (API-13), on the same lane.
     kind: ModelKind = "chat"
+    # A smaller model with the same vocabulary whose drafts this one verifies (speculative
+    # decoding, docs/speculation.md); loaded and freed with it. `fingerprint` is then
+    # `weights.with_draft(folder fingerprint, draft.fingerprint)`: another draft, other weights.
+    draft: ModelSpec | None = None
 
     @property
     def weights_key(self) -> tuple[str, str, str]:

@@ -140,7 +140,13 @@ class FakeModel:
         return self.encode(text)
 
     def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        kv: object,
+        *,
+        context: Sequence[int] = (),
+        max_draft: int = 0,
     ) -> Iterator[TokenStep | StepEnd]:
         backend, cache = self._backend, _fake(kv)
         backend.history.append((self.spec.instance_id, list(prompt_ids), sampling))

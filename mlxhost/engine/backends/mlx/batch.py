@@ -22,6 +22,7 @@ from mlxhost.engine.errors import GrammarFailedError
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from mlxhost.engine.backends.mlx.draft_model import DraftModelRows
     from mlxhost.engine.backends.mlx.grammar import Vocabulary
     from mlxhost.engine.types import SamplingParams, TokenLogprob
 
@@ -173,7 +174,10 @@ class MlxBatch:
         prefill_step_alone: int = PREFILL_STEP_ALONE,
         vocabulary: Vocabulary | None = None,
         speculation: SpeculationConfig | None = None,
+        draft: DraftModelRows | None = None,
     ) -> None:
+        """`draft`: the model's draft model (draft_model.py), which drafts for every row that
+        speculates instead of prompt lookup; only with `speculation`."""
         self.capacity = capacity
         self._vocabulary = vocabulary
         self._top: dict[int, int] = {}  # handle -> alternatives per token, for requests with logprobs
@@ -208,7 +212,9 @@ class MlxBatch:
         self._followers: dict[int, tuple[PredictionAligner, list[int]]] = {}
         self._ended_reproduced: dict[int, int] = {}
         if speculation is not None:
-            self._speculative = SpeculativeGenerationBatch.start(model, self._generator.sampler, speculation)
+            self._speculative = SpeculativeGenerationBatch.start(
+                model, self._generator.sampler, speculation, draft
+            )
             self._generator._generation_batch = self._speculative
 
     def accepts(self, sampling: SamplingParams) -> bool:
