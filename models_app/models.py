@@ -104,6 +104,12 @@ class Model(BaseModel):
     queue_depth = models.PositiveIntegerField(default=16, help_text="Waiters beyond the running requests.")
     queue_unbounded = models.BooleanField(default=False)
     queue_timeout_s = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.1)])
+    # Speculative decoding (docs/speculation.md): a smaller chat model with the same vocabulary
+    # drafts tokens that this one verifies. Part of the instance's identity (REG-3): its help
+    # text is the admin form's (forms.MODEL_HELP).
+    draft_model = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="drafts_for"
+    )
 
     class Meta:
         ordering = ["name"]

@@ -60,6 +60,7 @@ from mlxhost.engine.types import (
     TopLogprob,
     Usage,
 )
+from mlxhost.engine.vocabularies import folder_vocabulary, vocabulary_mismatch
 from mlxhost.engine.weights import (
     detect_kind,
     folder_fingerprint,
@@ -68,7 +69,6 @@ from mlxhost.engine.weights import (
     validate_model_folder,
     with_draft,
 )
-from mlxhost.engine.vocabularies import folder_vocabulary, vocabulary_mismatch
 
 __all__ = [
     "ALIAS_SAMPLING_FIELDS",

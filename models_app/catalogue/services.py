@@ -22,11 +22,13 @@ from mlxhost.engine import (
     remove_saved,
     resolve_under,
     validate_model_folder,
+    with_draft,
 )
 from mlxhost.runtime import runtime_settings
 from models_app.accounting.apikeys import key_generate, key_hash, key_prefix
 from models_app.catalogue import control, hotcache
 from models_app.catalogue.audit import ADDED, actor_named, audit_changes, audit_record, audit_saved
+from models_app.catalogue.drafts import model_draft_check
 from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 
 if TYPE_CHECKING:
@@ -89,6 +91,7 @@ def model_save(*, model: Model, actor: Actor = None) -> Model:
         ValidationError: the source or a setting is invalid.
     """
     source, revision, fingerprint = model_source_check(model=model)
+    fingerprint = with_draft(fingerprint, model_draft_check(model=model))
     if model.source_kind == ModelInstance.SourceKind.LOCAL:
         model.local_path, model.hf_repo, model.hf_revision = source, "", ""
         # A local folder says what it is (API-13); a hub repo's kind is the staff's choice.
@@ -102,6 +105,8 @@ def model_save(*, model: Model, actor: Actor = None) -> Model:
     changes = audit_changes(model) if actor is not None else []
     model.save()
     audit_saved(actor=actor, obj=model, changes=changes)
+    for target in Model.objects.filter(draft_model=model):  # their identity includes this one's
+        model_save(model=target, actor=actor)
     control.notify_models_changed()  # on commit: engines in every process reconcile (ADM-3)
     return model
 
@@ -130,6 +135,7 @@ def model_fresh_instance(*, model: Model) -> ModelInstance:
         ValidationError: the source is no longer valid.
     """
     source, revision, fingerprint = model_source_check(model=model)
+    fingerprint = with_draft(fingerprint, model_draft_check(model=model))
     return instance_register(
         source_kind=model.source_kind, source=source, revision=revision, fingerprint=fingerprint
     )

@@ -63,6 +63,8 @@ def model_spec_for(
         keep_alive_s=model.keep_alive_s,  # None: never freed for idleness (OPS-3)
         pinned=model.pinned,
         kind="embedding" if model.kind == Model.Kind.EMBEDDING else "chat",
+        # Its draft model (speculative decoding); the instance's fingerprint includes the draft's.
+        draft=model_spec_for(model=model.draft_model) if model.draft_model is not None else None,
     )
 
 

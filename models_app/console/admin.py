@@ -95,6 +95,7 @@ class ModelAdmin(_ModelAdminBase):
             {"fields": ("concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s")},
         ),
         ("Memory", {"fields": ("keep_alive_s",)}),
+        ("Speculative decoding", {"fields": ("draft_model",)}),
         ("History", {"fields": ("created_at", "updated_at")}),
     )
 

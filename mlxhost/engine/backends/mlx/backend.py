@@ -210,7 +210,10 @@ class MlxModel:
         top = sampling.logprobs
         eos = set(self._tokenizer.eos_token_ids)
         everything = [*context, *prompt_ids]
-        draft = self.draft if max_draft > 0 and sampling.grammar is None else None
+        # A seeded sampled request runs plain: mlx-lm samples every position of a verify pass in
+        # one call, which would consume its key otherwise than one token at a time.
+        seeded = sampling.seed is not None and sampling.temperature != 0
+        draft = self.draft if max_draft > 0 and sampling.grammar is None and not seeded else None
         speculative: dict[str, Any] = {}
         if draft is not None:
             # mlx-lm's speculative_generate_step: the draft's cache follows the target's in one
