@@ -14,7 +14,9 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("no_engine_status")
 
 
 def add_model(admin_client, name: str, folder: str, **fields: object):
-    return admin_client.post(f"{MODELS_URL}add/", {**MODEL_FORM, "name": name, "local_path": folder, **fields})
+    return admin_client.post(
+        f"{MODELS_URL}add/", {**MODEL_FORM, "name": name, "local_path": folder, **fields}
+    )
 
 
 def test_a_draft_with_the_same_vocabulary_is_saved_and_reaches_the_spec(

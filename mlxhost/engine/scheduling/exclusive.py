@@ -107,6 +107,7 @@ class ExclusiveScheduler(Scheduler):
             kv,
             context=job.prompt_ids[:reuse],
             max_draft=job.max_draft,
+            counts=stats.speculation,  # a draft model's drafts, as the batch counts its rows'
         )
         generated: list[int] = []
         logprobs: list[TokenLogprob] = []  # with a request for them: one per generated token

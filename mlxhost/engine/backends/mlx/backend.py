@@ -20,7 +20,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
+from mlxhost.engine.backends.base import DraftCounts, ProgressCallback, StepEnd, TokenStep
 from mlxhost.engine.backends.mlx.batch import (
     MlxBatch,
     make_processors,
@@ -32,6 +32,7 @@ from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
 from mlxhost.engine.backends.mlx.draft_model import (
     DraftCost,
     DraftModelRows,
+    SinglePasses,
     check_draft,
     parameter_count,
     prefill_draft,
@@ -204,6 +205,7 @@ class MlxModel:
         *,
         context: Sequence[int] = (),
         max_draft: int = 0,
+        counts: DraftCounts | None = None,
     ) -> Iterator[TokenStep | StepEnd]:
         sampler = make_request_sampler(sampling)
         processors = make_processors(sampling, self.vocabulary)
@@ -238,8 +240,10 @@ class MlxModel:
         )
         # mlx-lm's `response.text` drops the first token's leading space: the text is ours.
         detokenizer = ExactDetokenizer(self._tokenizer, everything)
+        passes = SinglePasses(counts, speculative.get("num_draft_tokens", 0), sampling.max_tokens)
         try:
             for response in responses:
+                passes.add(response.from_draft)
                 token = int(response.token)
                 logprob = None if top is None else self.vocabulary.logprob(response.logprobs, token, top)
                 if response.finish_reason is None:

@@ -40,6 +40,8 @@ from mlxhost.engine.vocabularies import vocabulary_mismatch
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from mlxhost.engine.backends.base import DraftCounts
+
 # Tokens per forward when a row's tokens are prefilled into the draft cache alone.
 DRAFT_PREFILL_STEP = 512
 # Weight of a new measurement of a draft forward in its mean (pacing.py's WEIGHT).
@@ -271,3 +273,29 @@ class DraftModelRows:
         for cache in self.cache:
             cache.filter(keep)
         self.uids = list(uids)
+
+
+class SinglePasses:
+    """A single stream's speculation counts from mlx-lm's `from_draft` flags: each verify pass of
+    `speculative_generate_step` drafts min(k, tokens left) and yields its accepted drafts
+    (`from_draft`) then the target's own token, so a token after a non-drafted one opens a pass."""
+
+    __slots__ = ("_counts", "_k", "_left", "_open")
+
+    def __init__(self, counts: DraftCounts | None, k: int, max_tokens: int) -> None:
+        self._counts = counts if k > 0 else None
+        self._k = k
+        self._left = max_tokens
+        self._open = False  # inside a pass: the last token was an accepted draft
+
+    def add(self, from_draft: bool) -> None:
+        counts = self._counts
+        if counts is None:
+            return
+        if not self._open:
+            counts.passes += 1
+            counts.drafted += min(self._k, self._left)
+        counts.accepted += from_draft
+        counts.emitted += 1
+        self._left -= 1
+        self._open = from_draft
