@@ -216,12 +216,12 @@ class MlxModel:
         # one call, which would consume its key otherwise than one token at a time.
         seeded = sampling.seed is not None and sampling.temperature != 0
         draft = self.draft if max_draft > 0 and sampling.grammar is None and not seeded else None
-        speculative: dict[str, Any] = {}
+        options: dict[str, Any] = {"prompt_cache": kv}
         if draft is not None:
             # mlx-lm's speculative_generate_step: the draft's cache follows the target's in one
             # list; the cached prefix is prefilled into it here (mlx-lm prefills the rest). Its
             # processors see only the prompt's last token onwards: the rest is their context.
-            speculative = {
+            options = {
                 "draft_model": draft,
                 "num_draft_tokens": min(max_draft, NUM_DRAFT_TOKENS),
                 "prompt_cache": [*_layers(kv), *prefill_draft(draft, context)],
@@ -236,11 +236,11 @@ class MlxModel:
             max_tokens=sampling.max_tokens,
             sampler=sampler,
             logits_processors=processors,
-            **({"prompt_cache": kv} | speculative),
+            **options,
         )
         # mlx-lm's `response.text` drops the first token's leading space: the text is ours.
         detokenizer = ExactDetokenizer(self._tokenizer, everything)
-        passes = SinglePasses(counts, speculative.get("num_draft_tokens", 0), sampling.max_tokens)
+        passes = SinglePasses(counts, options.get("num_draft_tokens", 0), sampling.max_tokens)
         try:
             for response in responses:
                 passes.add(response.from_draft)
