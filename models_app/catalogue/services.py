@@ -113,15 +113,21 @@ def model_save(*, model: Model, actor: Actor = None) -> Model:
 
 @transaction.atomic
 def model_delete(*, model: Model) -> None:
-    """Delete a model that no alias points at any more.
+    """Delete a model that no alias points at any more, and that drafts for no model.
 
     Raises:
-        ValidationError: aliases still point at it (delete or move them first).
+        ValidationError: aliases still point at it (delete or move them first), or models name
+            it as their draft.
     """
     names = list(model.aliases.values_list("name", flat=True))
     if names:
         raise ValidationError(
             f"{model.name} still serves {', '.join(names)}; move or delete those aliases first."
+        )
+    targets = list(Model.objects.filter(draft_model=model).values_list("name", flat=True))
+    if targets:
+        raise ValidationError(
+            f"{model.name} is the draft model of {', '.join(targets)}; clear their draft first."
         )
     model.delete()
     control.notify_models_changed()

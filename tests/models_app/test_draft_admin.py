@@ -4,8 +4,10 @@ instance's identity, and handed to the engine in the model's spec."""
 from __future__ import annotations
 
 import pytest
+from django.core.exceptions import ValidationError
 
 from mlxhost.engine import folder_fingerprint, with_draft
+from models_app.catalogue import services
 from models_app.catalogue.specs import model_spec_for
 from models_app.models import Model
 from tests.models_app.test_admin import MODEL_FORM, MODELS_URL
@@ -75,3 +77,6 @@ def test_a_draft_cannot_have_a_draft_nor_be_its_own(admin_client, tiny_model_dir
     response = admin_client.post(f"{MODELS_URL}{target.pk}/change/", change)
     assert response.status_code == 200
     assert "Select a valid choice" in response.content.decode()
+    # Nor is a draft deleted from under its model.
+    with pytest.raises(ValidationError, match="is the draft model of tiny-target"):
+        services.model_delete(model=draft)
