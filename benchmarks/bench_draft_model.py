@@ -97,6 +97,7 @@ def main() -> None:
             for mode in modes:
                 texts[mode], figures = run(model, tokenizer, draft, ids, args.max_tokens, mode, no_eos)
                 results[mode].append(figures)
+                print(name, mode, figures, file=sys.stderr, flush=True)
         report[name] = {
             mode: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
             for mode, rounds in results.items()

@@ -80,3 +80,27 @@ def test_a_draft_cannot_have_a_draft_nor_be_its_own(admin_client, tiny_model_dir
     # Nor is a draft deleted from under its model.
     with pytest.raises(ValidationError, match="is the draft model of tiny-target"):
         services.model_delete(model=draft)
+
+
+def test_the_spec_with_its_draft_needs_no_query_past_the_lookup(
+    admin_client, tiny_model_dir, tiny_model_b_dir, django_assert_num_queries
+):
+    """Control builds specs on the event loop (reconcile's actions): the lookups fetch the draft
+    and its instance with the model, so building the spec reads nothing lazily (which async code
+    may not do)."""
+    from models_app.catalogue import reconcile, selectors
+    from models_app.models import ModelAlias
+
+    assert add_model(admin_client, "tiny-draft", "tiny-llama-b").status_code == 302
+    draft = Model.objects.get(name="tiny-draft")
+    assert add_model(admin_client, "tiny-target", "tiny-llama", draft_model=str(draft.pk)).status_code == 302
+    ModelAlias.objects.create(name="tiny-drafted", model=Model.objects.get(name="tiny-target"))
+    looked_up = [
+        reconcile._model_named("tiny-target"),
+        selectors.alias_resolve(name="tiny-drafted").model,
+        *(m for m in selectors.models_served() if m.name == "tiny-target"),
+        *(a.model for a in selectors.aliases_enabled()),
+    ]
+    with django_assert_num_queries(0):
+        for model in looked_up:
+            assert model_spec_for(model=model).draft is not None
