@@ -238,7 +238,7 @@ def alias_register(*, name: str, model_name: str = "", **fields: Any) -> ModelAl
 MODEL_SOURCE_FIELDS = ("source_kind", "local_path", "hf_repo", "hf_revision")
 MODEL_ONLY_FIELDS = frozenset(
     (*MODEL_SOURCE_FIELDS, "pinned", "keep_alive_s", "concurrency", "queue_depth", "queue_unbounded",
-     "queue_timeout_s", "kind", "matryoshka")
+     "queue_timeout_s", "kind", "matryoshka", "draft_model")
 )  # fmt: skip
 
 
