@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_speculation_core import prompts, story_prompts
 from mlxhost.engine.backends.mlx.batch import MlxBatch
-from mlxhost.engine.backends.mlx.draft_model import DraftCost, DraftModelRows, check_draft, parameter_count
+from mlxhost.engine.backends.mlx.draft_model import DraftCost, DraftModelRows, check_draft, weight_bytes
 from mlxhost.engine.backends.mlx.drafting import PassCost, SpeculationConfig
 from mlxhost.engine.types import SamplingParams
 
@@ -35,7 +35,7 @@ def run(model, tokenizer, draft, ids, max_tokens, mode, no_eos=False):
     if mode == "lookup":
         speculation = SpeculationConfig()
     elif mode == "draft":
-        share = parameter_count(draft) / parameter_count(model)
+        share = weight_bytes(draft) / weight_bytes(model)
         speculation, rows = SpeculationConfig(), DraftModelRows(draft, DraftCost(share))
     elif mode == "draft-always":
         speculation, rows = FLAT, DraftModelRows(draft, DraftCost(0.0, measured=False))

@@ -230,3 +230,18 @@ def test_a_seeded_single_stream_runs_without_its_draft(other):
     plain, _ = single(other, prompt, sampling, 0)
     got, counts = single(other, prompt, sampling, 8)
     assert got == plain and counts.passes == 0
+
+
+def test_the_draft_cost_is_measured_and_drifts_back_to_its_seed():
+    """A draft forward costs its seed (a share of the target's plain step) until measured; a
+    dear measurement fades back towards the seed over plain steps, so drafting is tried again;
+    a pass of width w pays w - 1 draft forwards on top of the verify pass."""
+    cost = DraftCost(0.25)
+    assert cost(2, 80.0) == 20.0
+    cost.record(2, 4, 0.4)  # four forwards in 400 ms: 100 ms each
+    assert cost(2, 80.0) == pytest.approx(100.0)
+    for _ in range(70):
+        cost.drift()
+    assert 20.0 < cost(2, 80.0) < 60.0
+    priced = DraftCost(0.5, measured=False).priced(lambda width, rows: 10.0 * width)
+    assert priced(1, 2) == 10.0 and priced(4, 2) == 40.0 + 3 * 5.0

@@ -34,8 +34,8 @@ from mlxhost.engine.backends.mlx.draft_model import (
     DraftModelRows,
     SinglePasses,
     check_draft,
-    parameter_count,
     prefill_draft,
+    weight_bytes,
 )
 from mlxhost.engine.backends.mlx.drafting import SpeculationConfig
 from mlxhost.engine.backends.mlx.embedding import MlxEmbedder, load_embedder
@@ -273,7 +273,7 @@ class MlxModel:
             return None
         draft = None
         if speculation and self.draft is not None:
-            share = parameter_count(self.draft) / max(1, parameter_count(self._model))
+            share = weight_bytes(self.draft) / max(1, weight_bytes(self._model))
             draft = DraftModelRows(self.draft, DraftCost(share))
         return MlxBatch(
             self._model,

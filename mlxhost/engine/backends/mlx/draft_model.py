@@ -22,7 +22,7 @@ drafts from that model instead of from prompt lookup. `DraftModelRows` keeps:
 
 The draft's forwards are priced into the width plan: a pass drafting k tokens costs the target's
 verify pass plus k draft forwards (`DraftCost`, measured per rows like pacing.py's steps, seeded
-from the two models' parameter counts).
+from the two models' weight bytes).
 """
 
 from __future__ import annotations
@@ -44,8 +44,11 @@ if TYPE_CHECKING:
 
 # Tokens per forward when a row's tokens are prefilled into the draft cache alone.
 DRAFT_PREFILL_STEP = 512
-# Weight of a new measurement of a draft forward in its mean (pacing.py's WEIGHT).
+# Weight of a new measurement of a draft forward in its mean (pacing.py's WEIGHT), and how far a
+# measured value moves back towards the seed per plain step (pacing.py's DRIFT): a batch whose
+# draft forwards once looked dear tries them again some time later.
 WEIGHT = 0.25
+DRIFT = 0.01
 
 
 def check_draft(target_tokenizer: Any, draft: Any, draft_tokenizer: Any) -> None:
@@ -74,8 +77,10 @@ def prefill_draft(draft: Any, tokens: Sequence[int]) -> list[Any]:
     return cache
 
 
-def parameter_count(model: Any) -> int:
-    return sum(int(v.size) for _, v in cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters())))
+def weight_bytes(model: Any) -> int:
+    """Bytes of a model's weights: what a decode step reads (the seed of a draft forward's cost
+    as a share of the target's; a quantized draft reads fewer)."""
+    return sum(int(v.nbytes) for _, v in cast("list[tuple[str, mx.array]]", tree_flatten(model.parameters())))
 
 
 class DraftCost:
@@ -83,16 +88,25 @@ class DraftCost:
     exponentially weighted mean, seeded as `share` of the target's plain step. A fixed `share`
     (not `measured`) prices draft forwards at that fraction of the target's step always."""
 
-    __slots__ = ("_ms", "measured", "share")
+    __slots__ = ("_ms", "_seed", "measured", "share")
 
     def __init__(self, share: float, *, measured: bool = True) -> None:
         self.share = share
         self.measured = measured
         self._ms: dict[int, float] = {}
+        self._seed: dict[int, float] = {}  # rows -> the seed at the plain step last asked with
 
     def __call__(self, rows: int, plain_ms: float) -> float:
+        seed = self._seed[rows] = plain_ms * self.share
         ms = self._ms.get(rows) if self.measured else None
-        return ms if ms is not None else plain_ms * self.share
+        return ms if ms is not None else seed
+
+    def drift(self) -> None:
+        """A plain step: every measured value moves a little back towards its seed."""
+        for rows, ms in self._ms.items():
+            seed = self._seed.get(rows)
+            if seed is not None:
+                self._ms[rows] = ms + (seed - ms) * DRIFT
 
     def record(self, rows: int, forwards: int, seconds: float) -> None:
         if not self.measured or forwards <= 0:
@@ -144,8 +158,8 @@ class DraftModelRows:
         tokens `tokens[i]` and logits processors `processors[i]` (None or empty: none)."""
         if k <= 0 or not uids:
             return [[] for _ in uids]
+        self._join(uids, tokens)  # a joining row's prefill is its admission, not a draft's cost
         started = time.perf_counter()
-        self._join(uids, tokens)
         where = {uid: i for i, uid in enumerate(uids)}
         order = [where[uid] for uid in self.uids]  # draft-cache row -> caller's row
         backlogs = [[*tokens[i][self.fed[self.uids[j]] :], pending[i]] for j, i in enumerate(order)]

@@ -142,6 +142,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 drafter = self.drafters.get(response.uid)
                 if drafter is not None:
                     drafter.record(0, 0, 1)
+            if self.draft_rows is not None:
+                self.draft_rows.cost.drift()
             self._plain_run = True
             return responses
         drafts, pending = planned
