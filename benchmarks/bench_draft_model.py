@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -30,7 +31,15 @@ from mlxhost.engine.types import SamplingParams
 FLAT = SpeculationConfig(cost=PassCost({1: {1: 1.0, 64: 1.0}}), measure=False)
 
 
-def run(model, tokenizer, draft, ids, max_tokens, mode, no_eos=False):
+def run(
+    model: Any,
+    tokenizer: Any,
+    draft: Any,
+    ids: list[list[int]],
+    max_tokens: int,
+    mode: str,
+    no_eos: bool = False,
+) -> tuple[list[list[int]], dict[str, float]]:
     speculation, rows = None, None
     if mode == "lookup":
         speculation = SpeculationConfig()
@@ -83,7 +92,7 @@ def main() -> None:
 
     from mlx_lm import load
 
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model)[:2]
     draft, draft_tokenizer = load(args.draft)[:2]
     check_draft(tokenizer, draft, draft_tokenizer)
     modes = args.modes
