@@ -122,23 +122,27 @@ class Model(BaseModel):
     queue_unbounded = models.BooleanField(default=False)
     queue_timeout_s = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0.1)])
     # KV cache quantization (issue 28, docs/models.md): the same KV budget holds more tokens.
+    # Their help texts are the admin form's (forms.MODEL_HELP).
     kv_bits = models.PositiveSmallIntegerField(
         "KV cache bits",
         null=True,
         blank=True,
         choices=[(8, "8 bits"), (4, "4 bits")],
-        help_text="Quantize the KV cache (empty: full precision). Batching, the prefix cache and the disk tier all keep it quantized.",
     )
     kv_group_size = models.PositiveSmallIntegerField(
         "KV group size",
         default=64,
         choices=[(32, "32"), (64, "64"), (128, "128")],
-        help_text="Numbers per scale along the head dimension; must divide it (64 for most models).",
     )
     kv_quantized_start = models.PositiveIntegerField(
         "KV quantized from token",
         default=0,
-        help_text="A request served alone keeps full precision until it holds this many tokens; a batch quantizes every row from its first.",
+    )
+    # Speculative decoding (docs/speculation.md): a smaller chat model with the same vocabulary
+    # drafts tokens that this one verifies. Part of the instance's identity (REG-3): its help
+    # text is the admin form's (forms.MODEL_HELP).
+    draft_model = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="drafts_for"
     )
 
     class Meta:

@@ -65,6 +65,7 @@ from mlxhost.engine.types import (
     TopLogprob,
     Usage,
 )
+from mlxhost.engine.vocabularies import folder_vocabulary, vocabulary_mismatch
 from mlxhost.engine.weights import (
     QUANT_BITS,
     QUANT_GROUP_SIZES,
@@ -73,6 +74,7 @@ from mlxhost.engine.weights import (
     hub_fingerprint,
     resolve_under,
     validate_model_folder,
+    with_draft,
 )
 
 __all__ = [
@@ -141,6 +143,7 @@ __all__ = [
     "WrongModelKindError",
     "detect_kind",
     "folder_fingerprint",
+    "folder_vocabulary",
     "hub_changes",
     "hub_check_access",
     "hub_fingerprint",
@@ -150,4 +153,6 @@ __all__ = [
     "remove_saved",
     "resolve_under",
     "validate_model_folder",
+    "vocabulary_mismatch",
+    "with_draft",
 ]

@@ -21,6 +21,12 @@ class ModelLoadError(EngineError):
     code = "model_load_failed"
 
 
+class DraftMismatchError(ModelLoadError):
+    """The model's draft model does not share its vocabulary (speculative decoding)."""
+
+    code = "draft_mismatch"
+
+
 class WeightsChangedError(ModelLoadError):
     """The folder's files no longer match the fingerprint they were registered with (REG-3)."""
 

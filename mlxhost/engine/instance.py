@@ -18,7 +18,7 @@ from mlxhost.engine.limits import physical_memory_bytes
 from mlxhost.engine.memory import KvDisposer
 from mlxhost.engine.sessions import SessionCache, tier_figures
 from mlxhost.engine.stats import speculation_figures
-from mlxhost.engine.weights import folder_fingerprint
+from mlxhost.engine.weights import folder_fingerprint, with_draft
 from mlxhost.engine.worker import CallJob, EmbedJob, GenerateJob, InstanceWorker, WriteJob
 
 if TYPE_CHECKING:
@@ -351,17 +351,12 @@ class Instance:
     def _verify_weights(self) -> None:
         """Refuse a folder whose files changed since registration, so the old instance id is never
         stamped on new bytes (REG-3): a reload, a restart or a keep-alive reload reads the folder
-        afresh. A small TOCTOU window remains between this hash and the backend's read."""
+        afresh. A small TOCTOU window remains between this hash and the backend's read. A draft
+        model's folder is checked the same way; the target's identity includes the draft's."""
         spec = self.spec
-        folder = Path(spec.source)
-        if not spec.verify_weights or spec.revision or not folder.is_absolute():
-            return  # hub weights are named by an immutable commit
-        try:
-            actual = folder_fingerprint(folder)
-        except OSError as exc:
-            raise ModelLoadError(f"The weights could not be read: {exc}") from exc
-        if actual != spec.fingerprint:
-            raise WeightsChangedError("The weights changed since the alias was saved; re-save the alias.")
+        _verify_folder(spec, spec.draft.fingerprint if spec.draft is not None else None)
+        if spec.draft is not None:
+            _verify_folder(spec.draft, None)
 
     def _reload_on_worker(self) -> LoadedModel:
         self.state, self.last_error = "loading", None
@@ -403,6 +398,18 @@ class Instance:
 
         self._worker.submit(CallJob(fn, settle))
         await future
+
+
+def _verify_folder(spec: ModelSpec, draft_fingerprint: str | None) -> None:
+    folder = Path(spec.source)
+    if not spec.verify_weights or spec.revision or not folder.is_absolute():
+        return  # hub weights are named by an immutable commit
+    try:
+        actual = with_draft(folder_fingerprint(folder), draft_fingerprint)
+    except OSError as exc:
+        raise ModelLoadError(f"The weights could not be read: {exc}") from exc
+    if actual != spec.fingerprint:
+        raise WeightsChangedError("The weights changed since the alias was saved; re-save the alias.")
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

@@ -180,6 +180,10 @@ class ModelSpec:
     kind: ModelKind = "chat"
     # The KV cache format (issue 28); None keeps the activations' dtype.
     kv_quantization: KVQuantization | None = None
+    # A smaller model with the same vocabulary whose drafts this one verifies (speculative
+    # decoding, docs/speculation.md); loaded and freed with it. `fingerprint` is then
+    # `weights.with_draft(folder fingerprint, draft.fingerprint)`: another draft, other weights.
+    draft: ModelSpec | None = None
 
     @property
     def weights_key(self) -> tuple[str, ...]:

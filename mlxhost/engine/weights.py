@@ -141,6 +141,15 @@ def hub_fingerprint(repo_id: str, revision: str) -> str:
     return hashlib.sha256(f"hf\0{repo_id}\0{revision}".encode()).hexdigest()
 
 
+def with_draft(fingerprint: str, draft_fingerprint: str | None) -> str:
+    """The identity of weights served with a draft model (speculative decoding): the target's
+    fingerprint joined with its draft's, so another draft is another instance (REG-3).
+    Without a draft, the fingerprint itself."""
+    if not draft_fingerprint:
+        return fingerprint
+    return hashlib.sha256(f"draft\0{fingerprint}\0{draft_fingerprint}".encode()).hexdigest()
+
+
 def resolve_under(root: Path, relative: str) -> Path:
     """Resolve `relative` inside `root`, refusing absolute paths and `..` escapes.
 

@@ -272,7 +272,11 @@ class Actions:
 
 
 def _model_named(name: str) -> Model:
-    return Model.objects.select_related("instance").prefetch_related("aliases").get(name=name)
+    return (
+        Model.objects.select_related("instance", "draft_model__instance")
+        .prefetch_related("aliases")
+        .get(name=name)
+    )
 
 
 def _model_names_of(aliases: list[str]) -> list[str]:

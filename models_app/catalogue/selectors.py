@@ -26,13 +26,13 @@ def alias_resolve(*, name: str) -> ModelAlias:
     Raises:
         ModelAlias.DoesNotExist: no enabled alias has that name, or its model has no instance yet.
     """
-    return ModelAlias.objects.select_related("model__instance").get(
+    return ModelAlias.objects.select_related("model__instance", "model__draft_model__instance").get(
         name=name, enabled=True, model__instance__isnull=False
     )
 
 
 def aliases_enabled() -> QuerySet[ModelAlias]:
-    return ModelAlias.objects.select_related("model__instance").filter(
+    return ModelAlias.objects.select_related("model__instance", "model__draft_model__instance").filter(
         enabled=True, model__instance__isnull=False
     )
 
@@ -44,12 +44,20 @@ def aliases_for_chat() -> QuerySet[ModelAlias]:
 
 def models_with_aliases() -> QuerySet[Model]:
     """Every model, by name, with its instance and its aliases (the Models page, ADM-7)."""
-    return Model.objects.select_related("instance").prefetch_related("aliases").order_by("name")
+    return (
+        Model.objects.select_related("instance", "draft_model__instance")
+        .prefetch_related("aliases")
+        .order_by("name")
+    )
 
 
 def models_served() -> QuerySet[Model]:
     """Every model with an instance, with its aliases (the engines' desired state)."""
-    return Model.objects.select_related("instance").prefetch_related("aliases").filter(instance__isnull=False)
+    return (
+        Model.objects.select_related("instance", "draft_model__instance")
+        .prefetch_related("aliases")
+        .filter(instance__isnull=False)
+    )
 
 
 def apikey_authenticate(*, raw_key: str) -> ApiKey | None:

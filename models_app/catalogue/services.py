@@ -22,11 +22,13 @@ from mlxhost.engine import (
     remove_saved,
     resolve_under,
     validate_model_folder,
+    with_draft,
 )
 from mlxhost.runtime import runtime_settings
 from models_app.accounting.apikeys import key_generate, key_hash, key_prefix
 from models_app.catalogue import control, hotcache, hub_pins
 from models_app.catalogue.audit import ADDED, actor_named, audit_changes, audit_record, audit_saved
+from models_app.catalogue.drafts import model_draft_check
 from models_app.catalogue.kv_format import kv_format_check
 from models_app.models import ApiKey, InstanceTombstone, Model, ModelAlias, ModelInstance, StoredResponse
 
@@ -100,6 +102,7 @@ def model_save(*, model: Model, actor: Actor = None) -> Model:
         ValidationError: the source or a setting is invalid.
     """
     source, revision, fingerprint = model_source_check(model=model)
+    fingerprint = with_draft(fingerprint, model_draft_check(model=model))
     if model.source_kind == ModelInstance.SourceKind.LOCAL:
         model.local_path, model.hf_repo, model.hf_revision, model.hf_sha = source, "", "", ""
         # A local folder says what it is (API-13); a hub repo's kind is the staff's choice.
@@ -118,21 +121,29 @@ def model_save(*, model: Model, actor: Actor = None) -> Model:
     changes = audit_changes(model) if actor is not None else []
     model.save()
     audit_saved(actor=actor, obj=model, changes=changes)
+    for target in Model.objects.filter(draft_model=model):  # their identity includes this one's
+        model_save(model=target, actor=actor)
     control.notify_models_changed()  # on commit: engines in every process reconcile (ADM-3)
     return model
 
 
 @transaction.atomic
 def model_delete(*, model: Model) -> None:
-    """Delete a model that no alias points at any more.
+    """Delete a model that no alias points at any more, and that drafts for no model.
 
     Raises:
-        ValidationError: aliases still point at it (delete or move them first).
+        ValidationError: aliases still point at it (delete or move them first), or models name
+            it as their draft.
     """
     names = list(model.aliases.values_list("name", flat=True))
     if names:
         raise ValidationError(
             f"{model.name} still serves {', '.join(names)}; move or delete those aliases first."
+        )
+    targets = list(Model.objects.filter(draft_model=model).values_list("name", flat=True))
+    if targets:
+        raise ValidationError(
+            f"{model.name} is the draft model of {', '.join(targets)}; clear their draft first."
         )
     model.delete()
     control.notify_models_changed()
@@ -146,6 +157,7 @@ def model_fresh_instance(*, model: Model) -> ModelInstance:
         ValidationError: the source is no longer valid.
     """
     source, revision, fingerprint = model_source_check(model=model, resolve=False)
+    fingerprint = with_draft(fingerprint, model_draft_check(model=model))
     return instance_register(
         source_kind=model.source_kind,
         source=source,
@@ -263,7 +275,8 @@ def alias_register(*, name: str, model_name: str = "", **fields: Any) -> ModelAl
 MODEL_SOURCE_FIELDS = ("source_kind", "local_path", "hf_repo", "hf_revision")
 MODEL_ONLY_FIELDS = frozenset(
     (*MODEL_SOURCE_FIELDS, "pinned", "keep_alive_s", "concurrency", "queue_depth", "queue_unbounded",
-     "queue_timeout_s", "kind", "matryoshka", "kv_bits", "kv_group_size", "kv_quantized_start")
+     "queue_timeout_s", "kind", "matryoshka", "kv_bits", "kv_group_size", "kv_quantized_start",
+     "draft_model")
 )  # fmt: skip
 
 

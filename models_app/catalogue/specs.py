@@ -65,6 +65,8 @@ def model_spec_for(
         pinned=model.pinned,
         kind="embedding" if model.kind == Model.Kind.EMBEDDING else "chat",
         kv_quantization=KVQuantization.from_tag(instance.kv_format),
+        # Its draft model (speculative decoding); the instance's fingerprint includes the draft's.
+        draft=model_spec_for(model=model.draft_model) if model.draft_model is not None else None,
     )
 
 

@@ -108,6 +108,7 @@ class ModelAdmin(HubPinActions, QuantizeAdminMixin, _ModelAdminBase):
         ),
         ("Memory", {"fields": ("keep_alive_s",)}),
         ("KV cache", {"fields": ("kv_bits", "kv_group_size", "kv_quantized_start")}),
+        ("Speculative decoding", {"fields": ("draft_model",)}),
         ("History", {"fields": ("created_at", "updated_at")}),
     )
 

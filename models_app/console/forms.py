@@ -14,6 +14,7 @@ from django.utils.html import format_html, format_html_join
 
 from mlxhost.engine import ALIAS_SAMPLING_FIELDS
 from models_app.catalogue import services
+from models_app.catalogue.drafts import model_draft_check
 from models_app.catalogue.folders import model_folders_available
 from models_app.models import ApiKey, Model, ModelAlias
 
@@ -33,6 +34,7 @@ MODEL_FORM_FIELDS = (
     "source_kind", "local_path", "hf_repo", "hf_revision", "kind", "matryoshka",
     "concurrency", "queue_depth", "queue_unbounded", "queue_timeout_s", "keep_alive_s",
     "kv_bits", "kv_group_size", "kv_quantized_start",
+    "draft_model",
 )  # fmt: skip
 ALIAS_FORM_FIELDS = (
     "name", "description", "model", "enabled",
@@ -76,6 +78,7 @@ MODEL_LABELS = {
     "kv_bits": "KV cache bits",
     "kv_group_size": "KV group size",
     "kv_quantized_start": "KV quantized from token",
+    "draft_model": "Draft model",
 }
 MODEL_HELP = {
     "name": "A slug for staff (letters, digits, - and _; up to 64). Clients never see it: they use aliases.",
@@ -106,6 +109,10 @@ MODEL_HELP = {
     "kv_quantized_start": "0 or more (default 0): a request served alone (concurrency 1) keeps full "
     "precision until it holds this many tokens, as mlx-lm's quantized_kv_start. A batch quantizes "
     "every row from its first token.",
+    "draft_model": "Optional: a smaller chat model with the same tokenizer (the same vocabulary, checked "
+    "when you save and at load). It drafts tokens that this model checks several at a time, for "
+    "aliases with speculation on: the same text, sooner where the draft guesses right. Loaded and "
+    "freed with this model. Empty: drafts come from prompt lookup and predictions only.",
 }
 ALIAS_LABELS = {
     "name": "Name (what clients send as model)",
@@ -214,6 +221,9 @@ class ModelForm(_ModelFormBase):
             self.fields["source_kind"].help_text = SOURCE_HELP
         if "kind" in self.fields:  # a local folder's kind is detected on save (API-13)
             self.fields["kind"].required = False
+        draft = self.fields.get("draft_model")
+        if isinstance(draft, forms.ModelChoiceField):  # chat models other than this one
+            draft.queryset = Model.objects.filter(kind=Model.Kind.CHAT).exclude(pk=self.instance.pk)
 
     def clean_kind(self) -> str:
         kind: str = self.cleaned_data.get("kind") or Model.Kind.CHAT
@@ -233,7 +243,18 @@ class ModelForm(_ModelFormBase):
                 services.model_source_check(model=self.instance)
             except ValidationError as exc:
                 self.add_error(None, exc)
+            else:
+                self._check_draft(cleaned)
         return cleaned
+
+    def _check_draft(self, cleaned: dict[str, Any]) -> None:
+        if "draft_model" not in cleaned:
+            return
+        self.instance.draft_model = cleaned["draft_model"]
+        try:
+            model_draft_check(model=self.instance)
+        except ValidationError as exc:
+            self.add_error(None, exc)
 
 
 class ThinkingSelect(forms.NullBooleanSelect):

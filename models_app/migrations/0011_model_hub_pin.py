@@ -18,7 +18,7 @@ class Migration(migrations.Migration):
     """Hub revisions pinned to a commit (issue 28): `hf_sha` beside the requested revision."""
 
     dependencies = [
-        ("models_app", "0009_speculation_max_k_16"),
+        ("models_app", "0010_model_draft"),
     ]
 
     operations = [

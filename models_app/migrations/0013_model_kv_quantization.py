@@ -15,7 +15,6 @@ class Migration(migrations.Migration):
             field=models.PositiveSmallIntegerField(
                 blank=True,
                 choices=[(8, "8 bits"), (4, "4 bits")],
-                help_text="Quantize the KV cache (empty: full precision). Batching, the prefix cache and the disk tier all keep it quantized.",
                 null=True,
                 verbose_name="KV cache bits",
             ),
@@ -26,7 +25,6 @@ class Migration(migrations.Migration):
             field=models.PositiveSmallIntegerField(
                 choices=[(32, "32"), (64, "64"), (128, "128")],
                 default=64,
-                help_text="Numbers per scale along the head dimension; must divide it (64 for most models).",
                 verbose_name="KV group size",
             ),
         ),
@@ -35,7 +33,6 @@ class Migration(migrations.Migration):
             name="kv_quantized_start",
             field=models.PositiveIntegerField(
                 default=0,
-                help_text="A request served alone keeps full precision until it holds this many tokens; a batch quantizes every row from its first.",
                 verbose_name="KV quantized from token",
             ),
         ),

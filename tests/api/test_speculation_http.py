@@ -194,3 +194,30 @@ async def test_n_above_one_with_a_prediction_is_a_400_naming_n(tiny_alias, api_k
     error = response.json()["error"]
     assert error["param"] == "n"
     assert "prediction" in error["message"], error
+
+
+async def test_a_draft_model_gives_the_same_text_through_the_api(
+    tiny_alias, api_key, batched, mlx_engine, tiny_model_b_dir, monkeypatch
+):
+    """The tiny model with its seed-1 twin as draft model (admin field, issue 27): the alias's
+    answer is the same with speculation on and off, and the draft's drafts are counted. The two
+    are the same size, so the planner would rightly never draft: here every pass drafts."""
+    from asgiref.sync import sync_to_async
+
+    from mlxhost.engine.backends.mlx import backend as mlx_backend
+    from mlxhost.engine.backends.mlx.draft_model import DraftCost
+    from tests.engine.mlx.test_speculation import FLAT
+    from tests.support import register_alias
+
+    monkeypatch.setattr(mlx_backend, "SpeculationConfig", lambda: FLAT)
+    monkeypatch.setattr(mlx_backend, "DraftCost", lambda share: DraftCost(0.0, measured=False))
+    other = await sync_to_async(register_alias)(name="tiny-b", folder="tiny-llama-b")
+    await set_lane(tiny_alias, draft_model=other.model)
+    text = [{"role": "user", "content": "the baker opened the shop and the baker opened the shop and"}]
+    on = await chat(api_key, messages=text, max_tokens=30, cache_salt="on", **batched)
+    await save_alias(tiny_alias, speculation=False)
+    off = await chat(api_key, messages=text, max_tokens=30, cache_salt="off", **batched)
+    assert answer(on) == answer(off)
+    instance = mlx_engine.get(mlx_engine.resolve("tiny"))
+    assert instance.spec.draft is not None and instance.spec.draft.source.endswith("tiny-llama-b")
+    assert instance.stats.speculation.drafted > 0

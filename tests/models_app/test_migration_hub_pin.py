@@ -13,7 +13,7 @@ SHA = "0123456789abcdef0123456789abcdef01234567"
 
 
 def test_a_commit_revision_is_pinned_and_a_tag_is_left_to_the_next_save():
-    apps = _migrate([("models_app", "0009_speculation_max_k_16")])
+    apps = _migrate([("models_app", "0010_model_draft")])
     try:
         Model = apps.get_model("models_app", "Model")
         Model.objects.create(name="by-sha", source_kind="hub", hf_repo="org/a", hf_revision=SHA)

@@ -216,13 +216,23 @@ class LoadedModel(Protocol):
         ...
 
     def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        kv: object,
+        *,
+        context: Sequence[int] = (),
+        max_draft: int = 0,
+        counts: DraftCounts | None = None,
     ) -> Iterator[TokenStep | StepEnd]:
         """Feed `prompt_ids` on top of `kv`, then yield one `TokenStep` per token and one `StepEnd`.
 
         `context` is the prompt's start that `kv` already holds (a cached prefix): the penalties
         look back over it too, so a cached prefix never changes the answer. The cache grows in
-        place; `cache_length(kv)` says how many tokens it then holds.
+        place; `cache_length(kv)` says how many tokens it then holds. `max_draft` > 0 lets a
+        model with a draft model speculate (the request's alias has speculation on); the tokens
+        are the same either way, and its drafted / accepted / passes / emitted counts are added
+        to `counts` as the tokens come.
         """
         ...
 

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
+from mlxhost.engine.backends.base import DraftCounts, ProgressCallback, StepEnd, TokenStep
 
 # The batch, its caches and its pieces live in fake_batch.py; still imported from here.
 from mlxhost.engine.backends.fake_batch import BYTES_PER_TOKEN as BYTES_PER_TOKEN
@@ -140,7 +140,14 @@ class FakeModel:
         return self.encode(text)
 
     def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        kv: object,
+        *,
+        context: Sequence[int] = (),
+        max_draft: int = 0,
+        counts: DraftCounts | None = None,
     ) -> Iterator[TokenStep | StepEnd]:
         backend, cache = self._backend, _fake(kv)
         backend.history.append((self.spec.instance_id, list(prompt_ids), sampling))

@@ -101,7 +101,14 @@ class ExclusiveScheduler(Scheduler):
         the stop string that ended the turn (None unless a stop string did)."""
         generation, stats = job.generation, self._host.stats
         matcher = StopMatcher(job.sampling.stop)
-        steps = model.generate(job.prompt_ids[reuse:], job.sampling, kv, context=job.prompt_ids[:reuse])
+        steps = model.generate(
+            job.prompt_ids[reuse:],
+            job.sampling,
+            kv,
+            context=job.prompt_ids[:reuse],
+            max_draft=job.max_draft,
+            counts=stats.speculation,  # a draft model's drafts, as the batch counts its rows'
+        )
         generated: list[int] = []
         logprobs: list[TokenLogprob] = []  # with a request for them: one per generated token
         sent = 0  # how many of `generated` the reader has been sent

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from mlxhost.engine.backends.base import ProgressCallback, StepEnd, TokenStep
+from mlxhost.engine.backends.base import DraftCounts, ProgressCallback, StepEnd, TokenStep
 from mlxhost.engine.backends.mlx.batch import (
     PREFILL_STEP_ALONE,
     MlxBatch,
@@ -31,6 +31,14 @@ from mlxhost.engine.backends.mlx.batch import (
     with_context,
 )
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
+from mlxhost.engine.backends.mlx.draft_model import (
+    DraftCost,
+    DraftModelRows,
+    SinglePasses,
+    check_draft,
+    prefill_draft,
+    weight_bytes,
+)
 from mlxhost.engine.backends.mlx.drafting import SpeculationConfig
 from mlxhost.engine.backends.mlx.embedding import MlxEmbedder, load_embedder
 from mlxhost.engine.backends.mlx.grammar import (
@@ -46,6 +54,9 @@ from mlxhost.engine.structure import template_messages, template_tools
 from mlxhost.engine.weights import validate_model_folder
 
 READ_CHUNK = 16 * 1024 * 1024
+# Tokens the single-stream scheduler drafts per step with a draft model: mlx_lm.server's default
+# (`--num-draft-tokens 3`); mlx-lm's `speculative_generate_step` does not adapt it.
+NUM_DRAFT_TOKENS = 3
 
 # The main thread's streams too, before the interpreter finalizes (see `thread_exit`).
 atexit.register(mx.clear_streams)
@@ -97,6 +108,19 @@ class MlxModel:
         self._markers = state_machine(tokenizer)
         self.vocabulary = Vocabulary(tokenizer, self.vocab_size)
         self._tool_markers: tuple[tuple[str, str] | None] | None = None
+        # The draft model (speculative decoding, docs/speculation.md), loaded with this one.
+        self.draft: Any | None = None
+        self._draft_bytes = 0
+
+    def attach_draft(self, draft: Any, tokenizer: Any, path: Path) -> None:
+        """Draft with `draft` (its tokenizer checked against this model's).
+
+        Raises:
+            DraftMismatchError: another vocabulary, or a cache that cannot roll back.
+        """
+        check_draft(self._tokenizer, draft, tokenizer)
+        self.draft = draft
+        self._draft_bytes = sum(p.stat().st_size for p in path.glob("model*.safetensors"))
 
     def render_chat(
         self,
@@ -191,14 +215,37 @@ class MlxModel:
         kv.clear()  # type: ignore[attr-defined]  # a list of mlx-lm caches, typed `object` at the seam; dropping the arrays frees them
 
     def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        kv: object,
+        *,
+        context: Sequence[int] = (),
+        max_draft: int = 0,
+        counts: DraftCounts | None = None,
     ) -> Iterator[TokenStep | StepEnd]:
         sampler = make_request_sampler(sampling)
         processors = make_processors(sampling, self.vocabulary)
-        if context:
-            processors = [with_context(p, context) for p in processors]
         top = sampling.logprobs
         eos = set(self._tokenizer.eos_token_ids)
+        everything = [*context, *prompt_ids]
+        # A seeded sampled request runs plain: mlx-lm samples every position of a verify pass in
+        # one call, which would consume its key otherwise than one token at a time.
+        seeded = sampling.seed is not None and sampling.temperature != 0
+        draft = self.draft if max_draft > 0 and sampling.grammar is None and not seeded else None
+        options: dict[str, Any] = {"prompt_cache": kv}
+        if draft is not None:
+            # mlx-lm's speculative_generate_step: the draft's cache follows the target's in one
+            # list; the cached prefix is prefilled into it here (mlx-lm prefills the rest). Its
+            # processors see only the prompt's last token onwards: the rest is their context.
+            options = {
+                "draft_model": draft,
+                "num_draft_tokens": min(max_draft, NUM_DRAFT_TOKENS),
+                "prompt_cache": [*_layers(kv), *prefill_draft(draft, context)],
+            }
+            context = [*context, *prompt_ids[:-1]]
+        if context:
+            processors = [with_context(p, context) for p in processors]
         responses = stream_generate(
             self._model,
             self._tokenizer,
@@ -206,13 +253,15 @@ class MlxModel:
             max_tokens=sampling.max_tokens,
             sampler=sampler,
             logits_processors=processors,
-            prompt_cache=kv,
+            **options,
             **self._kv_arguments(),
         )
         # mlx-lm's `response.text` drops the first token's leading space: the text is ours.
-        detokenizer = ExactDetokenizer(self._tokenizer, [*context, *prompt_ids])
+        detokenizer = ExactDetokenizer(self._tokenizer, everything)
+        passes = SinglePasses(counts, options.get("num_draft_tokens", 0), sampling.max_tokens)
         try:
             for response in responses:
+                passes.add(response.from_draft)
                 token = int(response.token)
                 logprob = None if top is None else self.vocabulary.logprob(response.logprobs, token, top)
                 if response.finish_reason is None:
@@ -247,6 +296,10 @@ class MlxModel:
         """A `BatchGenerator` of `capacity` sequences; None when the cache cannot merge (no batching)."""
         if self._model is None or not self.can_batch():
             return None
+        draft = None
+        if speculation and self.draft is not None:
+            share = weight_bytes(self.draft) / max(1, weight_bytes(self._model))
+            draft = DraftModelRows(self.draft, DraftCost(share))
         return MlxBatch(
             self._model,
             self._tokenizer,
@@ -254,10 +307,11 @@ class MlxModel:
             vocabulary=self.vocabulary,
             speculation=SpeculationConfig() if speculation else None,
             kv_quantization=self.kv_quantization,
+            draft=draft,
         )
 
     def memory_bytes(self) -> int:
-        return self._bytes
+        return self._bytes + self._draft_bytes
 
     def recover(self) -> None:
         """After a failure: a fresh global random state and no cached buffers."""
@@ -266,6 +320,7 @@ class MlxModel:
 
     def close(self) -> None:
         self._model = None
+        self.draft = None
         mx.clear_cache()
 
 
@@ -352,21 +407,14 @@ class MlxBackend:
         Raises:
             ModelLoadError: the folder is unsafe or incomplete, or the hub cannot be reached.
         """
-        path = Path(spec.source)
-        if path.is_absolute():
-            validate_model_folder(path)
-        else:
-            path = _download(spec.source, spec.revision, progress)
-            validate_model_folder(path)
-        _read_with_progress(path, progress)
-        progress(0, 0, "", "build")  # mlx-lm says nothing while it builds: a phase with no count
-        try:
-            model, tokenizer = mlx_load(str(path))[:2]
-        except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: MLX's own reader
-            raise ModelLoadError(f"mlx-lm could not load the model: {exc}") from exc
+        path, model, tokenizer = _load_folder(spec, progress)
         if spec.kv_quantization is not None:
             check_kv_quantization(model, spec.kv_quantization)
-        return MlxModel(model, tokenizer, path, spec.kv_quantization)
+        loaded = MlxModel(model, tokenizer, path, spec.kv_quantization)
+        if spec.draft is not None:  # speculative decoding: loaded, checked and freed with it
+            draft_path, draft, draft_tokenizer = _load_folder(spec.draft, progress, "draft model")
+            loaded.attach_draft(draft, draft_tokenizer, draft_path)
+        return loaded
 
     def load_embedder(self, spec: ModelSpec, progress: ProgressCallback) -> MlxEmbedder:
         """Load an embedding model (API-13) from a local folder or a pinned hub revision.
@@ -384,6 +432,22 @@ class MlxBackend:
             return load_embedder(path)
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise ModelLoadError(f"The embedding model could not be loaded: {exc}") from exc
+
+
+def _load_folder(spec: ModelSpec, progress: ProgressCallback, what: str = "model") -> tuple[Path, Any, Any]:
+    path = Path(spec.source)
+    if path.is_absolute():
+        validate_model_folder(path)
+    else:
+        path = _download(spec.source, spec.revision, progress)
+        validate_model_folder(path)
+    _read_with_progress(path, progress)
+    progress(0, 0, "", "build")  # mlx-lm says nothing while it builds: a phase with no count
+    try:
+        model, tokenizer = mlx_load(str(path))[:2]
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: MLX's own reader
+        raise ModelLoadError(f"mlx-lm could not load the {what}: {exc}") from exc
+    return path, model, tokenizer
 
 
 def _read_with_progress(folder: Path, progress: ProgressCallback) -> None:

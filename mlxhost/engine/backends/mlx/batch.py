@@ -23,6 +23,7 @@ from mlxhost.engine.errors import GrammarFailedError
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from mlxhost.engine.backends.mlx.draft_model import DraftModelRows
     from mlxhost.engine.backends.mlx.grammar import Vocabulary
     from mlxhost.engine.types import KVQuantization, SamplingParams, TokenLogprob
 
@@ -175,7 +176,10 @@ class MlxBatch:
         vocabulary: Vocabulary | None = None,
         speculation: SpeculationConfig | None = None,
         kv_quantization: KVQuantization | None = None,
+        draft: DraftModelRows | None = None,
     ) -> None:
+        """`draft`: the model's draft model (draft_model.py), which drafts for every row that
+        speculates instead of prompt lookup; only with `speculation`."""
         self.capacity = capacity
         # Quantized KV in the batch (quantized_kv.py): every row enters it as a mergeable row.
         self._kv_quantization = kv_quantization
@@ -212,7 +216,9 @@ class MlxBatch:
         self._followers: dict[int, tuple[PredictionAligner, list[int]]] = {}
         self._ended_reproduced: dict[int, int] = {}
         if speculation is not None:
-            self._speculative = SpeculativeGenerationBatch.start(model, self._generator.sampler, speculation)
+            self._speculative = SpeculativeGenerationBatch.start(
+                model, self._generator.sampler, speculation, draft
+            )
             self._generator._generation_batch = self._speculative
 
     def accepts(self, sampling: SamplingParams) -> bool:

@@ -277,6 +277,12 @@ class RowDrafter:
                 return aligned
         return self.index.draft(k, pending)
 
+    def predicted(self, k: int, pending: int) -> list[int]:
+        """Up to k tokens of the prediction after `pending`, where it aligns (no prompt lookup)."""
+        if k <= 0 or self.prediction is None:
+            return []
+        return _after(self.prediction, self._generated, pending, k)
+
     def looked_up(self, found: bool) -> None:
         """A lookup (after the pending token) found a draft or not: the hit rate's mean."""
         self.hit = self.hit * HIT_DECAY + (1.0 - HIT_DECAY) * found

@@ -66,6 +66,8 @@ from mlxhost.engine.backends.mlx.pacing import MeasuredCost, StepClock
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from mlxhost.engine.backends.mlx.draft_model import DraftModelRows
+
 
 @dataclass(frozen=True, slots=True)
 class RowPlan:
@@ -90,10 +92,14 @@ class SpeculativeGenerationBatch(GenerationBatch):
     _seen: dict[int, int]
     clock: StepClock
     _plain_run: bool  # the last step was a plain one (mlx-lm's pipeline is running)
+    draft_rows: DraftModelRows | None  # the draft model's side (draft_model.py), if the model has one
 
     @classmethod
-    def start(cls, model: Any, sampler: Any, config: SpeculationConfig) -> SpeculativeGenerationBatch:
+    def start(
+        cls, model: Any, sampler: Any, config: SpeculationConfig, draft_rows: DraftModelRows | None = None
+    ) -> SpeculativeGenerationBatch:
         batch = cast("SpeculativeGenerationBatch", cls.empty(model, sampler))
+        batch.draft_rows = draft_rows
         batch.config = config
         batch.plans = {}
         batch.drafters = {}
@@ -109,6 +115,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
         """Forget a row (finished or removed); its drafter, with its counts, if it had one."""
         self.plans.pop(uid, None)
         self._seen.pop(uid, None)
+        if self.draft_rows is not None:
+            self.draft_rows.forget(uid)
         return self.drafters.pop(uid, None)
 
     def extend(self, batch: Any) -> None:
@@ -117,8 +125,10 @@ class SpeculativeGenerationBatch(GenerationBatch):
 
     @property
     def cost(self) -> Callable[[int, int], float]:
-        """What plans a pass: the batch's own measured step times, or the bare table."""
-        return self.clock.cost if self.config.measure else self.config.cost
+        """What plans a pass: the batch's own measured step times, or the bare table; with a
+        draft model, plus the draft forwards that fill the pass."""
+        cost = self.clock.cost if self.config.measure else self.config.cost
+        return cost if self.draft_rows is None else self.draft_rows.cost.priced(cost)
 
     def next(self) -> list[Any]:
         if not self.uids:
@@ -132,6 +142,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 drafter = self.drafters.get(response.uid)
                 if drafter is not None:
                     drafter.record(0, 0, 1)
+            if self.draft_rows is not None:
+                self.draft_rows.cost.drift()
             self._plain_run = True
             return responses
         drafts, pending = planned
@@ -188,17 +200,59 @@ class SpeculativeGenerationBatch(GenerationBatch):
         hits = [d.hit if d is not None else 0.0 for d in drafters]
         cost = self.cost
         cap = max(limits)
-        if not any(plan_widths(cost, acceptances, limits, cap, hits)):
+        hoped = plan_widths(cost, acceptances, limits, cap, hits)
+        if not any(hoped):
             return None
         pending = self._pending()
+        if self.draft_rows is not None:
+            candidates = self._model_drafts(drafters, limits, pending, max(hoped))
+        else:
+            candidates = self._lookups(drafters, limits, pending)
+        widths = plan_widths(cost, acceptances, [len(d) for d in candidates], cap)
+        if self.draft_rows is not None and not any(widths):  # a plain step feeds the pending tokens
+            self.draft_rows.settle({uid: [p] for uid, p in zip(self.uids, pending, strict=True)})
+        return [d[:k] for d, k in zip(candidates, widths, strict=True)], pending
+
+    def _lookups(
+        self, drafters: list[RowDrafter | None], limits: list[int], pending: list[int]
+    ) -> list[list[int]]:
+        """Each row's draft from its prediction or its own tokens (prompt lookup)."""
         candidates: list[list[int]] = []
         for r, drafter in enumerate(drafters):
             draft = drafter.draft(limits[r], pending[r]) if drafter is not None and limits[r] else []
             if drafter is not None and limits[r]:
                 drafter.looked_up(bool(draft))
             candidates.append(draft)
-        widths = plan_widths(cost, acceptances, [len(d) for d in candidates], cap)
-        return [d[:k] for d, k in zip(candidates, widths, strict=True)], pending
+        return candidates
+
+    def _model_drafts(
+        self, drafters: list[RowDrafter | None], limits: list[int], pending: list[int], k: int
+    ) -> list[list[int]]:
+        """Each row's draft from its prediction where one aligns, else from the draft model: up
+        to k tokens (the widest pass the plan hopes for), every drafting row in one batched draft
+        forward per position (draft_model.py). Prompt lookup is not asked: the draft model reads
+        the same prompt."""
+        assert self.draft_rows is not None
+        # The draft forwards are neither the plain step's time nor the verify pass's (their own
+        # cost is measured apart): the clock times neither interval.
+        self.clock.step(1, len(self.uids), pipelined=False)
+        rows = [r for r, d in enumerate(drafters) if d is not None and limits[r]]
+        processors = self.logits_processors or None
+        drafted = self.draft_rows.draft(
+            [self.uids[r] for r in rows],
+            [self.tokens[r] for r in rows],
+            [pending[r] for r in rows],
+            k,
+            [processors[r] for r in rows] if processors else None,
+        )
+        candidates: list[list[int]] = [[] for _ in drafters]
+        for r, model_draft in zip(rows, drafted, strict=True):
+            drafter = drafters[r]
+            assert drafter is not None
+            predicted = drafter.predicted(limits[r], pending[r])
+            candidates[r] = predicted or model_draft[: limits[r]]
+            drafter.looked_up(True)
+        return candidates
 
     def _pending(self) -> list[int]:
         """Each row's pending token: waits for mlx-lm's pipelined step to finish."""
@@ -245,6 +299,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
             next_logprobs.append(positions[accepted])
 
         self._roll_back(width, keeps)
+        if self.draft_rows is not None:
+            self.draft_rows.settle({self.uids[r]: e for r, e in enumerate(emitted_rows)})
         for r, emitted in enumerate(emitted_rows):
             self.tokens[r].extend(emitted)
             if self.logits_processors and self.logits_processors[r]:
