@@ -181,8 +181,7 @@ class MlxBatch:
         """`draft`: the model's draft model (draft_model.py), which drafts for every row that
         speculates instead of prompt lookup; only with `speculation`."""
         self.capacity = capacity
-        # Quantized KV in the batch (quantized_kv.py): every row enters it as a mergeable row.
-        self._kv_quantization = kv_quantization
+        self._kv_quantization = kv_quantization  # quantized KV in the batch (quantized_kv.py)
         self._vocabulary = vocabulary
         self._top: dict[int, int] = {}  # handle -> alternatives per token, for requests with logprobs
         self._tokenizer = tokenizer
@@ -240,11 +239,8 @@ class MlxBatch:
         client's predicted output, OpenAI Predicted Outputs) is its draft source; without,
         drafts come from its own prompt and output. `max_draft` caps its drafts per step below
         the batch's own cap (0: it never drafts; None: the batch's cap)."""
-        if self._kv_quantization is not None:
-            kv = batch_rows(
-                cast("list[Any]", kv) if kv is not None else make_prompt_cache(self._model),
-                self._kv_quantization,
-            )
+        if self._kv_quantization is not None:  # every row enters as a mergeable one (quantized_kv.py)
+            kv = batch_rows(cast("list[Any]", kv or make_prompt_cache(self._model)), self._kv_quantization)
         suffix = len(prompt_ids) - cached
         # Fed alone while the batch decodes, within the per-step prefill budget (`prefill_step`
         # tokens between two steps, as a prefill chunk has): the running streams wait no longer.
