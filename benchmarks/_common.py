@@ -276,8 +276,11 @@ def text_bias(tokenizer, *, random_weights: bool) -> dict[int, float]:
 class Servers:
     """mlx_lm.server and mlxhost (daphne) on free ports, on the same model folder; stopped on exit."""
 
-    def __init__(self, folder: Path, state: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, folder: Path, state: Path, env: dict[str, str], server_args: tuple[str, ...] = ()
+    ) -> None:
         self.folder, self.state, self.env = folder, state, env
+        self.server_args = server_args  # extra mlx_lm.server flags (the same setting as mlxhost's alias)
         self.procs: list[tuple[object, Path]] = []
 
     def __enter__(self) -> Servers:
@@ -298,7 +301,7 @@ class Servers:
         env = {**self.env, "HF_HUB_OFFLINE": "1"}
         if BLAS_STATUS.startswith("openblas:"):  # the same OpenBLAS mlxhost preloads (MLX-NOTES.md)
             env["LD_PRELOAD"] = BLAS_STATUS.split(":", 1)[1]
-        proc = start_process([*cmd, "--host", "127.0.0.1"], env, log)
+        proc = start_process([*cmd, "--host", "127.0.0.1", *self.server_args], env, log)
         self.procs.append((proc, log))
         url = f"http://127.0.0.1:{port}"
         wait_http(proc, url, lambda u: httpx.get(f"{u}/health", timeout=2).status_code == 200, log)

@@ -174,9 +174,12 @@ def run_model(model: str, args: argparse.Namespace, report: Report) -> None:
         env = state_env(Path(args.models_root).resolve(), state)
         folder = ensure_model(env, model)
         # Lane capacity = batch size must cover the widest wave; the queue never refuses one.
-        key = register_alias(env, folder, concurrency=max(8, *args.concurrency), queue_depth=64)
+        # --kv-bits: both servers quantize the KV cache the same way (groups of 64, from token 0).
+        kv = {"kv_bits": args.kv_bits} if args.kv_bits else {}
+        server_args = ("--kv-bits", str(args.kv_bits), "--quantized-kv-start", "0") if args.kv_bits else ()
+        key = register_alias(env, folder, concurrency=max(8, *args.concurrency), queue_depth=64, **kv)
         raw = RawSide(folder, args.tokens, random_weights=model in RANDOM_WEIGHTS)
-        with Servers(folder, state, env) as servers:
+        with Servers(folder, state, env, server_args) as servers:
             try:
                 systems = build_systems(raw, servers, key, args.systems, args.tokens)
                 measure(model, systems, args, report)
@@ -236,6 +239,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--write",
         action=argparse.BooleanOptionalAction,
         help="append to RESULTS.md and write the chart (default: yes, except with --quick)",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(4, 8),
+        help="quantized KV on both servers (mlxhost's alias, --kv-bits)",
     )
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     parser.add_argument("--chart", default=str(ROOT / "docs" / "bench-throughput.png"))
