@@ -24,6 +24,7 @@ from models_app.console.admin_quantize import QuantizeAdminMixin  # also registe
 from models_app.console.forms import ALIAS_FORM_FIELDS as ALIAS_FORM_FIELDS  # re-exported for tests
 from models_app.console.forms import ALIAS_LABELS, ModelAliasForm, ModelForm
 from models_app.console.forms import MODEL_FORM_FIELDS as MODEL_FORM_FIELDS
+from models_app.console.model_costs import model_costs
 from models_app.models import Model, ModelAlias, ModelInstance
 
 if TYPE_CHECKING:
@@ -204,6 +205,7 @@ class ModelAdmin(HubPinActions, QuantizeAdminMixin, _ModelAdminBase):
                 model_actions=self._action_buttons(request, obj),
                 fleet_hosts=[(host, f"h{host:02d}") for host in control.fleet_hosts()],
                 add_alias_url=add_alias,
+                costs=model_costs(obj),
                 **self.quantize_context(request, obj),
             )
         return super().render_change_form(request, context, add, change, form_url, obj)

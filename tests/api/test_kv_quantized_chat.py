@@ -136,3 +136,23 @@ def test_the_admin_form_says_which_group_sizes_the_heads_take(admin_client, tiny
     page = admin_client.post(f"{MODELS_URL}add/", form).content.decode()
     assert "head dimension is 16" in page
     assert not services.Model.objects.filter(name=MODEL_FORM["name"]).exists()
+
+
+def test_the_model_page_says_what_it_costs_at_its_kv_setting(admin_client, kv_alias):
+    """Issue 28 §5: weights bytes, KV bytes per 1k tokens at the current kv_bits, the cached tokens
+    the prefix-cache budget holds; the KV figure follows the setting (8-bit groups of 32 of float32:
+    1 + 2 * 4 / 32 = 1.25 bytes a number instead of 4)."""
+    from models_app.console.model_costs import model_costs
+
+    model = kv_alias.model
+    quantized = model_costs(model)
+    assert quantized is not None
+    # The tiny llama of head dimension 32: 2 layers, 2 KV heads; keys and values.
+    assert quantized.kv_bytes_per_1k == round(2 * 2 * 2 * 32 * 1.25 * 1000)
+    assert quantized.budget_tokens == quantized.budget_bytes * 1000 // quantized.kv_bytes_per_1k
+    model.kv_bits = None
+    full = model_costs(model)
+    assert full is not None and full.kv_bytes_per_1k == 2 * 2 * 2 * 32 * 4 * 1000
+    assert full.weights_bytes == quantized.weights_bytes > 0
+    page = admin_client.get(f"/admin/models_app/model/{model.pk}/change/").content.decode()
+    assert "KV cache per 1,000 tokens" in page and "8-bit, groups of 32" in page
