@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxhost.engine.config import EngineConfig
+from mlxhost.engine.config import EngineConfig, prefix_cache_bytes
 from mlxhost.engine.disk import remove_saved
 from mlxhost.engine.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
 from mlxhost.engine.engine import Engine, Permit
@@ -30,6 +30,7 @@ from mlxhost.engine.errors import (
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.hub import HubChanges, HubCommit, hub_changes, hub_check_access, hub_resolve
+from mlxhost.engine.limits import physical_memory_bytes
 from mlxhost.engine.names import instance_id_of_name, is_internal_name
 from mlxhost.engine.retention import Retention
 from mlxhost.engine.sessions import SessionQuery, SessionScoper
@@ -150,6 +151,8 @@ __all__ = [
     "hub_resolve",
     "instance_id_of_name",
     "is_internal_name",
+    "physical_memory_bytes",
+    "prefix_cache_bytes",
     "remove_saved",
     "resolve_under",
     "validate_model_folder",

@@ -13,9 +13,7 @@ from typing import Any
 
 from django.conf import settings
 
-from mlxhost.engine import KVQuantization, resolve_under
-from mlxhost.engine.config import prefix_cache_bytes
-from mlxhost.engine.limits import physical_memory_bytes
+from mlxhost.engine import KVQuantization, physical_memory_bytes, prefix_cache_bytes, resolve_under
 from mlxhost.runtime import runtime_settings
 from models_app.models import Model, ModelInstance
 
