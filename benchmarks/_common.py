@@ -91,20 +91,29 @@ def ensure_model(env: dict[str, str], model: str) -> Path:
     return folder
 
 
-def register_alias(env: dict[str, str], folder: Path, **settings: object) -> str:
+def register_alias(env: dict[str, str], folder: Path, draft: Path | None = None, **settings: object) -> str:
     """Migrate the throwaway DB, register the pinned alias `bench` on `folder`; return an API key.
 
     Greedy and no repetition penalty (the demo alias has 1.1, which other systems would not
-    have); `settings` adds alias fields such as `concurrency` and `queue_depth`.
+    have); `settings` adds alias fields such as `concurrency` and `queue_depth`; `draft` (a
+    folder under the same MODELS_ROOT) becomes the model's draft model.
     """
     manage(env, "migrate", "--noinput", "-v", "0")
     fields = {"temperature": 0.0, "repetition_penalty": None, **settings}
+    with_draft = (
+        f"d = services.alias_register(name='bench-draft', source_kind='local', local_path={draft.name!r})\n"
+        "a.model.draft_model = d.model\n"
+        "services.model_save(model=a.model)\n"
+        if draft is not None
+        else ""
+    )
     snippet = (
         "from django.contrib.auth import get_user_model\n"
         "from models_app.catalogue import services\n"
         "user = get_user_model().objects.create_user('bench')\n"
-        f"services.alias_register(name={ALIAS!r}, source_kind='local', local_path={folder.name!r},"
+        f"a = services.alias_register(name={ALIAS!r}, source_kind='local', local_path={folder.name!r},"
         f" pinned=True, **{fields!r})\n"
+        f"{with_draft}"
         "print('KEY=' + services.apikey_create(owner=user, name='bench')[1])\n"
     )
     out = manage(env, "shell", "-c", snippet)

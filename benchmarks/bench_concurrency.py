@@ -176,8 +176,18 @@ def run_model(model: str, args: argparse.Namespace, report: Report) -> None:
         # Lane capacity = batch size must cover the widest wave; the queue never refuses one.
         # --kv-bits: both servers quantize the KV cache the same way (groups of 64, from token 0).
         kv = {"kv_bits": args.kv_bits} if args.kv_bits else {}
-        server_args = ("--kv-bits", str(args.kv_bits), "--quantized-kv-start", "0") if args.kv_bits else ()
-        key = register_alias(env, folder, concurrency=max(8, *args.concurrency), queue_depth=64, **kv)
+        server_args: tuple[str, ...] = (
+            ("--kv-bits", str(args.kv_bits), "--quantized-kv-start", "0") if args.kv_bits else ()
+        )
+        # --draft: the tiny model's seed-1 twin (same tokenizer) drafts, as the model's draft model
+        # in mlxhost and `--draft-model` in mlx_lm.server (which then serves one request at a time).
+        draft = None
+        if args.draft:
+            from mlxhost.engine.backends.mlx.tiny import build_tiny_model
+
+            draft = build_tiny_model(Path(env["MODELS_ROOT"]) / "tiny-llama-b", seed=1)
+            server_args += ("--draft-model", str(draft))
+        key = register_alias(env, folder, draft, concurrency=max(8, *args.concurrency), queue_depth=64, **kv)
         raw = RawSide(folder, args.tokens, random_weights=model in RANDOM_WEIGHTS)
         with Servers(folder, state, env, server_args) as servers:
             try:
@@ -245,6 +255,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         choices=(4, 8),
         help="quantized KV on both servers (mlxhost's alias, --kv-bits)",
+    )
+    parser.add_argument(
+        "--draft",
+        action="store_true",
+        help="the tiny model's seed-1 twin drafts on both servers (--models tiny)",
     )
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     parser.add_argument("--chart", default=str(ROOT / "docs" / "bench-throughput.png"))
