@@ -90,6 +90,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
     _seen: dict[int, int]
     clock: StepClock
     _plain_run: bool  # the last step was a plain one (mlx-lm's pipeline is running)
+    row_hook: Callable[[Sequence[int]], None] | None = None  # adapters.py: each row's LoRA adapter
 
     @classmethod
     def start(cls, model: Any, sampler: Any, config: SpeculationConfig) -> SpeculativeGenerationBatch:
@@ -110,6 +111,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
         self.plans.pop(uid, None)
         self._seen.pop(uid, None)
         return self.drafters.pop(uid, None)
+
+    def _step(self) -> Any:
+        if self.row_hook is not None:
+            self.row_hook(self.uids)
+        return super()._step()
 
     def extend(self, batch: Any) -> None:
         super().extend(batch)
@@ -207,6 +213,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
     def _verify(self, drafts: list[list[int]], pending: list[int]) -> list[Any]:
         width = 1 + max(len(d) for d in drafts)
         rows = [[p, *d] + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
+        if self.row_hook is not None:
+            self.row_hook(self.uids)
         logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
         mx.eval(logits)
 
