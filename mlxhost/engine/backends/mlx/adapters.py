@@ -285,7 +285,7 @@ class RowAdapters:
             self.bank.select([self.slots.get(uid, 0) for uid in uids])
 
     def add(self, uid: int, slot: int) -> None:
-        if slot and self.bank is not None:
+        if slot and uid >= 0 and self.bank is not None:  # a negative handle ended at once
             self.slots[uid] = slot
             self.bank.hold(slot, 1)
 

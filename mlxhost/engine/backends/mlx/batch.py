@@ -230,8 +230,8 @@ class MlxBatch:
         max_draft: int | None = None,
         adapter: AdapterRef | None = None,
     ) -> int:
-        """Add a sequence (under `adapter`, loaded into the model if needed); returns its handle. With speculation on, `prediction_ids` (the
-        client's predicted output, OpenAI Predicted Outputs) is its draft source; without,
+        """Add a sequence under `adapter` (None: the base); returns its handle. With speculation on,
+        `prediction_ids` (the client's predicted output, OpenAI Predicted Outputs) is its drafts; without,
         drafts come from its own prompt and output. `max_draft` caps its drafts per step below
         the batch's own cap (0: it never drafts; None: the batch's cap)."""
         if self._kv_quantization is not None:
@@ -245,7 +245,9 @@ class MlxBatch:
         # tokens between two steps, as a prefill chunk has): the running streams wait no longer.
         if self._decoding and suffix > 0 and self._fed_alone + suffix <= self._prefill_step:
             self._fed_alone += suffix
-            handle = self._insert_started(prompt_ids, sampling, kv, cached, slot)
+            self._rows.select(slot)  # its passes run under its adapter
+            handle = self._insert_started(prompt_ids, sampling, kv, cached)
+            self._rows.add(handle, slot)
             self._plan(handle, prompt_ids, sampling, prediction_ids, max_draft)
             return handle
         sampler_guard, sampler = self._sampler(sampling)
@@ -327,12 +329,7 @@ class MlxBatch:
             self.speculation_totals.add(drafter.stats)
 
     def _insert_started(
-        self,
-        prompt_ids: Sequence[int],
-        sampling: SamplingParams,
-        kv: object | None,
-        cached: int,
-        slot: int = 0,
+        self, prompt_ids: Sequence[int], sampling: SamplingParams, kv: object | None, cached: int
     ) -> int:
         """Join a decoding batch with the first token already sampled.
 
@@ -352,7 +349,6 @@ class MlxBatch:
         processors = [guard.processor(p) for p in make_processors(sampling, self._vocabulary)]
         cache = cast("list[Any]", kv) if kv is not None else make_prompt_cache(self._model)
         with mx.stream(generation_stream):
-            self._rows.select(slot)
             suffix = mx.array(list(prompt_ids[cached:]), dtype=mx.uint32)
             if suffix.size > 1:
                 self._model(suffix[None, :-1], cache=cache)
@@ -392,7 +388,6 @@ class MlxBatch:
         text = detokenizer.add_token(token)
         self._detokenizers[uid] = detokenizer
         self._guards[uid] = (sampler_guard, guard)
-        self._rows.add(uid, slot)
         self._first[uid] = BatchStep(uid, text, token, logprob=spelled(logprob, text))
         if sampling.logprobs is not None:
             self._top[int(uid)] = sampling.logprobs
