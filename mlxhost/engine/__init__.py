@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mlxhost.engine.adapter_files import AdapterInfo, adapter_fingerprint, check_against_base, read_adapter
 from mlxhost.engine.config import EngineConfig
 from mlxhost.engine.disk import remove_saved
 from mlxhost.engine.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
@@ -15,6 +16,7 @@ from mlxhost.engine.errors import (
     EngineError,
     GenerationFailedError,
     HubError,
+    InvalidAdapterError,
     InvalidModelFolderError,
     InvalidRequestError,
     ModelLoadError,
@@ -37,6 +39,7 @@ from mlxhost.engine.stats import Histogram, RequestStats
 from mlxhost.engine.types import (
     ALIAS_SAMPLING_FIELDS,
     SAMPLING_KNOBS,
+    AdapterRef,
     Delta,
     Done,
     EmbeddingRequest,
@@ -81,6 +84,8 @@ __all__ = [
     "QUANT_BITS",
     "QUANT_GROUP_SIZES",
     "SAMPLING_KNOBS",
+    "AdapterInfo",
+    "AdapterRef",
     "Delta",
     "Done",
     "DrainingError",
@@ -102,6 +107,7 @@ __all__ = [
     "HubChanges",
     "HubCommit",
     "HubError",
+    "InvalidAdapterError",
     "InvalidModelFolderError",
     "InvalidRequestError",
     "LaneSettings",
@@ -137,6 +143,8 @@ __all__ = [
     "Usage",
     "WeightsChangedError",
     "WrongModelKindError",
+    "adapter_fingerprint",
+    "check_against_base",
     "detect_kind",
     "folder_fingerprint",
     "hub_changes",
@@ -145,6 +153,7 @@ __all__ = [
     "hub_resolve",
     "instance_id_of_name",
     "is_internal_name",
+    "read_adapter",
     "remove_saved",
     "resolve_under",
     "validate_model_folder",

@@ -101,7 +101,9 @@ class ExclusiveScheduler(Scheduler):
         the stop string that ended the turn (None unless a stop string did)."""
         generation, stats = job.generation, self._host.stats
         matcher = StopMatcher(job.sampling.stop)
-        steps = model.generate(job.prompt_ids[reuse:], job.sampling, kv, context=job.prompt_ids[:reuse])
+        steps = model.generate(
+            job.prompt_ids[reuse:], job.sampling, kv, context=job.prompt_ids[:reuse], adapter=job.adapter
+        )
         generated: list[int] = []
         logprobs: list[TokenLogprob] = []  # with a request for them: one per generated token
         sent = 0  # how many of `generated` the reader has been sent
