@@ -26,13 +26,13 @@ def alias_resolve(*, name: str) -> ModelAlias:
     Raises:
         ModelAlias.DoesNotExist: no enabled alias has that name, or its model has no instance yet.
     """
-    return ModelAlias.objects.select_related("model__instance").get(
+    return ModelAlias.objects.select_related("model__instance", "adapter").get(
         name=name, enabled=True, model__instance__isnull=False
     )
 
 
 def aliases_enabled() -> QuerySet[ModelAlias]:
-    return ModelAlias.objects.select_related("model__instance").filter(
+    return ModelAlias.objects.select_related("model__instance", "adapter").filter(
         enabled=True, model__instance__isnull=False
     )
 
@@ -44,7 +44,7 @@ def aliases_for_chat() -> QuerySet[ModelAlias]:
 
 def models_with_aliases() -> QuerySet[Model]:
     """Every model, by name, with its instance and its aliases (the Models page, ADM-7)."""
-    return Model.objects.select_related("instance").prefetch_related("aliases").order_by("name")
+    return Model.objects.select_related("instance").prefetch_related("aliases__adapter").order_by("name")
 
 
 def models_served() -> QuerySet[Model]:

@@ -38,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
-from mlxhost.engine.adapter_files import ADAPTER_WEIGHTS, read_adapter
+from mlxhost.engine.adapter_files import ADAPTER_WEIGHTS, adapter_fingerprint, read_adapter
 from mlxhost.engine.errors import InvalidAdapterError
 
 if TYPE_CHECKING:
@@ -197,6 +197,10 @@ class AdapterBank:
     def _load(self, ref: AdapterRef) -> _Loaded:
         folder = Path(ref.path)
         info = read_adapter(folder)  # InvalidAdapterError
+        if adapter_fingerprint(folder) != ref.key:  # as REG-3 for weights: never other files under its name
+            raise InvalidAdapterError(
+                f"The adapter {ref.name!r} changed on disk since it was saved; save it again."
+            )
         while len(self._loaded) >= self._limit:
             idle = next((k for k, e in self._loaded.items() if e.rows == 0), None)
             if idle is None:
