@@ -8,22 +8,20 @@ import asyncio
 import threading
 from pathlib import Path
 
-import mlx_lm
 import pytest
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.test import AsyncClient
-from mlx_lm.sample_utils import make_sampler
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlxhost.engine.backends.mlx.batch import MlxBatch
-from mlxhost.engine.backends.mlx.grammar import Vocabulary
 from mlxhost.engine.backends.mlx.tiny import build_tiny_adapter
 from mlxhost.engine.worker import CallJob
 from models_app.catalogue import adapters as adapter_services
 from models_app.models import Adapter
 from tests.api.support import bearer, post_json
 from tests.engine.conftest import lane_of
+from tests.engine.mlx.support import greedy_alone
 from tests.support import eventually, register_alias
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
@@ -59,24 +57,13 @@ def aliases(tiny_model_dir, adapter_dirs):
 
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir, adapter_dirs) -> dict[tuple[str, str], list[list[int]]]:
-    """mlx-lm alone: each prompt's greedy tokens (as their bytes, what logprobs report) from the base
-    and from the base with each adapter (`load(adapter_path=...)`)."""
-    table = {}
-    for name, folder in (("base", None), *adapter_dirs.items()):
-        model, tokenizer = mlx_lm.load(str(tiny_model_dir), adapter_path=str(folder) if folder else None)[:2]
-        vocabulary = Vocabulary(tokenizer, model.args.vocab_size)
-        for prompt in PROMPTS:
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True
-            )
-            responses = mlx_lm.stream_generate(
-                model, tokenizer, ids, max_tokens=TOKENS, sampler=make_sampler(0.0)
-            )
-            tokens = [int(r.token) for r in responses]
-            table[(name, prompt)] = [
-                list(vocabulary.token_bytes(t)) for t in tokens if t not in tokenizer.eos_token_ids
-            ]
-    return table
+    """mlx-lm alone: each prompt's greedy tokens from the base and from the base with each adapter."""
+    folders = {"base": None, **{name: str(folder) for name, folder in adapter_dirs.items()}}
+    return {
+        (name, prompt): greedy_alone(str(tiny_model_dir), folder, prompt, TOKENS)
+        for name, folder in folders.items()
+        for prompt in PROMPTS
+    }
 
 
 async def chat(api_key: str, model: str, prompt: str, **fields):
