@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from mlxhost.engine.adapter_files import AdapterInfo, adapter_fingerprint, check_against_base, read_adapter
+from mlxhost.engine.adapter_files import (
+    ADAPTER_FILES,
+    AdapterInfo,
+    adapter_fingerprint,
+    check_against_base,
+    read_adapter,
+)
 from mlxhost.engine.config import EngineConfig
 from mlxhost.engine.disk import remove_saved
 from mlxhost.engine.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
@@ -78,6 +84,7 @@ from mlxhost.engine.weights import (
 )
 
 __all__ = [
+    "ADAPTER_FILES",
     "ALIAS_SAMPLING_FIELDS",
     "MAX_EMBEDDING_INPUTS",
     "OVERLOADED_CODES",

@@ -11,6 +11,7 @@ from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from mlxhost.engine import (
+    ADAPTER_FILES,
     AdapterRef,
     InvalidAdapterError,
     InvalidModelFolderError,
@@ -19,7 +20,6 @@ from mlxhost.engine import (
     read_adapter,
     resolve_under,
 )
-from mlxhost.engine.adapter_files import ADAPTER_FILES
 from models_app.catalogue import control
 from models_app.catalogue.audit import audit_changes, audit_saved
 from models_app.models import Adapter, Model, ModelAlias, ModelInstance

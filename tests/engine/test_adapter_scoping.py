@@ -55,7 +55,7 @@ async def test_memory_kv_is_reused_under_its_own_adapter_only(boot, backend, que
     for other in (TWO, None):
         _, events = await turn(engine, f"x-{other.name if other else 'base'}", TURN_2, other, **query)
         assert cached_of(events) == 0, other
-    generation, events = await turn(engine, "c", TURN_2, ONE, **query)
+    _, events = await turn(engine, "c", TURN_2, ONE, **query)
     assert cached_of(events) == TURN_1_PROMPT
     assert backend.adapters == ["one", "two", None, "one"]  # each ran under its own adapter
 
