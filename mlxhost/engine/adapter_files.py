@@ -147,7 +147,8 @@ def _bits(quantization: dict[str, object], module: str) -> int:
     own = quantization.get(module)
     if isinstance(own, dict) and "bits" in own:
         return int(own["bits"])
-    return int(quantization.get("bits", 4))  # type: ignore[call-overload]
+    bits = quantization.get("bits", 4)
+    return int(bits) if isinstance(bits, (int, float, str)) else 4
 
 
 def _listed(what: str, errors: list[str]) -> str:

@@ -63,7 +63,7 @@ class AdapterForm(_AdapterFormBase):
             )
 
     def clean(self) -> dict[str, Any]:
-        cleaned = super().clean()
+        cleaned = super().clean() or {}
         base, path = cleaned.get("base"), cleaned.get("local_path")
         if base is not None and path:
             try:

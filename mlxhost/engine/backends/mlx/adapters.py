@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
-import mlx.nn as nn
+from mlx.nn.layers.base import Module
+from mlx.nn.layers.linear import Linear
+from mlx.nn.layers.quantized import QuantizedLinear
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
 from mlxhost.engine.adapter_files import ADAPTER_WEIGHTS, adapter_fingerprint, read_adapter
@@ -86,17 +88,17 @@ class _Pairs:
         mx.eval(self.a, self.b)
 
 
-class MultiLoRALinear(nn.Module):
+class MultiLoRALinear(Module):
     """A base linear layer plus every loaded adapter's low-rank update, picked per row (module docstring)."""
 
-    def __init__(self, linear: nn.Module, bank: AdapterBank) -> None:
+    def __init__(self, linear: Any, bank: AdapterBank) -> None:
         super().__init__()
         self.linear = linear
         self.width_in, self.width_out = linear_widths(linear)
         self._bank = bank
         self._pairs = _Pairs()
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array) -> Any:
         y = self.linear(x)
         selection, scales = self._bank.selection, self._bank.scales
         if selection is None or not self._pairs.own:
@@ -121,7 +123,7 @@ class MultiLoRALinear(nn.Module):
 def linear_widths(linear: Any) -> tuple[int, int]:
     """(in, out) of a Linear or a QuantizedLinear (whose weight packs `bits`-bit values in uint32)."""
     out_dims, packed = linear.weight.shape
-    if isinstance(linear, nn.QuantizedLinear):
+    if isinstance(linear, QuantizedLinear):
         return packed * 32 // linear.bits, out_dims
     return packed, out_dims
 
@@ -245,7 +247,7 @@ class AdapterBank:
             if parent is None:
                 raise InvalidAdapterError(f"{name}: the base model has no such layer")
         base = parent[int(leaf)] if isinstance(parent, list) else getattr(parent, leaf, None)
-        if not isinstance(base, (nn.Linear, nn.QuantizedLinear)):
+        if not isinstance(base, (Linear, QuantizedLinear)):
             raise InvalidAdapterError(f"{name}: not a linear layer of the base model ({type(base).__name__})")
         layer = MultiLoRALinear(base, self)
         if isinstance(parent, list):
