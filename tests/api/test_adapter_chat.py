@@ -154,3 +154,13 @@ async def test_metrics_and_the_models_page_name_each_adapter(aliases, api_key, m
     page = (await sync_to_async(admin_client.get)("/dashboard/models/")).content.decode()
     assert "+ adapter" in page
     assert "lora-one" in page and "lora-two" in page
+
+
+async def test_several_choices_share_a_prompt_prefilled_under_their_adapter(
+    aliases, api_key, mlx_engine, expected
+):
+    """`n` = 2: the first choice's prompt, prefilled once for both, is the adapter's (greedy: both equal)."""
+    response = await chat(api_key, "tiny-two", PROMPTS[2], n=2, logprobs=True)
+    assert response.status_code == 200, response.content
+    for choice in response.json()["choices"]:
+        assert [e["bytes"] for e in choice["logprobs"]["content"]] == expected[("two", PROMPTS[2])]
