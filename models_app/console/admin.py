@@ -249,6 +249,7 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
     list_display = (
         "name",
         "model_link",
+        "adapter",
         "kind",
         "enabled",
         "temperature",

@@ -115,5 +115,6 @@ def test_an_alias_takes_one_of_its_models_adapters_only(admin_client, base, adap
     assert ModelAlias.objects.get(name="tiny-chat").adapter == adapter
     model_page = admin_client.get(f"/admin/models_app/model/{base.pk}/change/").content.decode()
     assert "lora-one" in model_page  # the model's alias list names the adapter
+    assert "lora-one" in admin_client.get("/admin/models_app/modelalias/").content.decode()
     adapter_page = admin_client.get(f"/admin/models_app/adapter/{adapter.pk}/change/").content.decode()
     assert "tiny-chat" in adapter_page  # and the adapter's page its aliases
