@@ -9,6 +9,7 @@ verify pass.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import mlx_lm
@@ -16,7 +17,7 @@ import pytest
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlxhost.engine import ModelSpec, SamplingParams
-from mlxhost.engine.adapter_files import adapter_fingerprint
+from mlxhost.engine.adapter_files import adapter_fingerprint, check_against_base, read_adapter
 from mlxhost.engine.backends.mlx.backend import MlxBackend, MlxModel
 from mlxhost.engine.backends.mlx.batch import MlxBatch
 from mlxhost.engine.backends.mlx.drafting import PassCost, SpeculationConfig
@@ -25,8 +26,6 @@ from mlxhost.engine.errors import InvalidAdapterError
 from mlxhost.engine.types import AdapterRef
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from mlxhost.engine.backends.mlx.adapters import AdapterBank
 
 pytestmark = pytest.mark.timeout(300)
@@ -196,3 +195,21 @@ def test_an_adapter_of_other_shapes_is_refused_at_load(backend, tmp_path):
     (tmp_path / "adapters.safetensors").write_bytes(b"")
     with pytest.raises(InvalidAdapterError, match="dora"):
         backend.adapters.slot(AdapterRef("x" * 64, "bad", str(tmp_path)))
+
+
+def test_an_adapter_on_quantized_weights(tiny_model_dir, tiny_quantized_dir, adapters, tiny_eos_id):
+    """A quantized base (mlx-lm's affine 4 and 8 bits): the check reads its packed widths, and the
+    adapter trained on the float base serves exactly as mlx-lm applies it there, beside base rows."""
+    one = adapters[0]
+    check_against_base(read_adapter(Path(one.path)), tiny_quantized_dir)  # fits: same layers, widths
+    model = MlxBackend().load(ModelSpec(3, str(tiny_quantized_dir), "q" * 64), lambda *_: None)
+    batch = open_batch(model)
+    handles = {}
+    for ref, i in ((one, 0), (None, 1), (one, 3)):
+        handle = batch.insert(model.encode(PROMPTS[i]), sampling(tiny_eos_id), None, 0, adapter=ref)
+        handles[handle] = (ref, i)
+    runs: dict[Any, list[int]] = {key: [] for key in handles.values()}
+    drive(batch, handles, runs)
+    batch.close()
+    for (ref, i), tokens in runs.items():
+        assert tokens == reference(tiny_quantized_dir, ref, model.encode(PROMPTS[i]), tiny_eos_id), (ref, i)
