@@ -179,6 +179,27 @@ def _request_metrics(engine: Engine) -> Iterator[Metric]:
         _add_histogram(ttft, labels, stats.ttft_s)
         _add_histogram(decode, labels, stats.decode_tps)
     yield from (requests, rejected, *tokens.values(), ratio, ttft, decode)
+    yield from _adapter_metrics(engine)
+
+
+def _adapter_metrics(engine: Engine) -> Iterator[Metric]:
+    """Finished requests and their tokens per LoRA adapter and instance (issue 28)."""
+    labels = ["adapter", "instance"]
+    families = [
+        CounterMetricFamily(
+            "mlxhost_adapter_requests", "Finished requests served under an adapter.", labels=labels
+        ),
+        CounterMetricFamily(
+            "mlxhost_adapter_prompt_tokens", "Prompt tokens of those requests.", labels=labels
+        ),
+        CounterMetricFamily(
+            "mlxhost_adapter_completion_tokens", "Generated tokens under an adapter.", labels=labels
+        ),
+    ]
+    for name, instance_id, counts in sorted(engine.stats.adapters(), key=lambda item: item[:2]):
+        for family, count in zip(families, counts, strict=True):
+            family.add_metric([name, str(instance_id)], count)
+    yield from families
 
 
 def _embedding_metrics(engine: Engine) -> Iterator[Metric]:

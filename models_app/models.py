@@ -199,6 +199,10 @@ class ModelAlias(BaseModel):
     name = models.SlugField(max_length=64, unique=True)
     description = models.CharField(max_length=200, blank=True)
     model = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="aliases")
+    # A LoRA adapter of `model` applied to this alias's requests (issue 28); empty: the base alone.
+    adapter = models.ForeignKey(
+        "Adapter", null=True, blank=True, on_delete=models.PROTECT, related_name="aliases"
+    )
     enabled = models.BooleanField(default=True, db_index=True)
 
     temperature = models.FloatField(default=0.7, validators=[MinValueValidator(0.0), MaxValueValidator(2.0)])
@@ -476,3 +480,27 @@ class QuantizedCopy(BaseModel):
 
     def __str__(self) -> str:
         return f"{self.source.name} at {self.bits} bits, group {self.group_size}"
+
+
+class Adapter(BaseModel):
+    """A LoRA adapter of a base Model (issue 28): a folder under MODELS_ROOT in the layout mlx_lm.lora
+    writes, checked against the base when saved, identified by its files' fingerprint. Aliases
+    point at one; the engine loads it into the resident base on first use and batches its rows
+    with the base's and other adapters' (docs/models.md)."""
+
+    name = models.SlugField(max_length=64, unique=True, help_text="A label for staff, metrics and usage.")
+    description = models.CharField(max_length=200, blank=True)
+    base = models.ForeignKey(Model, on_delete=models.PROTECT, related_name="adapters")
+    local_path = models.CharField(max_length=512, help_text="A folder relative to MODELS_ROOT.")
+    # What the check at save found (read only): the files' fingerprint, the rank, scale and layers.
+    fingerprint = models.CharField(max_length=64, editable=False, db_index=True)
+    rank = models.PositiveSmallIntegerField(null=True, editable=False)
+    scale = models.FloatField(null=True, editable=False)
+    layers = models.PositiveIntegerField(null=True, editable=False)
+    nbytes = models.BigIntegerField(null=True, editable=False)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from mlxhost.engine.adapter_files import (
+    ADAPTER_FILES,
+    AdapterInfo,
+    adapter_fingerprint,
+    check_against_base,
+    read_adapter,
+)
 from mlxhost.engine.config import EngineConfig, prefix_cache_bytes
 from mlxhost.engine.disk import remove_saved
 from mlxhost.engine.embeddings import MAX_INPUTS as MAX_EMBEDDING_INPUTS
@@ -15,6 +22,7 @@ from mlxhost.engine.errors import (
     EngineError,
     GenerationFailedError,
     HubError,
+    InvalidAdapterError,
     InvalidModelFolderError,
     InvalidRequestError,
     ModelLoadError,
@@ -38,6 +46,7 @@ from mlxhost.engine.stats import Histogram, RequestStats
 from mlxhost.engine.types import (
     ALIAS_SAMPLING_FIELDS,
     SAMPLING_KNOBS,
+    AdapterRef,
     Delta,
     Done,
     EmbeddingRequest,
@@ -79,12 +88,15 @@ from mlxhost.engine.weights import (
 )
 
 __all__ = [
+    "ADAPTER_FILES",
     "ALIAS_SAMPLING_FIELDS",
     "MAX_EMBEDDING_INPUTS",
     "OVERLOADED_CODES",
     "QUANT_BITS",
     "QUANT_GROUP_SIZES",
     "SAMPLING_KNOBS",
+    "AdapterInfo",
+    "AdapterRef",
     "Delta",
     "Done",
     "DrainingError",
@@ -106,6 +118,7 @@ __all__ = [
     "HubChanges",
     "HubCommit",
     "HubError",
+    "InvalidAdapterError",
     "InvalidModelFolderError",
     "InvalidRequestError",
     "KVQuantization",
@@ -142,6 +155,8 @@ __all__ = [
     "Usage",
     "WeightsChangedError",
     "WrongModelKindError",
+    "adapter_fingerprint",
+    "check_against_base",
     "detect_kind",
     "folder_fingerprint",
     "folder_vocabulary",
@@ -153,6 +168,7 @@ __all__ = [
     "is_internal_name",
     "physical_memory_bytes",
     "prefix_cache_bytes",
+    "read_adapter",
     "remove_saved",
     "resolve_under",
     "validate_model_folder",

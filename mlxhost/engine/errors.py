@@ -190,3 +190,10 @@ class QuantizationError(EngineError):
     """A quantized copy could not be made (an unsupported or already quantized model, a full disk)."""
 
     code = "quantization_failed"
+
+
+class InvalidAdapterError(EngineError):
+    """A LoRA adapter folder is incomplete, of a kind mlxhost does not serve, or does not fit its
+    base model (layer names, shapes, rank); the message lists what does not fit."""
+
+    code = "invalid_adapter"

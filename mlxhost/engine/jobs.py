@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from mlxhost.engine.backends.base import LoadedModel
     from mlxhost.engine.disk import DiskEntry, DiskTier
     from mlxhost.engine.generation import Generation
-    from mlxhost.engine.types import RowGroup, SamplingParams
+    from mlxhost.engine.types import AdapterRef, RowGroup, SamplingParams
 
 
 @dataclass(slots=True)
@@ -50,6 +50,7 @@ class GenerateJob:
     max_draft: int = 0
     prediction_ids: tuple[int, ...] = ()
     rows: RowGroup | None = None  # one choice of several (`n` > 1): a batch prefills their prompt once
+    adapter: AdapterRef | None = None  # the alias's LoRA adapter on the base weights (issue 28)
 
     def start_kv(self, model: LoadedModel) -> tuple[object | None, int]:
         """The cache this job starts from and how many prompt tokens it holds (worker thread).

@@ -198,7 +198,7 @@ class Start:
         generation.cached_tokens = lease.reuse_tokens if lease else saved.reuse_tokens if saved else 0
         job = GenerateJob(generation, prepared.prompt_ids, self.entered_at, self.on_end, prepared.sampling)
         job.max_draft, job.prediction_ids = prepared.max_draft, prepared.prediction_ids
-        job.rows = generation.request.rows
+        job.rows, job.adapter = generation.request.rows, generation.request.adapter
         if lease is not None:
             job.session_kv, job.session_tokens = lease.entry.kv, lease.entry.tokens
             job.reuse_tokens, job.owns_session = lease.reuse_tokens, lease.owned

@@ -40,12 +40,16 @@ class SessionScoper:
         previous_response_id: str | None = None,
         prompt_cache_key: str | None = None,
         warm_any: bool = False,
+        adapter: str = "",
     ) -> SessionQuery:
-        """Build a `SessionQuery` bound to `tenant` (SES-3): another tenant gets other fingerprints."""
+        """Build a `SessionQuery` bound to `tenant` (SES-3): another tenant gets other fingerprints.
+        `adapter` (a LoRA adapter's fingerprint, issue 28) is part of the domain: KV computed under
+        one adapter is never reused under another or under the base, in memory or on disk."""
         salt = salt or ""
         key = None if prompt_cache_key is None else self._mac("key", tenant, salt, prompt_cache_key)
+        under = ("adapter", adapter) if adapter else ()
         return SessionQuery(
-            domain=self._mac("domain", tenant, salt),
+            domain=self._mac("domain", tenant, salt, *under),
             instructions=self._mac("instr", instructions),
             previous_response_id=previous_response_id,
             cache_key=key,

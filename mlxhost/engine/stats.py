@@ -103,6 +103,18 @@ class EngineStats:
         self._requests: dict[Key, RequestStats] = {}
         self._embeddings: dict[Key, EmbeddingStats] = {}
         self.unloads: dict[int, dict[str, int]] = {}  # instance id -> reason -> count
+        # (adapter name, instance id) -> [requests, prompt tokens, completion tokens] (issue 28)
+        self._adapters: dict[Key, list[int]] = {}
+
+    def adapters(self) -> list[tuple[str, int, list[int]]]:
+        return [(name, instance_id, counts) for (name, instance_id), counts in self._adapters.items()]
+
+    def adapter_finished(self, key: Key, done: Done) -> None:
+        """Count a finished request of a LoRA adapter (its alias's counts hold it too)."""
+        counts = self._adapters.setdefault(key, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += done.usage.prompt_tokens
+        counts[2] += done.usage.completion_tokens
 
     def requests(self) -> list[tuple[str, int, RequestStats]]:
         return [(name, instance_id, stats) for (name, instance_id), stats in self._requests.items()]

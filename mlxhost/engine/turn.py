@@ -309,6 +309,9 @@ class Turn:
         stats = self._stats
         if isinstance(event, Done):
             stats.finished(self.key, event)
+            adapter = self.generation.request.adapter if self.generation is not None else None
+            if adapter is not None:  # counted per adapter too (issue 28)
+                stats.adapter_finished((adapter.name, self.instance_id), event)
         elif event.code in REJECTIONS:
             stats.reject(self.key, event.code)  # left the queue without running (LANE-7/8)
         else:

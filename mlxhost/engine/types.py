@@ -194,6 +194,17 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """A LoRA adapter applied on the base weights that serve a turn (issue 28): `key` is its files'
+    fingerprint (what the loaded model keeps it by, and what scopes its cached KV), `path` its
+    absolute folder in mlx_lm.lora's layout, `name` the label shown in metrics and usage."""
+
+    key: str
+    name: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class RowGroup:
     """One of a request's `size` choices (OpenAI `n`): the rows of one `key` share one prompt,
     and in a batch the first row (`index` 0) prefills it once for the others (docs/api.md)."""
@@ -240,6 +251,8 @@ class GenerationRequest:
     prediction: str | None = None
     # One choice of a request with several (`n` > 1); None: the request's only one.
     rows: RowGroup | None = None
+    # The alias's LoRA adapter on the base weights (None: the base alone); its KV is its own.
+    adapter: AdapterRef | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,15 +26,15 @@ def alias_resolve(*, name: str) -> ModelAlias:
     Raises:
         ModelAlias.DoesNotExist: no enabled alias has that name, or its model has no instance yet.
     """
-    return ModelAlias.objects.select_related("model__instance", "model__draft_model__instance").get(
-        name=name, enabled=True, model__instance__isnull=False
-    )
+    return ModelAlias.objects.select_related(
+        "model__instance", "model__draft_model__instance", "adapter"
+    ).get(name=name, enabled=True, model__instance__isnull=False)
 
 
 def aliases_enabled() -> QuerySet[ModelAlias]:
-    return ModelAlias.objects.select_related("model__instance", "model__draft_model__instance").filter(
-        enabled=True, model__instance__isnull=False
-    )
+    return ModelAlias.objects.select_related(
+        "model__instance", "model__draft_model__instance", "adapter"
+    ).filter(enabled=True, model__instance__isnull=False)
 
 
 def aliases_for_chat() -> QuerySet[ModelAlias]:
@@ -46,7 +46,7 @@ def models_with_aliases() -> QuerySet[Model]:
     """Every model, by name, with its instance and its aliases (the Models page, ADM-7)."""
     return (
         Model.objects.select_related("instance", "draft_model__instance")
-        .prefetch_related("aliases")
+        .prefetch_related("aliases__adapter")
         .order_by("name")
     )
 

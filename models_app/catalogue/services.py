@@ -26,7 +26,7 @@ from mlxhost.engine import (
 )
 from mlxhost.runtime import runtime_settings
 from models_app.accounting.apikeys import key_generate, key_hash, key_prefix
-from models_app.catalogue import control, hotcache, hub_pins
+from models_app.catalogue import adapters, control, hotcache, hub_pins
 from models_app.catalogue.audit import ADDED, actor_named, audit_changes, audit_record, audit_saved
 from models_app.catalogue.drafts import model_draft_check
 from models_app.catalogue.kv_format import kv_format_check
@@ -233,6 +233,7 @@ def alias_save(*, alias: ModelAlias, actor: Actor = None) -> ModelAlias:
     Raises:
         ValidationError: a setting is invalid.
     """
+    adapters.alias_adapter_check(alias=alias)  # its adapter is its model's (issue 28)
     alias.full_clean()
     changes = audit_changes(alias) if actor is not None else []
     alias.save()

@@ -16,6 +16,7 @@ from django.utils.html import format_html
 
 from mlxhost.engine import ALIAS_SAMPLING_FIELDS
 from models_app.catalogue import control, services
+from models_app.console import admin_adapters as admin_adapters  # registers LoRA adapters (issue 28)
 from models_app.console import admin_keys as admin_keys  # registers the API key and usage pages (KEY-1..4)
 from models_app.console import admin_responses as admin_responses  # registers stored responses (ADM-5)
 from models_app.console.admin_hub import HUB_ACTIONS, HubPinActions
@@ -64,7 +65,7 @@ class AliasInline(_AliasInlineBase):
     """The aliases a model serves, read-only here: each is edited on its own page."""
 
     model = ModelAlias
-    fields = ("name", "enabled", "temperature", "default_output_tokens", "output_token_clamp")
+    fields = ("name", "adapter", "enabled", "temperature", "default_output_tokens", "output_token_clamp")
     readonly_fields = fields
     default_output_tokens = alias_column("max_tokens")
     output_token_clamp = alias_column("max_output_tokens")
@@ -252,6 +253,7 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
     list_display = (
         "name",
         "model_link",
+        "adapter",
         "kind",
         "enabled",
         "temperature",
@@ -260,7 +262,7 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
     )
     default_output_tokens = alias_column("max_tokens")
     list_filter = ("enabled", "model")
-    list_select_related = ("model", "model__instance")
+    list_select_related = ("model", "model__instance", "adapter")
     search_fields = ("name", "description", "model__name")
     readonly_fields = ("created_at", "updated_at")
 
@@ -269,7 +271,7 @@ class ModelAliasAdmin(_ModelAliasAdminBase):
         return obj.model.get_kind_display()
 
     fieldsets = (
-        (None, {"fields": ("name", "description", "model", "enabled")}),
+        (None, {"fields": ("name", "description", "model", "adapter", "enabled")}),
         (
             "Sampling defaults",
             {"fields": ALIAS_SAMPLING_FIELDS},

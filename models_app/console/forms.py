@@ -14,6 +14,7 @@ from django.utils.html import format_html, format_html_join
 
 from mlxhost.engine import ALIAS_SAMPLING_FIELDS
 from models_app.catalogue import services
+from models_app.catalogue.adapters import adapter_base_error
 from models_app.catalogue.drafts import model_draft_check
 from models_app.catalogue.folders import model_folders_available
 from models_app.models import ApiKey, Model, ModelAlias
@@ -37,7 +38,7 @@ MODEL_FORM_FIELDS = (
     "draft_model",
 )  # fmt: skip
 ALIAS_FORM_FIELDS = (
-    "name", "description", "model", "enabled",
+    "name", "description", "model", "adapter", "enabled",
     *ALIAS_SAMPLING_FIELDS,
     "max_output_tokens", "max_input_tokens", "enable_thinking", "chat_template_kwargs",
     "speculation", "speculation_max_k",
@@ -118,6 +119,7 @@ ALIAS_LABELS = {
     "name": "Name (what clients send as model)",
     "description": "Description",
     "model": "Model",
+    "adapter": "LoRA adapter",
     "enabled": "Enabled",
     "temperature": "Temperature",
     "top_p": "Top p",
@@ -136,6 +138,9 @@ ALIAS_HELP = {
     "name": "A slug (letters, digits, - and _; up to 64), unique: clients put it in the request's model.",
     "description": "Optional, up to 200 characters: a note for staff.",
     "model": "The weights, lane and memory policy that serve this name; aliases of one model share them.",
+    "adapter": "Optional: one of the model's LoRA adapters (Adapters page), applied to this name's requests. "
+    "The base stays loaded and serves its other aliases; rows of every adapter and of none share one batch. "
+    "Empty: the base alone.",
     "enabled": "Off: requests for this name get 404, and /v1/models leaves it out.",
     "temperature": "0 to 2 (default 0.7), when the request gives none. 0 always picks the likeliest token.",
     "top_p": "0 to 1 (default 1, off): sample only from the likeliest tokens whose probabilities add up to this.",
@@ -285,6 +290,8 @@ class ModelAliasForm(_ModelAliasFormBase):
         if default is not None and clamp is not None and default > clamp:
             # On the field, in words, and with the other errors (the table constraint says it too late).
             self.add_error("max_tokens", MAX_TOKENS_OVER_CLAMP.format(default=default, clamp=clamp))
+        if (error := adapter_base_error(cleaned.get("adapter"), cleaned.get("model"))) is not None:
+            self.add_error("adapter", error)  # an adapter of another model (issue 28)
         return cleaned
 
 

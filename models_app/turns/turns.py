@@ -37,6 +37,7 @@ from mlxhost.runtime.lifecycle import engine_if_started
 from models_app.accounting import limits, usage
 from models_app.accounting.limits import KeyLimits
 from models_app.catalogue import lookups, specs
+from models_app.catalogue.adapters import adapter_ref_for
 from models_app.models import Model, ModelAlias
 from models_app.turns.binding import engine_for
 
@@ -180,6 +181,7 @@ def generation_request(
         previous_response_id=cache.previous_response_id,
         prompt_cache_key=cache.prompt_cache_key,
         warm_any=cache.warm_any,
+        adapter=alias.adapter.fingerprint if alias.adapter is not None else "",  # KV per adapter
     )
     return EngineRequest(
         request_id=request_id,
@@ -200,6 +202,7 @@ def generation_request(
         max_draft=alias.speculation_max_k if alias.speculation else 0,
         prediction=turn.prediction,
         rows=rows,
+        adapter=adapter_ref_for(alias),
     )
 
 

@@ -38,9 +38,9 @@ async def test_greedy_choices_are_equal_and_usage_counts_the_prompt_once(
     (instance,) = mlx_engine.registry.instances()
     prefilled, prefill = [], instance.model.prefill
 
-    def counted(kv, token_ids):
+    def counted(kv, token_ids, adapter=None):
         prefilled.append(len(token_ids))
-        return prefill(kv, token_ids)
+        return prefill(kv, token_ids, adapter)
 
     monkeypatch.setattr(instance.model, "prefill", counted)
     response = await post_chat(api_key, n=3, max_tokens=6, logit_bias=no_eos)

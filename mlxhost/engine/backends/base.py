@@ -11,7 +11,15 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from mlxhost.engine.answer import TextSplitter
-    from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, TokenLogprob, Tool
+    from mlxhost.engine.types import (
+        AdapterRef,
+        Grammar,
+        Message,
+        ModelSpec,
+        SamplingParams,
+        TokenLogprob,
+        Tool,
+    )
 
 # (done, total[, unit[, phase]], file=(path, done, size)): bytes read ("bytes", the default) or
 # downloaded (phase "download", with the file in flight), or files ("files").
@@ -111,8 +119,9 @@ class BatchRunner(Protocol):
         *,
         prediction_ids: Sequence[int] | None = None,
         max_draft: int | None = None,
+        adapter: AdapterRef | None = None,
     ) -> int:
-        """Add a sequence and return its handle; it starts on the next `step()`.
+        """Add a sequence (under `adapter`, None: the base) and return its handle; it starts on the next `step()`.
 
         `kv` (None = a fresh cache) already holds exactly `prompt_ids[:cached]`; the rest of
         the prompt is fed on top of it. The batch owns `kv` from now on. In a speculating batch
@@ -224,8 +233,10 @@ class LoadedModel(Protocol):
         context: Sequence[int] = (),
         max_draft: int = 0,
         counts: DraftCounts | None = None,
+        adapter: AdapterRef | None = None,
     ) -> Iterator[TokenStep | StepEnd]:
-        """Feed `prompt_ids` on top of `kv`, then yield one `TokenStep` per token and one `StepEnd`.
+        """Feed `prompt_ids` on top of `kv`, then yield one `TokenStep` per token and one `StepEnd`,
+        under `adapter` (a LoRA adapter on these weights, loaded on first use; None: the base).
 
         `context` is the prompt's start that `kv` already holds (a cached prefix): the penalties
         look back over it too, so a cached prefix never changes the answer. The cache grows in
@@ -247,7 +258,9 @@ class LoadedModel(Protocol):
         prefix cache lends one entry to many requests); None when this cache cannot be cut there."""
         ...
 
-    def prefill(self, kv: object | None, token_ids: Sequence[int]) -> object:
+    def prefill(
+        self, kv: object | None, token_ids: Sequence[int], adapter: AdapterRef | None = None
+    ) -> object:
         """Feed `token_ids` on top of `kv` (None: a new cache) without sampling; returns the
         cache, which then holds them too (the shared prompt of a request's choices, `n` > 1)."""
         ...

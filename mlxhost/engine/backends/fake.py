@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
     from pathlib import Path
 
-    from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, Tool
+    from mlxhost.engine.types import AdapterRef, Grammar, Message, ModelSpec, SamplingParams, Tool
 
 # The fake's thinking and tool-call markers (models with `knows_tools`; thinking always).
 THINK = ("<think>", "</think>")
@@ -148,8 +148,10 @@ class FakeModel:
         context: Sequence[int] = (),
         max_draft: int = 0,
         counts: DraftCounts | None = None,
+        adapter: AdapterRef | None = None,
     ) -> Iterator[TokenStep | StepEnd]:
         backend, cache = self._backend, _fake(kv)
+        backend.adapters.append(adapter.name if adapter else None)
         backend.history.append((self.spec.instance_id, list(prompt_ids), sampling))
         backend.contexts.append(list(context))
         if backend.generate_failures:
@@ -186,7 +188,9 @@ class FakeModel:
         copy.tokens = source.tokens[:n]
         return copy
 
-    def prefill(self, kv: object | None, token_ids: Sequence[int]) -> FakeCache:
+    def prefill(
+        self, kv: object | None, token_ids: Sequence[int], adapter: AdapterRef | None = None
+    ) -> FakeCache:
         cache = FakeCache() if kv is None else _fake(kv)
         self._backend.prefills.append(list(token_ids))
         cache.tokens.extend(token_ids)
@@ -291,6 +295,7 @@ class FakeBackend:
         self.dispose_calls = 0
         self.copies = 0  # prefix copies handed to requests (copy_cache)
         self.prefills: list[list[int]] = []  # prompts fed once for a request's choices (prefill)
+        self.adapters: list[str | None] = []  # each generation's adapter name (None: the base)
         self.saves = 0  # caches written to the disk tier (save_cache)
         self.loads_from_disk = 0  # and read back (load_cache)
         self.render_calls = 0

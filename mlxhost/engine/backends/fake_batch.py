@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from mlxhost.engine.backends.fake import FakeBackend
-    from mlxhost.engine.types import SamplingParams
+    from mlxhost.engine.types import AdapterRef, SamplingParams
 
 DEFAULT_WORD = "tok "
 GENERATED_ID_BASE = 100_000  # generated ids never collide with prompt characters
@@ -138,8 +138,10 @@ class FakeBatch:
         *,
         prediction_ids: Sequence[int] | None = None,
         max_draft: int | None = None,
+        adapter: AdapterRef | None = None,
     ) -> int:
         backend = self._backend
+        backend.adapters.append(adapter.name if adapter else None)
         cache = FakeCache() if kv is None else _fake(kv)
         assert len(cache.tokens) == cached, "the cache must hold exactly the cached prefix"
         fed = list(prompt_ids[cached:])

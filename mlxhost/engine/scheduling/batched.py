@@ -92,6 +92,7 @@ class Batch:
                 held,
                 prediction_ids=job.prediction_ids or None,
                 max_draft=job.max_draft,
+                adapter=job.adapter,
             )
         except Exception:
             logger.exception("inserting generation %s into the batch failed", generation.request_id)

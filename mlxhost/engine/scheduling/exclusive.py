@@ -108,6 +108,7 @@ class ExclusiveScheduler(Scheduler):
             context=job.prompt_ids[:reuse],
             max_draft=job.max_draft,
             counts=stats.speculation,  # a draft model's drafts, as the batch counts its rows'
+            adapter=job.adapter,
         )
         generated: list[int] = []
         logprobs: list[TokenLogprob] = []  # with a request for them: one per generated token

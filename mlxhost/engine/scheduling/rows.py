@@ -54,7 +54,7 @@ class SharedPrompts:
         shared = len(prompt) - 1
         if rows.index > 0 or shared <= reuse:
             return kv, reuse, reuse  # nothing left to share beyond what the prefix cache gave
-        kv = model.prefill(kv, prompt[reuse:shared])
+        kv = model.prefill(kv, prompt[reuse:shared], job.adapter)
         copy = model.copy_cache(kv, shared)
         if copy is not None:
             self._pending = (rows.key, _Lent(copy, tuple(prompt[:shared]), rows.size - 1, -1))

@@ -51,3 +51,21 @@ def chat(spec: ModelSpec, request_id: str, messages, session=None, **sampling) -
         messages=tuple(Message(role, content) for role, content in messages),
         session=session,
     )
+
+
+def greedy_alone(base: str, adapter_path: str | None, prompt: str, max_tokens: int) -> list[list[int]]:
+    """mlx-lm alone (`load(base, adapter_path=...)`, `stream_generate`, greedy) on a one-message chat:
+    the answer's tokens as their bytes (what logprobs report), without the EOS."""
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlxhost.engine.backends.mlx.grammar import Vocabulary
+
+    model, tokenizer = mlx_lm.load(base, adapter_path=adapter_path)[:2]
+    vocabulary = Vocabulary(tokenizer, model.args.vocab_size)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    responses = mlx_lm.stream_generate(
+        model, tokenizer, ids, max_tokens=max_tokens, sampler=make_sampler(0.0)
+    )
+    tokens = [int(r.token) for r in responses]
+    return [list(vocabulary.token_bytes(t)) for t in tokens if t not in tokenizer.eos_token_ids]

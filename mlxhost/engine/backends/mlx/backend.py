@@ -22,6 +22,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlxhost.engine.backends.base import DraftCounts, ProgressCallback, StepEnd, TokenStep
+from mlxhost.engine.backends.mlx.adapters import AdapterBank
 from mlxhost.engine.backends.mlx.batch import (
     PREFILL_STEP_ALONE,
     MlxBatch,
@@ -64,7 +65,15 @@ atexit.register(mx.clear_streams)
 if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
-    from mlxhost.engine.types import Grammar, KVQuantization, Message, ModelSpec, SamplingParams, Tool
+    from mlxhost.engine.types import (
+        AdapterRef,
+        Grammar,
+        KVQuantization,
+        Message,
+        ModelSpec,
+        SamplingParams,
+        Tool,
+    )
 
 
 # Canonical composition (NFC, NFKC) folds at most this many characters into one: no canonical
@@ -97,6 +106,7 @@ class MlxModel:
         self.path = path
         # The KV cache format (quantized_kv.py): None keeps full precision.
         self.kv_quantization = kv_quantization
+        self.adapters = AdapterBank(model)  # LoRA adapters on these weights, loaded on first use (issue 28)
         self._bytes = sum(p.stat().st_size for p in path.glob("model*.safetensors"))
         args = getattr(model, "args", None)
         self.vocab_size = int(getattr(args, "vocab_size", 0) or len(tokenizer.vocab))
@@ -186,9 +196,12 @@ class MlxModel:
             trim_prompt_cache(copied, extra)
         return copied
 
-    def prefill(self, kv: object | None, token_ids: Sequence[int]) -> list[Any]:
+    def prefill(
+        self, kv: object | None, token_ids: Sequence[int], adapter: AdapterRef | None = None
+    ) -> list[Any]:
         # As mlx-lm's generate_step feeds a prompt: in chunks, each evaluated before the next.
         layers = make_prompt_cache(self._model) if kv is None else _layers(kv)
+        self.adapters.select([self.adapters.slot(adapter)])
         with mx.stream(generation_stream):
             for start in range(0, len(token_ids), PREFILL_STEP_ALONE):
                 chunk = mx.array(list(token_ids[start : start + PREFILL_STEP_ALONE]), dtype=mx.uint32)
@@ -223,6 +236,24 @@ class MlxModel:
         context: Sequence[int] = (),
         max_draft: int = 0,
         counts: DraftCounts | None = None,
+        adapter: AdapterRef | None = None,
+    ) -> Iterator[TokenStep | StepEnd]:
+        slot = self.adapters.slot(adapter)  # InvalidAdapterError: it will not load
+        self.adapters.hold(slot, 1)
+        try:
+            self.adapters.select([slot])  # one stream: every pass of it under this adapter
+            yield from self._generate(prompt_ids, sampling, kv, context, max_draft, counts)
+        finally:
+            self.adapters.hold(slot, -1)
+
+    def _generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        kv: object,
+        context: Sequence[int],
+        max_draft: int,
+        counts: DraftCounts | None,
     ) -> Iterator[TokenStep | StepEnd]:
         sampler = make_request_sampler(sampling)
         processors = make_processors(sampling, self.vocabulary)
@@ -308,10 +339,11 @@ class MlxModel:
             speculation=SpeculationConfig() if speculation else None,
             kv_quantization=self.kv_quantization,
             draft=draft,
+            adapters=self.adapters,
         )
 
     def memory_bytes(self) -> int:
-        return self._bytes + self._draft_bytes
+        return self._bytes + self._draft_bytes + self.adapters.nbytes()
 
     def recover(self) -> None:
         """After a failure: a fresh global random state and no cached buffers."""

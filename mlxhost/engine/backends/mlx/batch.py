@@ -13,6 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors, make_sampler
 
 from mlxhost.engine.backends.base import BatchStep, DraftCounts, SequenceCache
+from mlxhost.engine.backends.mlx.adapters import RowAdapters
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
 from mlxhost.engine.backends.mlx.drafting import PredictionAligner, SpeculationConfig
 from mlxhost.engine.backends.mlx.grammar import GrammarProcessor
@@ -23,9 +24,10 @@ from mlxhost.engine.errors import GrammarFailedError
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from mlxhost.engine.backends.mlx.adapters import AdapterBank
     from mlxhost.engine.backends.mlx.draft_model import DraftModelRows
     from mlxhost.engine.backends.mlx.grammar import Vocabulary
-    from mlxhost.engine.types import KVQuantization, SamplingParams, TokenLogprob
+    from mlxhost.engine.types import AdapterRef, KVQuantization, SamplingParams, TokenLogprob
 
 # Sequences prefilled together; more would make a long prompt's arrival stall every stream longer.
 PREFILL_BATCH = 8
@@ -122,7 +124,7 @@ class _Guard:
         return guarded
 
 
-def _reason(guards: Sequence[_Guard]) -> str:
+def _reason(guards: Sequence[_Guard]) -> str:  # the first fault's one line
     return next((g.reason for g in guards if g.faulted), "")
 
 
@@ -177,6 +179,7 @@ class MlxBatch:
         speculation: SpeculationConfig | None = None,
         kv_quantization: KVQuantization | None = None,
         draft: DraftModelRows | None = None,
+        adapters: AdapterBank | None = None,
     ) -> None:
         """`draft`: the model's draft model (draft_model.py), which drafts for every row that
         speculates instead of prompt lookup; only with `speculation`."""
@@ -193,25 +196,21 @@ class MlxBatch:
             stop_tokens=[[token] for token in eos] or None,
             completion_batch_size=capacity,
             prefill_batch_size=min(capacity, PREFILL_BATCH),
-            # The largest chunk; step() narrows it per step through `prefill_step_size`.
-            prefill_step_size=self._prefill_step_alone,
+            prefill_step_size=self._prefill_step_alone,  # the largest; step() narrows it per step
         )
         self._model = model
         self._eos = set(eos)
         self._detokenizers: dict[int, ExactDetokenizer] = {}
         self._decoding: set[int] = set()  # handles past their prompt, producing tokens
-        # First tokens computed at insert (see `_insert_started`), handed out by the next step.
-        self._first: dict[int, BatchStep] = {}
+        self._first: dict[int, BatchStep] = {}  # first tokens sampled at insert, out at the next step
         self._ended_handles = 0  # handles (negative) of sequences that ended on their first token
         self._fed_alone = 0  # prompt tokens fed by `_insert_started` since the last step
         self._samplers: dict[tuple[float, float, float, int], tuple[_Guard, Any]] = {}
         self._guards: dict[int, tuple[_Guard, _Guard]] = {}  # handle -> (its sampler's, its own)
-        # Speculation (docs/speculation.md): the generator's decode step verifies drafts.
-        self._speculative: SpeculativeGenerationBatch | None = None
+        self._speculative: SpeculativeGenerationBatch | None = None  # verifies drafts (speculation.md)
         self._ended_stats: dict[int, DraftCounts] = {}  # rows that ended in the last step
         self.speculation_totals = DraftCounts()  # every row's counts, summed as rows end
-        # A row with a prediction: its output so far, followed along the prediction (its usage's
-        # prediction counts, OpenAI Predicted Outputs); kept like `_ended_stats` once it ends.
+        # A row's output followed along its prediction (usage counts); kept like `_ended_stats`.
         self._followers: dict[int, tuple[PredictionAligner, list[int]]] = {}
         self._ended_reproduced: dict[int, int] = {}
         if speculation is not None:
@@ -219,10 +218,10 @@ class MlxBatch:
                 model, self._generator.sampler, speculation, draft
             )
             self._generator._generation_batch = self._speculative
+        self._rows = RowAdapters.install(self._generator, adapters)  # LoRA adapters per row (adapters.py)
 
     def accepts(self, sampling: SamplingParams) -> bool:
-        # Every request can share the batch: a seeded one gets a sampler of its own (its own
-        # random key), which BatchGenerator applies to that sequence's row alone.
+        # Every request shares the batch: a seeded one gets a sampler (its own key) for its row alone.
         return True
 
     def insert(
@@ -234,19 +233,23 @@ class MlxBatch:
         *,
         prediction_ids: Sequence[int] | None = None,
         max_draft: int | None = None,
+        adapter: AdapterRef | None = None,
     ) -> int:
-        """Add a sequence; returns its handle. With speculation on, `prediction_ids` (the
-        client's predicted output, OpenAI Predicted Outputs) is its draft source; without,
+        """Add a sequence under `adapter` (None: the base); returns its handle. With speculation on,
+        `prediction_ids` (the client's predicted output, OpenAI Predicted Outputs) is its drafts; without,
         drafts come from its own prompt and output. `max_draft` caps its drafts per step below
         the batch's own cap (0: it never drafts; None: the batch's cap)."""
         if self._kv_quantization is not None:  # every row enters as a mergeable one (quantized_kv.py)
             kv = batch_rows(cast("list[Any]", kv or make_prompt_cache(self._model)), self._kv_quantization)
         suffix = len(prompt_ids) - cached
+        slot = self._rows.slot(adapter)  # InvalidAdapterError: the adapter will not load
         # Fed alone while the batch decodes, within the per-step prefill budget (`prefill_step`
         # tokens between two steps, as a prefill chunk has): the running streams wait no longer.
         if self._decoding and suffix > 0 and self._fed_alone + suffix <= self._prefill_step:
             self._fed_alone += suffix
+            self._rows.select(slot)  # its passes run under its adapter
             handle = self._insert_started(prompt_ids, sampling, kv, cached)
+            self._rows.add(handle, slot)
             self._plan(handle, prompt_ids, sampling, prediction_ids, max_draft)
             return handle
         sampler_guard, sampler = self._sampler(sampling)
@@ -261,6 +264,7 @@ class MlxBatch:
         )
         self._detokenizers[uid] = ExactDetokenizer(self._tokenizer, prompt_ids)
         self._guards[uid] = (sampler_guard, guard)
+        self._rows.add(uid, slot)
         if sampling.logprobs is not None:
             self._top[int(uid)] = sampling.logprobs
         self._plan(int(uid), prompt_ids, sampling, prediction_ids, max_draft)
@@ -315,6 +319,7 @@ class MlxBatch:
             aligner.observe(output, 1)
 
     def _release(self, handle: int) -> None:
+        self._rows.drop(handle)
         follower = self._followers.pop(handle, None)
         if follower is not None:
             self._ended_reproduced[handle] = follower[0].reproduced

@@ -93,6 +93,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
     clock: StepClock
     _plain_run: bool  # the last step was a plain one (mlx-lm's pipeline is running)
     draft_rows: DraftModelRows | None  # the draft model's side (draft_model.py), if the model has one
+    row_hook: Callable[[Sequence[int]], None] | None = None  # adapters.py: each row's LoRA adapter
 
     @classmethod
     def start(
@@ -118,6 +119,11 @@ class SpeculativeGenerationBatch(GenerationBatch):
         if self.draft_rows is not None:
             self.draft_rows.forget(uid)
         return self.drafters.pop(uid, None)
+
+    def _step(self) -> Any:
+        if self.row_hook is not None:
+            self.row_hook(self.uids)
+        return super()._step()
 
     def extend(self, batch: Any) -> None:
         super().extend(batch)
@@ -261,6 +267,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
     def _verify(self, drafts: list[list[int]], pending: list[int]) -> list[Any]:
         width = 1 + max(len(d) for d in drafts)
         rows = [[p, *d] + [0] * (width - 1 - len(d)) for p, d in zip(pending, drafts, strict=True)]
+        if self.row_hook is not None:
+            self.row_hook(self.uids)
         logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self.prompt_cache)
         mx.eval(logits)
 

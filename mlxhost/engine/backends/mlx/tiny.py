@@ -313,3 +313,57 @@ def _fsync_dir(folder: Path) -> None:
         pass  # some filesystems refuse fsync on directories; the rename is still atomic
     finally:
         os.close(fd)
+
+
+def build_tiny_adapter(
+    base: Path,
+    dest: Path,
+    *,
+    seed: int = 0,
+    rank: int = 4,
+    scale: float = 2.0,
+    keys: Iterable[str] | None = None,
+) -> Path:
+    """A random LoRA adapter for the model at `base`, saved as `mlx_lm.lora` saves one (issue 28).
+
+    mlx-lm's own tuner builds it (`linear_to_lora_layers` on every layer, `keys` or its default
+    layers), with `lora_b` random instead of zero so the adapter changes the output; the folder
+    holds `adapters.safetensors` (the trainable parameters) and `adapter_config.json`.
+    Same `seed` gives the same files; built in a temp sibling and renamed in.
+    """
+    from mlx.utils import tree_map_with_path
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model = load(str(base))[0]
+    model.freeze()
+    layers = len(model.layers)
+    parameters: dict[str, Any] = {"rank": rank, "scale": scale, "dropout": 0.0}
+    if keys is not None:
+        parameters["keys"] = sorted(keys)
+    mx.random.seed(seed)
+    linear_to_lora_layers(model, layers, parameters)
+    model.update(
+        tree_map_with_path(
+            lambda path, w: mx.random.normal(w.shape) * 0.2 if path.endswith(".lora_b") else w,
+            model.trainable_parameters(),
+        )
+    )
+    config = {"fine_tune_type": "lora", "num_layers": layers, "lora_parameters": parameters, "seed": seed}
+
+    def write(tmp: Path) -> None:
+        mx.save_safetensors(
+            str(tmp / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters()))
+        )
+        write_json(tmp / "adapter_config.json", config)
+
+    marker = {
+        "kind": "tiny-adapter",
+        "seed": seed,
+        "rank": rank,
+        "scale": scale,
+        "keys": parameters.get("keys"),
+    }
+    return publish_folder(
+        Path(dest), marker=marker, required=("adapters.safetensors", "adapter_config.json"), write=write
+    )
