@@ -15,6 +15,8 @@ from mlxhost.engine.errors import (
     EngineError,
     GenerationFailedError,
     HubError,
+    ImagesNotSupportedError,
+    InvalidImageError,
     InvalidModelFolderError,
     InvalidRequestError,
     ModelLoadError,
@@ -30,12 +32,14 @@ from mlxhost.engine.errors import (
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.hub import HubChanges, HubCommit, hub_changes, hub_check_access, hub_resolve
+from mlxhost.engine.images import ImageLimits, decode_image, request_images
 from mlxhost.engine.names import instance_id_of_name, is_internal_name
 from mlxhost.engine.retention import Retention
 from mlxhost.engine.sessions import SessionQuery, SessionScoper
 from mlxhost.engine.stats import Histogram, RequestStats
 from mlxhost.engine.types import (
     ALIAS_SAMPLING_FIELDS,
+    GENERATING_KINDS,
     SAMPLING_KNOBS,
     Delta,
     Done,
@@ -45,6 +49,7 @@ from mlxhost.engine.types import (
     Failed,
     FinishReason,
     GenerationRequest,
+    Image,
     LaneSettings,
     Message,
     ModelKind,
@@ -67,20 +72,24 @@ from mlxhost.engine.types import (
 from mlxhost.engine.weights import (
     QUANT_BITS,
     QUANT_GROUP_SIZES,
+    VISION_EXTRA,
     detect_kind,
     folder_fingerprint,
     hub_fingerprint,
     resolve_under,
     validate_model_folder,
+    vision_extra_installed,
 )
 
 __all__ = [
     "ALIAS_SAMPLING_FIELDS",
+    "GENERATING_KINDS",
     "MAX_EMBEDDING_INPUTS",
     "OVERLOADED_CODES",
     "QUANT_BITS",
     "QUANT_GROUP_SIZES",
     "SAMPLING_KNOBS",
+    "VISION_EXTRA",
     "Delta",
     "Done",
     "DrainingError",
@@ -102,6 +111,10 @@ __all__ = [
     "HubChanges",
     "HubCommit",
     "HubError",
+    "Image",
+    "ImageLimits",
+    "ImagesNotSupportedError",
+    "InvalidImageError",
     "InvalidModelFolderError",
     "InvalidRequestError",
     "LaneSettings",
@@ -137,6 +150,7 @@ __all__ = [
     "Usage",
     "WeightsChangedError",
     "WrongModelKindError",
+    "decode_image",
     "detect_kind",
     "folder_fingerprint",
     "hub_changes",
@@ -146,6 +160,8 @@ __all__ = [
     "instance_id_of_name",
     "is_internal_name",
     "remove_saved",
+    "request_images",
     "resolve_under",
     "validate_model_folder",
+    "vision_extra_installed",
 ]

@@ -18,6 +18,7 @@ from mlxhost.engine.errors import (
     WrongModelKindError,
 )
 from mlxhost.engine.turn import Ledger, Turn
+from mlxhost.engine.types import GENERATING_KINDS
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -178,7 +179,7 @@ class Turns:
         """
         self.check_open()
         instance = self.registry.resolve(request.binding)
-        if instance.spec.kind != "chat":
+        if instance.spec.kind not in GENERATING_KINDS:
             raise WrongModelKindError.embedding_on_chat(request.binding)
         self.registry.lease(instance)  # an unbind while the count renders defers teardown (REG-6)
         try:

@@ -39,6 +39,7 @@ from models_app.accounting.limits import KeyLimits
 from models_app.catalogue import lookups, specs
 from models_app.models import Model, ModelAlias
 from models_app.turns.binding import engine_for
+from models_app.turns.images import turn_images
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
@@ -232,6 +233,7 @@ async def turn_start(
     key, owner_id = turn.key, turn.owner_id  # `prepare` may rebuild the turn
     await key_admit(key, owner_id=owner_id)
     alias = chat_alias(await lookups.alias_resolve(turn.model))
+    turn = await turn_images(alias, turn)  # refused for a text model, else decoded (issue 29)
     engine = await engine_for(alias.name)
     # Grammars first, holding nothing: a slow schema never takes a place in the lane (API-7).
     if turn.tools or turn.json_format is not None:
@@ -342,7 +344,7 @@ async def turn_refuse_if_full(model: object, key: KeyIdentity | None = None, *, 
         alias = await lookups.alias_resolve(model)
     except ModelAlias.DoesNotExist:
         return
-    if alias.model.kind == Model.Kind.CHAT:
+    if alias.model.kind in Model.GENERATING_KINDS:
         with overload_counted(key, owner_id=owner_id):
             engine.refuse_if_full(alias.name)
 
@@ -361,6 +363,7 @@ async def turn_count_tokens(turn: TurnRequest) -> int:
     """
     await key_admit(turn.key, owner_id=turn.owner_id, window="counts")
     alias = chat_alias(await lookups.alias_resolve(turn.model))
+    turn = await turn_images(alias, turn)
     engine = await engine_for(alias.name)
     count = await engine.count_tokens(generation_request(alias, turn, "count", engine))
     usage.recorder().counted(owner_id=turn.owner_id, key_id=turn.key.key_id if turn.key else None)
@@ -404,7 +407,7 @@ def chat_alias(alias: ModelAlias) -> ModelAlias:
     Raises:
         WrongModelKindError: the alias names an embedding model.
     """
-    if alias.model.kind != Model.Kind.CHAT:
+    if alias.model.kind not in Model.GENERATING_KINDS:
         raise WrongModelKindError.embedding_on_chat(alias.name)
     return alias
 

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from mlxhost.engine.answer import TextSplitter
-    from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, TokenLogprob, Tool
+    from mlxhost.engine.types import Grammar, Image, Message, ModelSpec, SamplingParams, TokenLogprob, Tool
 
 # (done, total[, unit[, phase]], file=(path, done, size)): bytes read ("bytes", the default) or
 # downloaded (phase "download", with the file in flight), or files ("files").
@@ -216,13 +216,20 @@ class LoadedModel(Protocol):
         ...
 
     def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        kv: object,
+        *,
+        context: Sequence[int] = (),
+        images: Sequence[Image] = (),
     ) -> Iterator[TokenStep | StepEnd]:
         """Feed `prompt_ids` on top of `kv`, then yield one `TokenStep` per token and one `StepEnd`.
 
         `context` is the prompt's start that `kv` already holds (a cached prefix): the penalties
         look back over it too, so a cached prefix never changes the answer. The cache grows in
-        place; `cache_length(kv)` says how many tokens it then holds.
+        place; `cache_length(kv)` says how many tokens it then holds. `images` are the prompt's
+        decoded images, in order (a vision model's; any other raises ValueError on them).
         """
         ...
 
@@ -298,7 +305,7 @@ class EmbeddingModel(Protocol):
 
 
 class Backend(Protocol):
-    """Loads models: chat models (`load`) and embedding models (`load_embedder`). It may also
+    """Loads models: chat and vision models (`load`, by `spec.kind`) and embedding models (`load_embedder`). It may also
     define `thread_exit()`, which each worker thread calls as it ends, to free what the backend
     keeps per thread (MLX's streams)."""
 

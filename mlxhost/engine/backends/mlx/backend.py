@@ -43,7 +43,7 @@ from mlxhost.engine.backends.mlx.grammar import (
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.hub import hub_download
 from mlxhost.engine.structure import template_messages, template_tools
-from mlxhost.engine.weights import validate_model_folder
+from mlxhost.engine.weights import VISION_EXTRA, validate_model_folder
 
 READ_CHUNK = 16 * 1024 * 1024
 
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Sequence
 
     from mlxhost.engine.backends.mlx.quantized_kv import KVQuantization
-    from mlxhost.engine.types import Grammar, Message, ModelSpec, SamplingParams, Tool
+    from mlxhost.engine.types import Grammar, Image, Message, ModelSpec, SamplingParams, Tool
 
 
 # Canonical composition (NFC, NFKC) folds at most this many characters into one: no canonical
@@ -192,8 +192,16 @@ class MlxModel:
         kv.clear()  # type: ignore[attr-defined]  # a list of mlx-lm caches, typed `object` at the seam; dropping the arrays frees them
 
     def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, kv: object, *, context: Sequence[int] = ()
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        kv: object,
+        *,
+        context: Sequence[int] = (),
+        images: Sequence[Image] = (),
     ) -> Iterator[TokenStep | StepEnd]:
+        if images:
+            raise ValueError("This model reads no images (kind chat).")
         sampler = make_request_sampler(sampling)
         processors = make_processors(sampling, self.vocabulary)
         if context:
@@ -342,6 +350,8 @@ class MlxBackend:
             validate_model_folder(path)
         _read_with_progress(path, progress)
         progress(0, 0, "", "build")  # mlx-lm says nothing while it builds: a phase with no count
+        if spec.kind == "vision":
+            return _load_vision(path)
         try:
             model, tokenizer = mlx_load(str(path))[:2]
         except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: MLX's own reader
@@ -364,6 +374,16 @@ class MlxBackend:
             return load_embedder(path)
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise ModelLoadError(f"The embedding model could not be loaded: {exc}") from exc
+
+
+def _load_vision(path: Path) -> MlxModel:
+    """A vision model through mlx-vlm (issue 29), imported here only: without the vision extra
+    the load fails with what to install, and nothing else in the app needs it."""
+    try:
+        from mlxhost.engine.backends.mlx.vision import load_vision
+    except ImportError as exc:
+        raise ModelLoadError(f"{VISION_EXTRA} ({exc})") from exc
+    return load_vision(path)
 
 
 def _read_with_progress(folder: Path, progress: ProgressCallback) -> None:

@@ -1,0 +1,136 @@
+"""Images in request bodies (docs/api.md#images): each surface's image parts read into engine
+`Image`s, their bytes and count bounded by the settings before anything is decoded."""
+
+from __future__ import annotations
+
+import binascii
+import re
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from rest_framework import serializers
+
+from mlxhost.engine import Image, ImageLimits, InvalidImageError
+from mlxhost.engine.images import check_encoded
+from models_app.turns import images as image_limits
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from mlxhost.engine import Message
+
+DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*);base64,", re.I)
+REMOTE_REFUSED = (
+    "remote image URLs are not fetched by this server; send the image inline as a data URL "
+    "(data:image/png;base64,...)."
+)
+
+
+def image_from_base64(data: Any, media_type: str, param: str, limits: ImageLimits) -> Image:
+    """An `Image` of base64 text, checked (size, format, declared type) but not decoded.
+
+    Raises:
+        InvalidImageError: not base64, over the size limit, or not a supported image format.
+    """
+    if not isinstance(data, str) or not data:
+        raise InvalidImageError(param, "the image data must be a non-empty base64 string.")
+    if len(data) // 4 * 3 > limits.max_bytes + 2:  # refused before decoding the text
+        raise InvalidImageError(param, f"the image is larger than {limits.max_bytes} bytes.")
+    try:
+        encoded = binascii.a2b_base64(data.strip(), strict_mode=True)
+    except binascii.Error as exc:
+        raise InvalidImageError(param, f"the image data is not valid base64 ({exc}).") from exc
+    image = Image(param=param, encoded=encoded, media_type=media_type)
+    check_encoded(image, limits)
+    return image
+
+
+def image_from_url(url: Any, param: str, limits: ImageLimits) -> Image:
+    """An `Image` of an OpenAI `image_url.url`: a base64 data URL. Remote URLs are refused.
+
+    Raises:
+        InvalidImageError: a remote or malformed URL, or as `image_from_base64`.
+    """
+    if not isinstance(url, str) or not url:
+        raise InvalidImageError(param, "the image URL must be a non-empty string.")
+    if url[:8].lower().startswith(("http://", "https://")):
+        raise InvalidImageError(param, REMOTE_REFUSED)
+    match = DATA_URL.match(url)
+    if match is None:
+        raise InvalidImageError(param, "the image URL must be a base64 data URL (data:image/png;base64,...).")
+    return image_from_base64(url[match.end() :], match.group("type") or "", param, limits)
+
+
+def bound_images(messages: Sequence[Message], limits: ImageLimits) -> None:
+    """A request's images together: at most `max_images`, at most `max_total_bytes` of files.
+
+    Raises:
+        InvalidImageError: naming the first image over either bound.
+    """
+    total = 0
+    images = [image for message in messages for image in message.images]
+    for index, image in enumerate(images):
+        if index >= limits.max_images:
+            raise InvalidImageError(
+                image.param, f"a request may hold at most {limits.max_images} images; it has {len(images)}."
+            )
+        total += len(image.encoded)
+        if total > limits.max_total_bytes:
+            raise InvalidImageError(
+                image.param, f"the request's images have more than {limits.max_total_bytes} bytes together."
+            )
+
+
+def openai_content(value: Any) -> tuple[str, tuple[Any, ...]]:
+    """An OpenAI message's content: its text (the text parts joined) and its `image_url` parts'
+    URLs by part index, as `(index, url)`, read later by `openai_images` (which knows the
+    message's place, for errors).
+
+    Raises:
+        serializers.ValidationError: a part that is neither text nor an image.
+    """
+    if isinstance(value, str):
+        return value, ()
+    if not isinstance(value, list):
+        raise serializers.ValidationError("Content must be a string or a list of content parts.")
+    texts, urls = [], []
+    for index, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url":
+            source = part.get("image_url")
+            urls.append((index, source.get("url") if isinstance(source, dict) else source))
+        else:
+            raise serializers.ValidationError(
+                f"content[{index}]: only text and image_url content parts are supported."
+            )
+    return "".join(texts), tuple(urls)
+
+
+def openai_images(messages: Sequence[Message], urls: Sequence[tuple[Any, ...]]) -> tuple[Message, ...]:
+    """`messages` with their image parts read (`urls[i]` from `openai_content` of message i) and
+    every bound checked; only user messages may hold images.
+
+    Raises:
+        InvalidImageError: as `image_from_url` and `bound_images`; an image outside a user message.
+    """
+    limits = image_limits.limits()
+    counted = [(index, part) for index, parts in enumerate(urls) for part, _ in parts]
+    if len(counted) > limits.max_images:  # before any image is read
+        index, part = counted[limits.max_images]
+        raise InvalidImageError(
+            f"messages[{index}].content[{part}].image_url",
+            f"a request may hold at most {limits.max_images} images; it has {len(counted)}.",
+        )
+    out = []
+    for index, (message, parts) in enumerate(zip(messages, urls, strict=True)):
+        params = [f"messages[{index}].content[{part}].image_url" for part, _ in parts]
+        if parts and message.role != "user":
+            raise InvalidImageError(params[0], "only user messages may hold images.")
+        images = tuple(
+            image_from_url(url, param, limits) for param, (_, url) in zip(params, parts, strict=True)
+        )
+        out.append(replace(message, images=images) if images else message)
+    bound_images(out, limits)
+    return tuple(out)

@@ -1,0 +1,165 @@
+"""Vision-language models through mlx-vlm (issue 29): its load and processor, images into the
+prompt's tokens, and its `stream_generate`, one request at a time on the worker thread.
+
+mlx-vlm is the optional vision extra: this module is imported only when a vision model loads
+(`MlxBackend.load` for `kind == "vision"`), so the app without it never imports mlx_vlm.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from mlx_vlm import load as vlm_load
+from mlx_vlm.generate import stream_generate as vlm_stream_generate
+from mlx_vlm.models import cache as vlm_cache
+from PIL import Image as PILImage
+
+from mlxhost.engine.backends.base import StepEnd, TokenStep
+from mlxhost.engine.backends.mlx.backend import MlxModel
+from mlxhost.engine.backends.mlx.batch import PREFILL_STEP_ALONE, make_processors, make_request_sampler
+from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
+from mlxhost.engine.errors import ModelLoadError
+from mlxhost.engine.structure import template_messages, template_tools
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+    from pathlib import Path
+
+    from mlxhost.engine.types import Image, Message, SamplingParams, Tool
+
+# The model types mlx-vlm ships that this backend has been run with (docs/models.md); other
+# mlx-vlm architectures are detected as vision (weights.py) and may load, untested here.
+TESTED_MODEL_TYPES = ("llava",)
+
+
+class MlxVisionModel(MlxModel):
+    """A loaded mlx-vlm model and its processor. Reuses `MlxModel`'s tokenizer-side parts (the
+    vocabulary, grammars, logprobs, cache handling) through mlx-lm's tokenizer wrapper of the same
+    folder; generation goes through mlx-vlm. Never batched: `open_batch` is None (capacity 1)."""
+
+    def __init__(self, model: Any, processor: Any, tokenizer: Any, path: Path) -> None:
+        super().__init__(model, tokenizer, path)
+        self._processor = processor
+        text_config = getattr(model.config, "text_config", None)
+        self.context_length = getattr(text_config, "max_position_embeddings", None)
+
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Tool] = (),
+        options: dict[str, object] | None = None,
+        continue_final: bool = False,
+    ) -> list[int]:
+        """The template's text with an image part where each image goes, then the processor's
+        tokens: each image's placeholder expanded to as many tokens as the model reads for it."""
+        chat = template_messages(tuple(messages))
+        for item, message in zip(chat, messages, strict=True):
+            if message.images:
+                parts = [{"type": "image"} for _ in message.images]
+                item["content"] = [*parts, {"type": "text", "text": message.content}]
+        text = self._tokenizer.apply_chat_template(
+            chat,
+            tools=template_tools(tuple(tools)) or None,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            tokenize=False,
+            **(options or {}),
+        )
+        images = [_pil(image) for message in messages for image in message.images]
+        if not images:
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+        inputs = self._processor(text=[text], images=images, add_special_tokens=False)
+        return [int(i) for i in np.array(inputs["input_ids"]).reshape(-1)]
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        kv: object,
+        *,
+        context: Sequence[int] = (),
+        images: Sequence[Image] = (),
+    ) -> Iterator[TokenStep | StepEnd]:
+        if context and images:
+            raise ValueError("A prompt with images is never continued from a cached prefix.")
+        extra: dict[str, Any] = {}
+        if images:
+            features = self._processor.image_processor([_pil(image) for image in images])
+            extra = {key: mx.array(np.asarray(value)) for key, value in features.items()}
+        responses = vlm_stream_generate(
+            self._model,
+            self._processor,
+            "",
+            input_ids=mx.array([prompt_ids]),
+            pixel_values=extra.pop("pixel_values", None),
+            mask=None,
+            max_tokens=sampling.max_tokens,
+            sampler=make_request_sampler(sampling),
+            logits_processors=make_processors(sampling, self.vocabulary),
+            prompt_cache=kv,
+            **extra,
+        )
+        top = sampling.logprobs
+        eos = set(self._tokenizer.eos_token_ids)
+        detokenizer = ExactDetokenizer(self._tokenizer, [*context, *prompt_ids])
+        try:
+            for response in responses:
+                token = int(response.token)
+                logprob = None if top is None else self.vocabulary.logprob(response.logprobs, token, top)
+                if response.finish_reason is None:
+                    text = detokenizer.add_token(token)
+                    yield TokenStep(text, token, spelled(logprob, text))
+                    continue
+                if response.finish_reason == "length" and token not in eos:
+                    text = detokenizer.add_token(token) + detokenizer.finalize()
+                    yield TokenStep(text, token, spelled(logprob, text))
+                    yield StepEnd(text="", finish_reason="length")
+                else:
+                    yield StepEnd(text=detokenizer.finalize(), finish_reason=response.finish_reason)
+                return
+        finally:
+            responses.close()
+
+    def new_cache(self) -> list[Any]:
+        return list(vlm_cache.make_prompt_cache(self._model.language_model))
+
+    def prefill(self, kv: object | None, token_ids: Sequence[int]) -> list[Any]:
+        layers: list[Any] = self.new_cache() if kv is None else kv  # type: ignore[assignment]
+        for start in range(0, len(token_ids), PREFILL_STEP_ALONE):
+            chunk = mx.array(list(token_ids[start : start + PREFILL_STEP_ALONE]), dtype=mx.uint32)
+            self._model.language_model(chunk[None], cache=layers)
+            mx.eval([layer.state for layer in layers])
+        return layers
+
+    def can_batch(self) -> bool:
+        return False  # mlx-vlm rows are not batched here yet (docs/models.md): capacity 1
+
+    def open_batch(self, capacity: int, *, speculation: bool = False) -> None:
+        return None
+
+
+def load_vision(path: Path) -> MlxVisionModel:
+    """mlx-vlm's model and processor from a local folder, and mlx-lm's tokenizer wrapper of it.
+
+    Raises:
+        ModelLoadError: mlx-vlm could not load the folder.
+    """
+    try:
+        model, processor = vlm_load(str(path))
+        eos = json.loads((path / "config.json").read_text()).get("eos_token_id")
+        tokenizer = load_tokenizer(path, eos_token_ids=eos)
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:
+        raise ModelLoadError(f"mlx-vlm could not load the model: {exc}") from exc
+    return MlxVisionModel(model, processor, tokenizer, path)
+
+
+def _pil(image: Image) -> PILImage.Image:
+    """A decoded image (RGB pixels, `images.decode_image`) as the processors take it."""
+    if not image.decoded:
+        raise ValueError(f"{image.param}: the image was not decoded before generation.")
+    return PILImage.frombytes("RGB", (image.width, image.height), image.pixels)
