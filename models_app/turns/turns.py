@@ -174,13 +174,18 @@ def generation_request(
     several: the choice's place in its group (`RowGroup`), from which the engine derives its seed."""
     cache = turn.cache
     rows = RowGroup(*row) if row is not None and row[2] > 1 else None
-    session = engine.scoper.query(
-        tenant=str(turn.owner_id),
-        salt=cache.salt,
-        instructions=cache.instructions,
-        previous_response_id=cache.previous_response_id,
-        prompt_cache_key=cache.prompt_cache_key,
-        warm_any=cache.warm_any,
+    # Vision aliases use no prefix cache yet (issue 29): their image tokens are placeholders.
+    session = (
+        None
+        if alias.model.kind == Model.Kind.VISION
+        else engine.scoper.query(
+            tenant=str(turn.owner_id),
+            salt=cache.salt,
+            instructions=cache.instructions,
+            previous_response_id=cache.previous_response_id,
+            prompt_cache_key=cache.prompt_cache_key,
+            warm_any=cache.warm_any,
+        )
     )
     return EngineRequest(
         request_id=request_id,

@@ -8,6 +8,8 @@ mlx-vlm is the optional vision extra: this module is imported only when a vision
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -44,6 +46,7 @@ class MlxVisionModel(MlxModel):
     def __init__(self, model: Any, processor: Any, tokenizer: Any, path: Path) -> None:
         super().__init__(model, tokenizer, path)
         self._processor = processor
+        self._features = _Features()
         text_config = getattr(model.config, "text_config", None)
         self.context_length = getattr(text_config, "max_position_embeddings", None)
 
@@ -70,10 +73,14 @@ class MlxVisionModel(MlxModel):
             tokenize=False,
             **(options or {}),
         )
-        images = [_pil(image) for message in messages for image in message.images]
+        images = [image for message in messages for image in message.images]
         if not images:
             return list(self._tokenizer.encode(text, add_special_tokens=False))
-        inputs = self._processor(text=[text], images=images, add_special_tokens=False)
+        # The processor itself (text and images, no other keyword: transformers 5 refuses
+        # tokenizer keywords in an image processor's), as mlx-vlm's LLaVA path needs.
+        inputs = self._processor(text=[text], images=[_pil(image) for image in images])
+        features = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+        self._features.put(_key(images), features)
         return [int(i) for i in np.array(inputs["input_ids"]).reshape(-1)]
 
     def generate(
@@ -88,9 +95,11 @@ class MlxVisionModel(MlxModel):
         if context and images:
             raise ValueError("A prompt with images is never continued from a cached prefix.")
         extra: dict[str, Any] = {}
-        if images:
-            features = self._processor.image_processor([_pil(image) for image in images])
-            extra = {key: mx.array(np.asarray(value)) for key, value in features.items()}
+        if images:  # the features the render made, else the image processor's again
+            extra = self._features.take(_key(images)) or {
+                key: mx.array(np.asarray(value))
+                for key, value in self._processor.image_processor([_pil(i) for i in images]).items()
+            }
         responses = vlm_stream_generate(
             self._model,
             self._processor,
@@ -105,22 +114,18 @@ class MlxVisionModel(MlxModel):
             **extra,
         )
         top = sampling.logprobs
-        eos = set(self._tokenizer.eos_token_ids)
         detokenizer = ExactDetokenizer(self._tokenizer, [*context, *prompt_ids])
         try:
             for response in responses:
-                token = int(response.token)
+                token = int(response.token or 0)
                 logprob = None if top is None else self.vocabulary.logprob(response.logprobs, token, top)
                 if response.finish_reason is None:
                     text = detokenizer.add_token(token)
                     yield TokenStep(text, token, spelled(logprob, text))
                     continue
-                if response.finish_reason == "length" and token not in eos:
-                    text = detokenizer.add_token(token) + detokenizer.finalize()
-                    yield TokenStep(text, token, spelled(logprob, text))
-                    yield StepEnd(text="", finish_reason="length")
-                else:
-                    yield StepEnd(text=detokenizer.finalize(), finish_reason=response.finish_reason)
+                # mlx-vlm's last response repeats the last token ("length") or carries the EOS
+                # ("stop"): every generated token was yielded before it.
+                yield StepEnd(text=detokenizer.finalize(), finish_reason=response.finish_reason)
                 return
         finally:
             responses.close()
@@ -141,6 +146,34 @@ class MlxVisionModel(MlxModel):
 
     def open_batch(self, capacity: int, *, speculation: bool = False) -> None:
         return None
+
+
+class _Features:
+    """The image features (pixel values, ...) the last few renders made, by their images' digests,
+    so generation does not run the image processor again (a render runs on a tokenizing thread,
+    generation on the worker: hence the lock)."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, ...], dict[str, Any]] = OrderedDict()
+
+    def put(self, key: tuple[str, ...], features: dict[str, Any]) -> None:
+        with self._lock:
+            self._entries[key] = features
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.KEEP:
+                self._entries.popitem(last=False)
+
+    def take(self, key: tuple[str, ...]) -> dict[str, Any] | None:
+        with self._lock:
+            features = self._entries.get(key)
+        return dict(features) if features is not None else None
+
+
+def _key(images: Sequence[Image]) -> tuple[str, ...]:
+    return tuple(image.digest for image in images)
 
 
 def load_vision(path: Path) -> MlxVisionModel:
