@@ -20,10 +20,7 @@ if TYPE_CHECKING:
     from mlxhost.engine import Message
 
 DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*);base64,", re.I)
-REMOTE_REFUSED = (
-    "remote image URLs are not fetched by this server; send the image inline as a data URL "
-    "(data:image/png;base64,...)."
-)
+REMOTE_REFUSED = "remote image URLs are not fetched by this server; send the image inline as {inline}."
 
 
 def image_from_base64(data: Any, media_type: str, param: str, limits: ImageLimits) -> Image:
@@ -54,7 +51,7 @@ def image_from_url(url: Any, param: str, limits: ImageLimits) -> Image:
     if not isinstance(url, str) or not url:
         raise InvalidImageError(param, "the image URL must be a non-empty string.")
     if url[:8].lower().startswith(("http://", "https://")):
-        raise InvalidImageError(param, REMOTE_REFUSED)
+        raise InvalidImageError(param, REMOTE_REFUSED.format(inline="a data URL (data:image/png;base64,...)"))
     match = DATA_URL.match(url)
     if match is None:
         raise InvalidImageError(param, "the image URL must be a base64 data URL (data:image/png;base64,...).")
@@ -79,6 +76,49 @@ def bound_images(messages: Sequence[Message], limits: ImageLimits) -> None:
             raise InvalidImageError(
                 image.param, f"the request's images have more than {limits.max_total_bytes} bytes together."
             )
+
+
+def count_images(
+    counts: Sequence[int], limits: ImageLimits, field: str, leaf: str, parts: Sequence[int] | None = None
+) -> None:
+    """Refuse a request with more than `max_images` images before any is read: `counts[i]` is
+    message i's; the error names the first image over the bound (`parts`: every image's part index
+    in order, else its place among its message's images).
+
+    Raises:
+        InvalidImageError: too many images.
+    """
+    total = sum(counts)
+    if total <= limits.max_images:
+        return
+    places = [(index, n) for index, count in enumerate(counts) for n in range(count)]
+    index, nth = places[limits.max_images]
+    part = parts[limits.max_images] if parts is not None else nth
+    raise InvalidImageError(
+        f"messages[{index}].{field}[{part}]{leaf}",
+        f"a request may hold at most {limits.max_images} images; it has {total}.",
+    )
+
+
+def anthropic_image(block: dict[str, Any], param: str, limits: ImageLimits) -> Image:
+    """An Anthropic `image` block's `Image`: a `base64` source with its `media_type`; `url`
+    sources are refused (remote images are not fetched).
+
+    Raises:
+        InvalidImageError: a URL or malformed source, or as `image_from_base64`.
+    """
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "url":
+        raise InvalidImageError(param, REMOTE_REFUSED.format(inline="a base64 source"))
+    if kind != "base64" or not isinstance(source, dict):
+        raise InvalidImageError(
+            param, 'an image block needs a source {"type": "base64", "media_type", "data"}.'
+        )
+    media_type = source.get("media_type")
+    return image_from_base64(
+        source.get("data"), media_type if isinstance(media_type, str) else "", param, limits
+    )
 
 
 def openai_content(value: Any) -> tuple[str, tuple[Any, ...]]:
@@ -116,13 +156,9 @@ def openai_images(messages: Sequence[Message], urls: Sequence[tuple[Any, ...]]) 
         InvalidImageError: as `image_from_url` and `bound_images`; an image outside a user message.
     """
     limits = image_limits.limits()
-    counted = [(index, part) for index, parts in enumerate(urls) for part, _ in parts]
-    if len(counted) > limits.max_images:  # before any image is read
-        index, part = counted[limits.max_images]
-        raise InvalidImageError(
-            f"messages[{index}].content[{part}].image_url",
-            f"a request may hold at most {limits.max_images} images; it has {len(counted)}.",
-        )
+    count_images(
+        [len(parts) for parts in urls], limits, "content", ".image_url", [p for u in urls for p, _ in u]
+    )
     out = []
     for index, (message, parts) in enumerate(zip(messages, urls, strict=True)):
         params = [f"messages[{index}].content[{part}].image_url" for part, _ in parts]

@@ -123,3 +123,66 @@ async def test_an_image_outside_a_user_message_is_refused(api_key, vision_alias,
     ]
     message = refusal(await chat(api_key, "tiny-vision", messages), "invalid_image", "messages[0].content[0].image_url")
     assert "only user messages" in message
+
+
+# Anthropic Messages: `image` blocks with a base64 source ------------------------------------------
+
+ANTHROPIC = {"anthropic-version": "2023-06-01"}
+
+
+def image_block(data: bytes, media_type: str = "image/png") -> dict:
+    source = {"type": "base64", "media_type": media_type, "data": base64.b64encode(data).decode()}
+    return {"type": "image", "source": source}
+
+
+async def messages(api_key: str, model: str, *blocks: dict, path: str = "/v1/messages"):
+    content = [*blocks, {"type": "text", "text": "What is in this picture?"}]
+    body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": content}]}
+    if path.endswith("count_tokens"):
+        del body["max_tokens"]
+    return await post_json(path, body, {"x-api-key": api_key, **ANTHROPIC})
+
+
+def anthropic_refusal(response) -> str:
+    assert response.status_code == 400, response.content
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    return body["error"]["message"]
+
+
+async def test_a_messages_image_block_reaches_the_vision_model_and_counts_as_it_runs(
+    api_key, vision_alias, mlx_engine
+):
+    block = image_block(pillow_image((40, 30)))
+    answer = await messages(api_key, "tiny-vision", block)
+    assert answer.status_code == 200, answer.content
+    usage = answer.json()["usage"]
+    assert usage["output_tokens"] == 4
+    counted = await messages(api_key, "tiny-vision", block, path="/v1/messages/count_tokens")
+    assert counted.status_code == 200, counted.content
+    assert counted.json()["input_tokens"] == usage["input_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("block", "needle"),
+    [
+        pytest.param(image_block(pillow_image(), "image/webp"), "sent as image/webp", id="wrong-mime"),
+        pytest.param(image_block(png_of_size(30_000, 30_000, rows=1)), "pixels allowed", id="huge-header"),
+        pytest.param(image_block(b"\x89PNG\r\n\x1a\n\0\0"), "could not be read", id="truncated"),
+        pytest.param(
+            {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1/x.png"}},
+            "remote image URLs are not fetched",
+            id="url",
+        ),
+    ],
+)
+async def test_a_hostile_messages_image_is_a_400_in_anthropics_envelope(
+    api_key, vision_alias, mlx_engine, block, needle
+):
+    message = anthropic_refusal(await messages(api_key, "tiny-vision", block))
+    assert message.startswith("messages[0].content[0].source: ") and needle in message
+
+
+async def test_a_text_alias_refuses_a_messages_image(api_key, tiny_alias):
+    message = anthropic_refusal(await messages(api_key, "tiny", image_block(pillow_image())))
+    assert "kind 'chat'" in message and "reads no images" in message
