@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from rest_framework import serializers
 
-from mlxhost.engine import Image, ImageLimits, InvalidImageError
-from mlxhost.engine.images import check_encoded
+from mlxhost.engine import Image, ImageLimits, InvalidImageError, check_encoded
 from models_app.turns import images as image_limits
 
 if TYPE_CHECKING:

@@ -178,8 +178,8 @@ class ChatCompletionInput(TextSamplingInput):
         # an InvalidImageError leaves DRF as it is, a 400 with code `invalid_image`.
         items = attrs["messages"]
         read = images.openai_images([m["message"] for m in items], [m["image_urls"] for m in items])
-        for item, message in zip(items, read, strict=True):
-            item["message"] = message
+        for item, with_images in zip(items, read, strict=True):
+            item["message"] = with_images
         return attrs
 
 

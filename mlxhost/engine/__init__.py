@@ -32,7 +32,7 @@ from mlxhost.engine.errors import (
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.hub import HubChanges, HubCommit, hub_changes, hub_check_access, hub_resolve
-from mlxhost.engine.images import ImageLimits, decode_image, request_images
+from mlxhost.engine.images import ImageLimits, check_encoded, decode_image, request_images
 from mlxhost.engine.names import instance_id_of_name, is_internal_name
 from mlxhost.engine.retention import Retention
 from mlxhost.engine.sessions import SessionQuery, SessionScoper
@@ -150,6 +150,7 @@ __all__ = [
     "Usage",
     "WeightsChangedError",
     "WrongModelKindError",
+    "check_encoded",
     "decode_image",
     "detect_kind",
     "folder_fingerprint",

@@ -15,8 +15,8 @@ from mlxhost.engine import ImageLimits, ImagesNotSupportedError, decode_image, r
 from models_app.models import Model
 
 if TYPE_CHECKING:
+    from mlxhost.engine import Message
     from models_app.models import ModelAlias
-    from models_app.turns.turns import TurnRequest
 
 _decoder: ThreadPoolExecutor | None = None
 _decoder_lock = threading.Lock()
@@ -43,23 +43,23 @@ def limits() -> ImageLimits:
     )
 
 
-async def turn_images(alias: ModelAlias, turn: TurnRequest) -> TurnRequest:
-    """`turn` with its images decoded, when `alias` names a vision model; unchanged without images.
+async def turn_images(alias: ModelAlias, messages: tuple[Message, ...]) -> tuple[Message, ...]:
+    """A turn's `messages` with their images decoded, when `alias` names a vision model;
+    unchanged without images.
 
     Raises:
         ImagesNotSupportedError: the turn has images and the alias's model is not a vision model.
         InvalidImageError: an image over the pixel limit, or unreadable (`decode_image`).
     """
-    images = request_images(turn.messages)
+    images = request_images(messages)
     if not images:
-        return turn
+        return messages
     if alias.model.kind != Model.Kind.VISION:
         raise ImagesNotSupportedError(alias.name, alias.model.kind, param=images[0].param)
     loop, bounds = asyncio.get_running_loop(), limits()
     decoded = iter(
         await asyncio.gather(*(loop.run_in_executor(decoder(), decode_image, i, bounds) for i in images))
     )
-    messages = tuple(
-        replace(m, images=tuple(next(decoded) for _ in m.images)) if m.images else m for m in turn.messages
+    return tuple(
+        replace(m, images=tuple(next(decoded) for _ in m.images)) if m.images else m for m in messages
     )
-    return replace(turn, messages=messages)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -238,7 +238,8 @@ async def turn_start(
     key, owner_id = turn.key, turn.owner_id  # `prepare` may rebuild the turn
     await key_admit(key, owner_id=owner_id)
     alias = chat_alias(await lookups.alias_resolve(turn.model))
-    turn = await turn_images(alias, turn)  # refused for a text model, else decoded (issue 29)
+    # Images: refused for a text model, else decoded (issue 29).
+    turn = replace(turn, messages=await turn_images(alias, turn.messages))
     engine = await engine_for(alias.name)
     # Grammars first, holding nothing: a slow schema never takes a place in the lane (API-7).
     if turn.tools or turn.json_format is not None:
@@ -368,7 +369,7 @@ async def turn_count_tokens(turn: TurnRequest) -> int:
     """
     await key_admit(turn.key, owner_id=turn.owner_id, window="counts")
     alias = chat_alias(await lookups.alias_resolve(turn.model))
-    turn = await turn_images(alias, turn)
+    turn = replace(turn, messages=await turn_images(alias, turn.messages))
     engine = await engine_for(alias.name)
     count = await engine.count_tokens(generation_request(alias, turn, "count", engine))
     usage.recorder().counted(owner_id=turn.owner_id, key_id=turn.key.key_id if turn.key else None)

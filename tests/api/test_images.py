@@ -60,7 +60,9 @@ async def test_two_different_images_give_different_answers_and_the_same_image_th
     red, other = pillow_image((32, 32), (255, 0, 0)), pillow_image((32, 32), (0, 0, 0))
     answers = []
     for data in (red, other, red):
-        response = await chat(api_key, "tiny-vision", with_images(data_url(data)), max_tokens=12, logprobs=True)
+        response = await chat(
+            api_key, "tiny-vision", with_images(data_url(data)), max_tokens=12, logprobs=True
+        )
         assert response.status_code == 200, response.content
         answers.append([t["logprob"] for t in response.json()["choices"][0]["logprobs"]["content"]])
     assert answers[0] == pytest.approx(answers[2])
@@ -88,7 +90,9 @@ async def test_a_text_alias_refuses_an_image_naming_its_kind(api_key, tiny_alias
         pytest.param("file:///etc/passwd", "must be a base64 data URL", id="file-url"),
     ],
 )
-async def test_a_hostile_image_is_a_400_naming_the_part(api_key, vision_alias, mlx_engine, settings, url, needle):
+async def test_a_hostile_image_is_a_400_naming_the_part(
+    api_key, vision_alias, mlx_engine, settings, url, needle
+):
     settings.MLXHOST_IMAGE_MAX_PIXELS = 4096 * 4096
     assert needle in refusal(await chat(api_key, "tiny-vision", with_images(url)), "invalid_image")
 
@@ -118,10 +122,15 @@ async def test_too_many_images_and_too_many_bytes_are_refused(api_key, vision_al
 
 async def test_an_image_outside_a_user_message_is_refused(api_key, vision_alias, mlx_engine):
     messages = [
-        {"role": "system", "content": [{"type": "image_url", "image_url": {"url": data_url(pillow_image())}}]},
+        {
+            "role": "system",
+            "content": [{"type": "image_url", "image_url": {"url": data_url(pillow_image())}}],
+        },
         {"role": "user", "content": "hi"},
     ]
-    message = refusal(await chat(api_key, "tiny-vision", messages), "invalid_image", "messages[0].content[0].image_url")
+    message = refusal(
+        await chat(api_key, "tiny-vision", messages), "invalid_image", "messages[0].content[0].image_url"
+    )
     assert "only user messages" in message
 
 

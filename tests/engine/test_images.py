@@ -8,12 +8,15 @@ import struct
 import subprocess
 import sys
 import zlib
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from mlxhost.engine import Image, ImageLimits, InvalidImageError, decode_image, detect_kind
 from mlxhost.engine.images import check_encoded
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 LIMITS = ImageLimits(max_bytes=1 << 20, max_pixels=256 * 256, max_images=4, max_total_bytes=2 << 20)
 PARAM = "messages[0].content[1].image_url"
@@ -127,14 +130,15 @@ def test_without_the_vision_extra_the_app_imports_and_a_vision_load_says_what_to
         "import os, django\n"
         "os.environ.setdefault('DJANGO_SETTINGS_MODULE', 'mlxhost.settings_test')\n"
         "django.setup()\n"
-        "import mlxhost.urls, api.images, models_app.turns.images, mlxhost.engine.backends.mlx.backend as b\n"
+        "import mlxhost.urls, api.images, models_app.turns.images\n"
         "from pathlib import Path\n"
         "from mlxhost.engine import ModelLoadError, ModelSpec\n"
         "from mlxhost.engine.backends.mlx.tiny import build_tiny_model\n"
         f"folder = build_tiny_model(Path({str(tmp_path / 'm')!r}))\n"
         "spec = ModelSpec(instance_id=1, source=str(folder), fingerprint='x', kind='vision')\n"
+        "from mlxhost.engine.backends import make_backend\n"
         "try:\n"
-        "    b.MlxBackend().load(spec, lambda *a, **k: None)\n"
+        "    make_backend('mlx').load(spec, lambda *a, **k: None)\n"
         "except ModelLoadError as exc:\n"
         "    print('REFUSED', exc)\n"
     )

@@ -43,7 +43,7 @@ from mlxhost.engine.backends.mlx.grammar import (
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.hub import hub_download
 from mlxhost.engine.structure import template_messages, template_tools
-from mlxhost.engine.weights import VISION_EXTRA, validate_model_folder
+from mlxhost.engine.weights import validate_model_folder
 
 READ_CHUNK = 16 * 1024 * 1024
 
@@ -342,16 +342,7 @@ class MlxBackend:
         Raises:
             ModelLoadError: the folder is unsafe or incomplete, or the hub cannot be reached.
         """
-        path = Path(spec.source)
-        if path.is_absolute():
-            validate_model_folder(path)
-        else:
-            path = _download(spec.source, spec.revision, progress)
-            validate_model_folder(path)
-        _read_with_progress(path, progress)
-        progress(0, 0, "", "build")  # mlx-lm says nothing while it builds: a phase with no count
-        if spec.kind == "vision":
-            return _load_vision(path)
+        path = model_folder(spec, progress)
         try:
             model, tokenizer = mlx_load(str(path))[:2]
         except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: MLX's own reader
@@ -376,14 +367,22 @@ class MlxBackend:
             raise ModelLoadError(f"The embedding model could not be loaded: {exc}") from exc
 
 
-def _load_vision(path: Path) -> MlxModel:
-    """A vision model through mlx-vlm (issue 29), imported here only: without the vision extra
-    the load fails with what to install, and nothing else in the app needs it."""
-    try:
-        from mlxhost.engine.backends.mlx.vision import load_vision
-    except ImportError as exc:
-        raise ModelLoadError(f"{VISION_EXTRA} ({exc})") from exc
-    return load_vision(path)
+def model_folder(spec: ModelSpec, progress: ProgressCallback) -> Path:
+    """A chat or vision model's folder, validated and read once (a hub revision downloaded first),
+    then the "build" phase announced: what every load does before its library builds the model.
+
+    Raises:
+        ModelLoadError: the folder is unsafe or incomplete, or the hub cannot be reached.
+    """
+    path = Path(spec.source)
+    if path.is_absolute():
+        validate_model_folder(path)
+    else:
+        path = _download(spec.source, spec.revision, progress)
+        validate_model_folder(path)
+    _read_with_progress(path, progress)
+    progress(0, 0, "", "build")  # the library says nothing while it builds: a phase with no count
+    return path
 
 
 def _read_with_progress(folder: Path, progress: ProgressCallback) -> None:

@@ -11,7 +11,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_vlm.models import llava
+from mlx_vlm.models.llava.config import ModelConfig, TextConfig, VisionConfig
+from mlx_vlm.models.llava.llava import Model as LlavaModel
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mlxhost.engine.backends.mlx.tiny import (
@@ -126,10 +127,10 @@ def build_tiny_vision_model(dest: Path, *, seed: int = 0) -> Path:
 def _write_llava(folder: Path, seed: int) -> None:
     write_json(folder / "config.json", CONFIG)
     mx.random.seed(seed)
-    config = llava.ModelConfig.from_dict(CONFIG)
-    config.text_config = llava.TextConfig.from_dict(TEXT_CONFIG)
-    config.vision_config = llava.VisionConfig.from_dict(VISION_CONFIG)
-    model = llava.Model(config)
+    config = ModelConfig.from_dict(CONFIG)
+    config.text_config = TextConfig.from_dict(TEXT_CONFIG)
+    config.vision_config = VisionConfig.from_dict(VISION_CONFIG)
+    model = LlavaModel(config)
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     (folder / "tokenizer.json").write_text(_train_tokenizer().to_str(), encoding="utf-8")

@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from mlx_vlm import load as vlm_load
 from mlx_vlm.generate import stream_generate as vlm_stream_generate
 from mlx_vlm.models import cache as vlm_cache
+from mlx_vlm.utils import load as vlm_load
 from PIL import Image as PILImage
 
 from mlxhost.engine.backends.base import StepEnd, TokenStep
@@ -118,7 +118,11 @@ class MlxVisionModel(MlxModel):
         try:
             for response in responses:
                 token = int(response.token or 0)
-                logprob = None if top is None else self.vocabulary.logprob(response.logprobs, token, top)
+                logprob = (
+                    None
+                    if top is None
+                    else self.vocabulary.logprob(cast("mx.array", response.logprobs), token, top)
+                )
                 if response.finish_reason is None:
                     text = detokenizer.add_token(token)
                     yield TokenStep(text, token, spelled(logprob, text))
