@@ -56,3 +56,38 @@ def test_a_text_alias_refuses_the_image_through_the_sdk(client, tiny_alias):
         client.chat.completions.create(model="tiny", messages=png_message(), max_tokens=6)
     assert caught.value.code == "images_not_supported"
     assert "kind 'chat'" in caught.value.message
+
+
+def test_the_anthropic_sdk_sends_an_image_block_and_gets_an_answer_with_usage(
+    daphne_server, api_key, vision_alias
+):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=daphne_server.url, api_key=api_key, max_retries=0, timeout=60)
+    data = base64.b64encode(pillow_image((48, 40), (10, 120, 200))).decode()
+    content = [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+        {"type": "text", "text": "Describe the picture."},
+    ]
+    message = client.messages.create(
+        model="tiny-vision", max_tokens=6, messages=[{"role": "user", "content": content}]
+    )
+    assert message.role == "assistant" and message.usage.output_tokens == 6
+    counted = client.messages.count_tokens(
+        model="tiny-vision", messages=[{"role": "user", "content": content}]
+    )
+    assert counted.input_tokens == message.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.create(
+            model="tiny-vision",
+            max_tokens=6,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {**content[0], "source": {**content[0]["source"], "media_type": "image/gif"}}
+                    ],
+                }
+            ],
+        )
+    assert "sent as image/gif" in caught.value.message
