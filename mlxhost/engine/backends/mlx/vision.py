@@ -22,7 +22,12 @@ from PIL import Image as PILImage
 
 from mlxhost.engine.backends.base import StepEnd, TokenStep
 from mlxhost.engine.backends.mlx.backend import MlxModel
-from mlxhost.engine.backends.mlx.batch import PREFILL_STEP_ALONE, make_processors, make_request_sampler
+from mlxhost.engine.backends.mlx.batch import (
+    PREFILL_STEP_ALONE,
+    make_processors,
+    make_request_sampler,
+    with_context,
+)
 from mlxhost.engine.backends.mlx.detokenizer import ExactDetokenizer, spelled
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.structure import template_messages, template_tools
@@ -96,10 +101,13 @@ class MlxVisionModel(MlxModel):
             raise ValueError("A prompt with images is never continued from a cached prefix.")
         extra: dict[str, Any] = {}
         if images:  # the features the render made, else the image processor's again
-            extra = self._features.take(_key(images)) or {
+            extra = self._features.get(_key(images)) or {
                 key: mx.array(np.asarray(value))
                 for key, value in self._processor.image_processor([_pil(i) for i in images]).items()
             }
+        processors = make_processors(sampling, self.vocabulary)
+        if context:  # a cached prefix: the penalties look back over it too, as `MlxModel.generate`
+            processors = [with_context(p, context) for p in processors]
         responses = vlm_stream_generate(
             self._model,
             self._processor,
@@ -109,7 +117,7 @@ class MlxVisionModel(MlxModel):
             mask=None,
             max_tokens=sampling.max_tokens,
             sampler=make_request_sampler(sampling),
-            logits_processors=make_processors(sampling, self.vocabulary),
+            logits_processors=processors,
             prompt_cache=kv,
             **extra,
         )
@@ -170,7 +178,7 @@ class _Features:
             while len(self._entries) > self.KEEP:
                 self._entries.popitem(last=False)
 
-    def take(self, key: tuple[str, ...]) -> dict[str, Any] | None:
+    def get(self, key: tuple[str, ...]) -> dict[str, Any] | None:
         with self._lock:
             features = self._entries.get(key)
         return dict(features) if features is not None else None
