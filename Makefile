@@ -14,13 +14,13 @@ CHROMIUM := /usr/bin/chromium
 DEB_PACKAGE := bash scripts/deb_package.sh
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: precommit typecheck fix run test test-celery test-chaos test-agents test-fleet fleet haproxy agent-clis ai-sdk install install-dev openblas chromium migrate demo bootstrap api-key worker lint clean bench-embeddings bench-edit
+.PHONY: precommit typecheck fix run test test-celery test-chaos test-agents test-fleet fleet haproxy agent-clis ai-sdk install install-dev install-vision openblas chromium migrate demo bootstrap api-key worker lint clean bench-embeddings bench-edit
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
 	$(VENV)/bin/daphne -b 127.0.0.1 -p $(PORT) mlxhost.asgi:application
 
-test: install-dev openblas chromium ai-sdk
+test: install-dev install-vision openblas chromium ai-sdk
 	$(PY) -m pytest
 
 # Only the tests with real Celery worker processes and Redis (part of `make test` too).
@@ -72,6 +72,14 @@ $(VENV)/.installed: requirements.txt
 
 $(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 	$(PIP) install -q -r requirements-dev.txt
+	touch $@
+
+# The optional vision extra (issue 29, docs/models.md): mlx-vlm and Pillow, about 0.5 GB more. Without
+# it the app runs as before; a vision model's load fails with a message naming this target.
+install-vision: $(VENV)/.installed-vision
+
+$(VENV)/.installed-vision: $(VENV)/.installed requirements-vision.txt
+	$(PIP) install -q -r requirements-vision.txt
 	touch $@
 
 # MLX's CPU wheel bundles reference BLAS (~30x slower); Debian's OpenBLAS is preloaded when present.

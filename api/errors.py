@@ -21,6 +21,8 @@ from mlxhost.engine import (
     EngineClosedError,
     EngineError,
     GenerationFailedError,
+    ImagesNotSupportedError,
+    InvalidImageError,
     InvalidModelFolderError,
     InvalidRequestError,
     ModelLoadError,
@@ -100,6 +102,9 @@ ERROR_TABLE: dict[Coded, tuple[int, str, int | None]] = {
     RequestTooLargeError: (400, "invalid_request_error", None),
     # A chat surface naming an embedding model, or /v1/embeddings a chat model (API-13).
     WrongModelKindError: (400, "invalid_request_error", None),
+    # Images (docs/api.md#images): to a model that reads none, or a file over a limit or unreadable.
+    ImagesNotSupportedError: (400, "invalid_request_error", None),
+    InvalidImageError: (400, "invalid_request_error", None),
     EmbeddingFailedError: (500, "server_error", None),
     InvalidModelFolderError: (503, "server_error", LOAD_RETRY_AFTER_S),
     ModelLoadError: (503, "server_error", LOAD_RETRY_AFTER_S),

@@ -247,6 +247,14 @@ MLXHOST_SSE_KEEPALIVE_S = env.float("MLXHOST_SSE_KEEPALIVE_S", default=5.0)
 # The most choices (`n`) one chat or text completion may ask for; each takes a lane slot.
 MLXHOST_MAX_CHOICES = env.int("MLXHOST_MAX_CHOICES", default=8)
 DATA_UPLOAD_MAX_MEMORY_SIZE = MLXHOST_MAX_REQUEST_BYTES
+# Images in requests (docs/api.md#images): one file's bytes, one image's pixels (read from its
+# header before decoding), images per request, all image files of a request together, and how many
+# images decode at once in this process.
+MLXHOST_IMAGE_MAX_BYTES = env.int("MLXHOST_IMAGE_MAX_BYTES", default=5 * 1024 * 1024)
+MLXHOST_IMAGE_MAX_PIXELS = env.int("MLXHOST_IMAGE_MAX_PIXELS", default=4096 * 4096)
+MLXHOST_IMAGE_MAX_PER_REQUEST = env.int("MLXHOST_IMAGE_MAX_PER_REQUEST", default=8)
+MLXHOST_IMAGE_MAX_TOTAL_BYTES = env.int("MLXHOST_IMAGE_MAX_TOTAL_BYTES", default=15 * 1024 * 1024)
+MLXHOST_IMAGE_DECODE_THREADS = env.int("MLXHOST_IMAGE_DECODE_THREADS", default=2)
 # Browser origins (comma-separated, `*` for any) whose pages may call /v1/ (CORS); empty: none.
 MLXHOST_CORS_ORIGINS = [o.rstrip("/") for o in env.list("MLXHOST_CORS_ORIGINS", default=[]) if o]
 

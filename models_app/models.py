@@ -52,7 +52,7 @@ class ModelInstance(models.Model):
 
 
 class Model(BaseModel):
-    """Weights the server hosts, and how (REG-3): their source, their kind (a chat or an
+    """Weights the server hosts, and how (REG-3): their source, their kind (a chat, vision or
     embedding model, API-13), the admission lane every alias of them shares (LANE-1/2/8), the
     memory policy (OPS-3) and the admin's load actions (ADM-1).
 
@@ -62,6 +62,11 @@ class Model(BaseModel):
     class Kind(TextChoices):
         CHAT = "chat", "Chat model"
         EMBEDDING = "embedding", "Embedding model"
+        # Reads images too (issue 29): served through mlx-vlm, the optional vision extra.
+        VISION = "vision", "Vision model (images in)"
+
+    # The kinds every chat surface serves (the engine's `GENERATING_KINDS`).
+    GENERATING_KINDS = (Kind.CHAT, Kind.VISION)
 
     name = models.SlugField(max_length=64, unique=True, help_text="A label for staff; clients use aliases.")
     description = models.CharField(max_length=200, blank=True)
@@ -95,7 +100,8 @@ class Model(BaseModel):
         db_index=True,
         help_text=(
             "Detected from a local folder's files when it is saved (sentence-transformers files or a "
-            "bare encoder mean an embedding model); set it yourself for a Hugging Face repo."
+            "bare encoder mean an embedding model, a vision tower in config.json a vision model); set it "
+            "yourself for a Hugging Face repo."
         ),
     )
     matryoshka = models.BooleanField(

@@ -129,6 +129,24 @@ def minilm_alias(minilm_folder):
     return register_alias(name="minilm", folder=MINILM_FOLDER, concurrency=8)
 
 
+TINY_VISION_FOLDER = "tiny-llava"
+
+
+@pytest.fixture(scope="session")
+def tiny_vision_dir() -> Path:
+    """The tiny random LLaVA (issue 29) under the test MODELS_ROOT, built once. It needs the vision
+    extra, which `make test` installs: a missing mlx-vlm is a failure, not a skip."""
+    from mlxhost.engine.backends.mlx.tiny_vision import build_tiny_vision_model
+
+    return build_tiny_vision_model(Path(settings.MODELS_ROOT) / TINY_VISION_FOLDER, seed=0)
+
+
+@pytest.fixture
+def vision_alias(tiny_vision_dir):
+    """The tiny LLaVA registered as `tiny-vision` (its kind detected: vision), greedy."""
+    return register_alias(name="tiny-vision", folder=TINY_VISION_FOLDER, temperature=0.0)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_b_dir() -> Path:
     """A second tiny llama (other weights, same tokenizer), for hot-swap tests.

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 from rest_framework import serializers
 
+from api import images
 from api import tools as tool_inputs
 from api.fields import JsonInput
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, optional_float, stop_list_field
-from mlxhost.engine import Message, Tool, ToolCall, ToolChoice
+from mlxhost.engine import InvalidImageError, Message, Tool, ToolCall, ToolChoice
 from models_app.catalogue.specs import EFFORTS
+from models_app.turns import images as image_limits
 
 MAX_STOP_SEQUENCES = 16
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for `thinking.budget_tokens`
@@ -75,6 +78,8 @@ def turn_messages(role: str, value: Any) -> list[Message]:
         kind = block.get("type") if isinstance(block, dict) else None
         if isinstance(kind, str) and kind in SKIPPED_BLOCKS:
             continue
+        if kind == "image":  # read by `PromptInput.validate_messages`, which knows the turn's place
+            continue
         if kind == "tool_use" and role == "assistant":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise serializers.ValidationError("A tool_use block needs a string 'id' and 'name'.")
@@ -91,6 +96,23 @@ def turn_messages(role: str, value: Any) -> list[Message]:
     if role == "system":
         return [Message("system", text)]
     return results + ([Message("user", text)] if text or not results else [])
+
+
+def with_images(turn: list[Message], index: int, blocks: list[tuple[int, Any]], limits: Any) -> list[Message]:
+    """`turn` (message `index`'s) with its `image` blocks read into its user message.
+
+    Raises:
+        InvalidImageError: an unreadable block, or images outside a user turn.
+    """
+    params = [f"messages[{index}].content[{part}].source" for part, _ in blocks]
+    if not blocks:
+        return turn
+    if turn[-1].role != "user":
+        raise InvalidImageError(params[0], "only user turns may hold images.")
+    read = tuple(
+        images.anthropic_image(block, param, limits) for param, (_, block) in zip(params, blocks, strict=True)
+    )
+    return [*turn[:-1], replace(turn[-1], images=read)]
 
 
 # Anthropic-defined tools (versioned types such as web_search_20250305 or bash_20250124): run by
@@ -152,6 +174,12 @@ class MessageInput(JsonInput):
             attrs["turn"] = turn_messages(attrs["role"], attrs["content"])
         except serializers.ValidationError as exc:
             raise serializers.ValidationError({"content": exc.detail}) from None
+        content = attrs["content"]
+        attrs["image_blocks"] = [
+            (index, block)
+            for index, block in enumerate(content if isinstance(content, list) else [])
+            if isinstance(block, dict) and block.get("type") == "image"
+        ]
         return attrs
 
 
@@ -217,16 +245,24 @@ class PromptInput(JsonInput):
     def validate_messages(self, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
         # Consecutive turns of one role are one turn, as Anthropic's API combines them.
         merged: list[dict[str, Any]] = []
-        for message in value:
-            turn = message["turn"]
+        limits = image_limits.limits()
+        images.count_images([len(m["image_blocks"]) for m in value], limits, "content", ".source")
+        for index, message in enumerate(value):
+            turn = with_images(message["turn"], index, message["image_blocks"], limits)
             last = merged[-1] if merged else None
             if last is not None and last["role"] == message["role"] and _joinable(last["turn"], turn):
                 head = last["turn"][-1]
                 text = BLOCK_SEPARATOR.join(t for t in (head.content, turn[0].content) if t)
-                last["turn"][-1] = Message(head.role, text, tool_calls=head.tool_calls + turn[0].tool_calls)
+                last["turn"][-1] = Message(
+                    head.role,
+                    text,
+                    tool_calls=head.tool_calls + turn[0].tool_calls,
+                    images=head.images + turn[0].images,
+                )
                 last["turn"] += turn[1:]
             else:
                 merged.append({"role": message["role"], "turn": list(turn)})
+        images.bound_images([m for item in merged for m in item["turn"]], limits)
         return merged
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:

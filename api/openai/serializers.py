@@ -8,6 +8,7 @@ from typing import Any
 from django.conf import settings
 from rest_framework import serializers
 
+from api import images
 from api import tools as tool_inputs
 from api.fields import JsonInput, MetadataField
 from api.sampling import MAX_STOP_SEQUENCES, SamplingInput
@@ -27,24 +28,6 @@ UNSUPPORTED_OPTIONS = {
 }
 
 
-def content_text(value: Any) -> str:
-    """A message's content as text: a string, or a list of `{"type": "text", "text": ...}` parts."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for part in value:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise serializers.ValidationError("Only text content parts are supported.")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise serializers.ValidationError("Content must be a string or a list of text parts.")
-
-
 class MessageInput(JsonInput):
     role = serializers.ChoiceField(choices=["system", "developer", "user", "assistant", "tool"])
     content = serializers.JSONField(required=False, allow_null=True)
@@ -52,8 +35,9 @@ class MessageInput(JsonInput):
     tool_calls = serializers.JSONField(required=False, allow_null=True)
     tool_call_id = serializers.CharField(required=False, max_length=256)
 
-    def validate_content(self, value: Any) -> str:
-        return "" if value is None else content_text(value)
+    def validate_content(self, value: Any) -> tuple[str, tuple[Any, ...]]:
+        """Its text, and its image parts, read with the message's place by `openai_images`."""
+        return ("", ()) if value is None else images.openai_content(value)
 
     def validate_role(self, value: str) -> str:
         return ROLE_ALIASES.get(value, value)
@@ -82,9 +66,10 @@ class MessageInput(JsonInput):
             raise serializers.ValidationError(
                 {"tool_call_id": "A tool message needs the id of the call it answers."}
             )
+        text, attrs["image_urls"] = attrs.get("content") or ("", ())
         attrs["message"] = Message(
             role,
-            attrs.get("content") or "",
+            text,
             tool_calls=attrs.get("tool_calls") or () if role == "assistant" else (),
             tool_call_id=attrs.get("tool_call_id") if role == "tool" else None,
             name=attrs.get("name") if role == "tool" else None,
@@ -189,6 +174,12 @@ class ChatCompletionInput(TextSamplingInput):
         if attrs.get("top_logprobs") is not None and not attrs.get("logprobs"):
             raise serializers.ValidationError({"top_logprobs": "needs logprobs set to true."})
         attrs["logprobs"] = (attrs.get("top_logprobs") or 0) if attrs.get("logprobs") else None
+        # Images (docs/api.md#images): read and bounded here, where each message's place is known;
+        # an InvalidImageError leaves DRF as it is, a 400 with code `invalid_image`.
+        items = attrs["messages"]
+        read = images.openai_images([m["message"] for m in items], [m["image_urls"] for m in items])
+        for item, with_images in zip(items, read, strict=True):
+            item["message"] = with_images
         return attrs
 
 

@@ -22,7 +22,9 @@ from mlxhost.engine.errors import (
     EngineError,
     GenerationFailedError,
     HubError,
+    ImagesNotSupportedError,
     InvalidAdapterError,
+    InvalidImageError,
     InvalidModelFolderError,
     InvalidRequestError,
     ModelLoadError,
@@ -38,6 +40,7 @@ from mlxhost.engine.errors import (
 )
 from mlxhost.engine.generation import Generation
 from mlxhost.engine.hub import HubChanges, HubCommit, hub_changes, hub_check_access, hub_resolve
+from mlxhost.engine.images import ImageLimits, check_encoded, decode_image, request_images
 from mlxhost.engine.limits import physical_memory_bytes
 from mlxhost.engine.names import instance_id_of_name, is_internal_name
 from mlxhost.engine.retention import Retention
@@ -45,6 +48,7 @@ from mlxhost.engine.sessions import SessionQuery, SessionScoper
 from mlxhost.engine.stats import Histogram, RequestStats
 from mlxhost.engine.types import (
     ALIAS_SAMPLING_FIELDS,
+    GENERATING_KINDS,
     SAMPLING_KNOBS,
     AdapterRef,
     Delta,
@@ -55,6 +59,7 @@ from mlxhost.engine.types import (
     Failed,
     FinishReason,
     GenerationRequest,
+    Image,
     KVQuantization,
     LaneSettings,
     Message,
@@ -79,22 +84,26 @@ from mlxhost.engine.vocabularies import folder_vocabulary, vocabulary_mismatch
 from mlxhost.engine.weights import (
     QUANT_BITS,
     QUANT_GROUP_SIZES,
+    VISION_EXTRA,
     detect_kind,
     folder_fingerprint,
     hub_fingerprint,
     resolve_under,
     validate_model_folder,
+    vision_extra_installed,
     with_draft,
 )
 
 __all__ = [
     "ADAPTER_FILES",
     "ALIAS_SAMPLING_FIELDS",
+    "GENERATING_KINDS",
     "MAX_EMBEDDING_INPUTS",
     "OVERLOADED_CODES",
     "QUANT_BITS",
     "QUANT_GROUP_SIZES",
     "SAMPLING_KNOBS",
+    "VISION_EXTRA",
     "AdapterInfo",
     "AdapterRef",
     "Delta",
@@ -118,7 +127,11 @@ __all__ = [
     "HubChanges",
     "HubCommit",
     "HubError",
+    "Image",
+    "ImageLimits",
+    "ImagesNotSupportedError",
     "InvalidAdapterError",
+    "InvalidImageError",
     "InvalidModelFolderError",
     "InvalidRequestError",
     "KVQuantization",
@@ -157,6 +170,8 @@ __all__ = [
     "WrongModelKindError",
     "adapter_fingerprint",
     "check_against_base",
+    "check_encoded",
+    "decode_image",
     "detect_kind",
     "folder_fingerprint",
     "folder_vocabulary",
@@ -170,8 +185,10 @@ __all__ = [
     "prefix_cache_bytes",
     "read_adapter",
     "remove_saved",
+    "request_images",
     "resolve_under",
     "validate_model_folder",
+    "vision_extra_installed",
     "vocabulary_mismatch",
     "with_draft",
 ]

@@ -74,6 +74,30 @@ class InvalidRequestError(EngineError):
         self.param = param
 
 
+class ImagesNotSupportedError(EngineError):
+    """A request with images named an alias whose model reads no images (not kind `vision`)."""
+
+    code = "images_not_supported"
+
+    def __init__(self, name: str, kind: str, param: str = "messages") -> None:
+        super().__init__(
+            f"{name!r} is a {kind} model (kind {kind!r}): it reads no images. "
+            "Send images to an alias of a vision model (kind 'vision'), or send text only."
+        )
+        self.param = param
+
+
+class InvalidImageError(EngineError):
+    """An image the server refuses: not a supported format, unreadable, or over a limit; `param`
+    names the part (docs/api.md#images)."""
+
+    code = "invalid_image"
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 class WrongModelKindError(EngineError):
     """An embedding model named on a chat surface, or a chat model on /v1/embeddings (API-13)."""
 

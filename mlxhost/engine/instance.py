@@ -150,6 +150,8 @@ class Instance:
         """The lane capacity this instance serves: the model's setting, or 1 for a chat model
         whose weights cannot batch (LANE-1)."""
         spec = spec or self.spec
+        if spec.kind == "vision":
+            return 1  # vision rows are not batched yet: one generation at a time (docs/models.md)
         if spec.kind == "chat" and self.can_batch is False:
             return 1
         return spec.lane.capacity

@@ -25,15 +25,17 @@ from typing import TYPE_CHECKING, Literal, cast
 
 from mlxhost.engine.errors import (
     DrainingError,
+    ImagesNotSupportedError,
     ModelLoadError,
     RequestCancelledError,
     WrongModelKindError,
 )
 from mlxhost.engine.generation import Generation
+from mlxhost.engine.images import request_images
 from mlxhost.engine.lane import TicketHooks
 from mlxhost.engine.prework import Start, dispatch_on_admit
 from mlxhost.engine.stats import REJECTIONS
-from mlxhost.engine.types import Done, Failed, Timings, Usage
+from mlxhost.engine.types import GENERATING_KINDS, Done, Failed, Timings, Usage
 from mlxhost.engine.worker import WriteJob
 
 if TYPE_CHECKING:
@@ -182,12 +184,17 @@ class Turn:
         Raises:
             RuntimeError: the permit was already taken on or released.
             WrongModelKindError: the instance is an embedding model (the place goes back).
+            ImagesNotSupportedError: the request has images and the model is not a vision model.
         """
         self.claim()
-        if self.instance.spec.kind != "chat":
+        kind = self.instance.spec.kind
+        images = kind != "vision" and bool(request_images(request.messages))
+        if kind not in GENERATING_KINDS or images:
             self._state = "ended"
             self.instance.lane.release(self.ticket)
             self._registry.unlease(self.instance)
+            if images:  # the service refuses these first; a rebinding between the two lands here
+                raise ImagesNotSupportedError(request.binding, kind)
             raise WrongModelKindError.embedding_on_chat(request.binding)
         generation = Generation(request, asyncio.get_running_loop())
         generation.instance_id = self.instance_id

@@ -8,6 +8,7 @@ from there to its end; the `Ledger` keeps who is live, early cancels, and recent
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from mlxhost.engine.errors import (
@@ -17,7 +18,9 @@ from mlxhost.engine.errors import (
     RequestCancelledError,
     WrongModelKindError,
 )
+from mlxhost.engine.images import request_images
 from mlxhost.engine.turn import Ledger, Turn
+from mlxhost.engine.types import GENERATING_KINDS
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -143,6 +146,10 @@ class Turns:
             PromptTooLongError: the prompt exceeds the model's context or max_input_tokens.
             RequestTooLargeError: its KV cache could not fit the memory budget.
         """
+        if request.session is not None and request_images(request.messages):
+            # A prompt with images never uses or fills the prefix cache: its image tokens are
+            # placeholders, the same for every image, so a cached prefix could hold another's.
+            request = replace(request, session=None, keep_on_disk=False)
         request_id = request.request_id
         if turn is None:
             turn = self.reserve(request_id, request.binding)
@@ -178,7 +185,7 @@ class Turns:
         """
         self.check_open()
         instance = self.registry.resolve(request.binding)
-        if instance.spec.kind != "chat":
+        if instance.spec.kind not in GENERATING_KINDS:
             raise WrongModelKindError.embedding_on_chat(request.binding)
         self.registry.lease(instance)  # an unbind while the count renders defers teardown (REG-6)
         try:

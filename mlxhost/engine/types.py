@@ -17,8 +17,11 @@ Role = Literal["system", "user", "assistant", "tool"]
 # "tool_calls": the answer ended with one or more complete tool calls.
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "aborted", "error"]
 ToolMode = Literal["auto", "none", "required"]
-# What a model does (API-13): answers chats, or turns text into vectors.
-ModelKind = Literal["chat", "embedding"]
+# What a model does (API-13): answers chats, turns text into vectors, or answers chats that may
+# hold images (a vision-language model through mlx-vlm, docs/models.md).
+ModelKind = Literal["chat", "embedding", "vision"]
+# The kinds that generate: every chat surface serves them.
+GENERATING_KINDS: frozenset[str] = frozenset({"chat", "vision"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,12 +34,33 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class Image:
+    """An image of a message (docs/api.md#images): the file as sent (`encoded`, its bytes already
+    within the limits), and once decoded (`images.decode_image`) its RGB `pixels`, row by row,
+    with the SHA-256 of those pixels; `param` is the request field that held it, for errors."""
+
+    param: str
+    encoded: bytes = b""
+    media_type: str = ""  # what the request declared (a data URL's type), "" when it said none
+    pixels: bytes = b""
+    width: int = 0
+    height: int = 0
+    digest: str = ""
+
+    @property
+    def decoded(self) -> bool:
+        return self.width > 0
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     role: Role
     content: str
     tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
     tool_call_id: str | None = None  # a "tool" turn: the call it answers...
     name: str | None = None  # ...and the function's name
+    # A user turn's images, in order; the text's place for them is the model's template's.
+    images: tuple[Image, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True, slots=True)

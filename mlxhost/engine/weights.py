@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import threading
 from pathlib import Path
@@ -88,15 +89,46 @@ ENCODER_MODEL_TYPES = frozenset(
 )
 
 
+# Vision-language architectures (issue 29): a config with a `vision_config`, or one of mlx-vlm's
+# model types whose config may lack it. Served through the optional vision extra (mlx-vlm).
+VISION_MODEL_TYPES = frozenset(
+    {
+        "llava",
+        "llava_next",
+        "idefics2",
+        "idefics3",
+        "smolvlm",
+        "qwen2_vl",
+        "qwen2_5_vl",
+        "paligemma",
+        "pixtral",
+    }
+)
+VISION_EXTRA = (
+    "Vision models need the optional vision extra (mlx-vlm and Pillow), which is not installed: "
+    "run `make install-vision` (or `pip install -r requirements-vision.txt`) and restart the server."
+)
+
+
+def vision_extra_installed() -> bool:
+    """Whether mlx-vlm can be imported here (found, not imported: the check is cheap)."""
+    return importlib.util.find_spec("mlx_vlm") is not None
+
+
 def detect_kind(folder: Path) -> ModelKind:
-    """Whether a model folder holds a chat model or an embedding model (API-13), from its files:
-    sentence-transformers' files, or a config.json that names a bare encoder, mean embedding."""
+    """Whether a model folder holds a chat, vision or embedding model (API-13), from its files:
+    sentence-transformers' files, or a config.json that names a bare encoder, mean embedding; a
+    config with a vision tower (`vision_config`, or a vision model type) means vision."""
     if any((folder / name).is_file() for name in SENTENCE_TRANSFORMERS_FILES):
         return "embedding"
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return "chat"
+    if isinstance(config, dict) and (
+        isinstance(config.get("vision_config"), dict) or config.get("model_type") in VISION_MODEL_TYPES
+    ):
+        return "vision"
     architectures = [str(a) for a in config.get("architectures") or []] if isinstance(config, dict) else []
     if any(a.endswith(GENERATIVE_SUFFIXES) for a in architectures):
         return "chat"

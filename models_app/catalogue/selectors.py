@@ -39,7 +39,7 @@ def aliases_enabled() -> QuerySet[ModelAlias]:
 
 def aliases_for_chat() -> QuerySet[ModelAlias]:
     """The enabled aliases of chat models, by name: what the chat page offers (ADM-4)."""
-    return aliases_enabled().filter(model__kind=Model.Kind.CHAT).order_by("name")
+    return aliases_enabled().filter(model__kind__in=Model.GENERATING_KINDS).order_by("name")
 
 
 def models_with_aliases() -> QuerySet[Model]:

@@ -22,6 +22,7 @@ from models_app.models import Model, ModelInstance
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from mlxhost.engine import ModelKind
     from models_app.models import ModelAlias
 
 # Shaped apart in `sampling_params_for`: clamped by the alias, or turned into tuples.
@@ -63,11 +64,17 @@ def model_spec_for(
         ),
         keep_alive_s=model.keep_alive_s,  # None: never freed for idleness (OPS-3)
         pinned=model.pinned,
-        kind="embedding" if model.kind == Model.Kind.EMBEDDING else "chat",
+        kind=model_kind(model),
         kv_quantization=KVQuantization.from_tag(instance.kv_format),
         # Its draft model (speculative decoding); the instance's fingerprint includes the draft's.
         draft=model_spec_for(model=model.draft_model) if model.draft_model is not None else None,
     )
+
+
+def model_kind(model: Model) -> ModelKind:
+    """The engine's kind of `model` (its column's values are the engine's names)."""
+    kinds: dict[str, ModelKind] = {"chat": "chat", "embedding": "embedding", "vision": "vision"}
+    return kinds[model.kind]
 
 
 def sampling_params_for(*, alias: ModelAlias, overrides: Mapping[str, Any]) -> SamplingParams:

@@ -14,7 +14,7 @@ from django.shortcuts import redirect
 from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 
-from mlxhost.engine import ALIAS_SAMPLING_FIELDS
+from mlxhost.engine import ALIAS_SAMPLING_FIELDS, VISION_EXTRA, vision_extra_installed
 from models_app.catalogue import control, services
 from models_app.console import admin_adapters as admin_adapters  # registers LoRA adapters (issue 28)
 from models_app.console import admin_keys as admin_keys  # registers the API key and usage pages (KEY-1..4)
@@ -209,6 +209,8 @@ class ModelAdmin(HubPinActions, QuantizeAdminMixin, _ModelAdminBase):
                 costs=model_costs(obj),
                 **self.quantize_context(request, obj),
             )
+        if obj is not None and obj.kind == Model.Kind.VISION:
+            vision_notes(request)
         return super().render_change_form(request, context, add, change, form_url, obj)
 
     def _action_buttons(self, request: HttpRequest, model: Model) -> list[dict[str, Any]]:
@@ -240,6 +242,20 @@ class ModelAdmin(HubPinActions, QuantizeAdminMixin, _ModelAdminBase):
     def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Model]) -> None:
         for model in queryset:
             services.model_delete(model=model)
+
+
+VISION_EXCLUSIVE = (
+    "Vision models run one request at a time (mlx-vlm, issue 29): batching vision rows is not done "
+    "yet, so this model's lane serves at capacity 1 whatever its concurrency says."
+)
+
+
+def vision_notes(request: HttpRequest) -> None:
+    """A vision model's page says what to install when the vision extra is missing, and that it
+    serves one request at a time."""
+    if not vision_extra_installed():
+        messages.warning(request, VISION_EXTRA)
+    messages.info(request, VISION_EXCLUSIVE)
 
 
 # Aliases -------------------------------------------------------------------------------------------

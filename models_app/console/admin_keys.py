@@ -98,7 +98,8 @@ def snippet_context(base_url: str, raw_key: str) -> dict[str, Any]:
     """The snippets for each enabled alias, chat aliases first (the first one is shown), with the
     picker's choices; the agent CLIs' environment names no model, so it stands apart (KEY-1)."""
     aliases = sorted(
-        selectors.aliases_enabled(), key=lambda alias: (alias.model.kind != Model.Kind.CHAT, alias.name)
+        selectors.aliases_enabled(),
+        key=lambda alias: (alias.model.kind not in Model.GENERATING_KINDS, alias.name),
     )
     named = [(alias.name, alias.model.kind == Model.Kind.EMBEDDING) for alias in aliases]
     groups = [

@@ -86,7 +86,7 @@ def dashboard(request: HttpRequest) -> HttpResponse:
         "is_nav_sidebar_enabled": False,
         "aliases": aliases,
         # The playground chats: embedding models (API-13) are listed above, not offered there.
-        "chat_aliases": [alias for alias in aliases if alias.model.kind == alias.model.Kind.CHAT],
+        "chat_aliases": [alias for alias in aliases if alias.model.kind in alias.model.GENERATING_KINDS],
         "statuses": statuses,
         # The charts' last hour, so a dashboard opened after an incident shows it (ADM-2).
         "history": status_history.history_of(boot_ids=[status["boot_id"] for status in statuses]),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,7 @@ from models_app.catalogue import lookups, specs
 from models_app.catalogue.adapters import adapter_ref_for
 from models_app.models import Model, ModelAlias
 from models_app.turns.binding import engine_for
+from models_app.turns.images import turn_images
 
 if TYPE_CHECKING:
     from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Mapping
@@ -174,14 +175,19 @@ def generation_request(
     several: the choice's place in its group (`RowGroup`), from which the engine derives its seed."""
     cache = turn.cache
     rows = RowGroup(*row) if row is not None and row[2] > 1 else None
-    session = engine.scoper.query(
-        tenant=str(turn.owner_id),
-        salt=cache.salt,
-        instructions=cache.instructions,
-        previous_response_id=cache.previous_response_id,
-        prompt_cache_key=cache.prompt_cache_key,
-        warm_any=cache.warm_any,
-        adapter=alias.adapter.fingerprint if alias.adapter is not None else "",  # KV per adapter
+    # Vision aliases use no prefix cache yet (issue 29): their image tokens are placeholders.
+    session = (
+        None
+        if alias.model.kind == Model.Kind.VISION
+        else engine.scoper.query(
+            tenant=str(turn.owner_id),
+            salt=cache.salt,
+            instructions=cache.instructions,
+            previous_response_id=cache.previous_response_id,
+            prompt_cache_key=cache.prompt_cache_key,
+            warm_any=cache.warm_any,
+            adapter=alias.adapter.fingerprint if alias.adapter is not None else "",  # KV per adapter
+        )
     )
     return EngineRequest(
         request_id=request_id,
@@ -235,6 +241,8 @@ async def turn_start(
     key, owner_id = turn.key, turn.owner_id  # `prepare` may rebuild the turn
     await key_admit(key, owner_id=owner_id)
     alias = chat_alias(await lookups.alias_resolve(turn.model))
+    # Images: refused for a text model, else decoded (issue 29).
+    turn = replace(turn, messages=await turn_images(alias, turn.messages))
     engine = await engine_for(alias.name)
     # Grammars first, holding nothing: a slow schema never takes a place in the lane (API-7).
     if turn.tools or turn.json_format is not None:
@@ -345,7 +353,7 @@ async def turn_refuse_if_full(model: object, key: KeyIdentity | None = None, *, 
         alias = await lookups.alias_resolve(model)
     except ModelAlias.DoesNotExist:
         return
-    if alias.model.kind == Model.Kind.CHAT:
+    if alias.model.kind in Model.GENERATING_KINDS:
         with overload_counted(key, owner_id=owner_id):
             engine.refuse_if_full(alias.name)
 
@@ -364,6 +372,7 @@ async def turn_count_tokens(turn: TurnRequest) -> int:
     """
     await key_admit(turn.key, owner_id=turn.owner_id, window="counts")
     alias = chat_alias(await lookups.alias_resolve(turn.model))
+    turn = replace(turn, messages=await turn_images(alias, turn.messages))
     engine = await engine_for(alias.name)
     count = await engine.count_tokens(generation_request(alias, turn, "count", engine))
     usage.recorder().counted(owner_id=turn.owner_id, key_id=turn.key.key_id if turn.key else None)
@@ -407,7 +416,7 @@ def chat_alias(alias: ModelAlias) -> ModelAlias:
     Raises:
         WrongModelKindError: the alias names an embedding model.
     """
-    if alias.model.kind != Model.Kind.CHAT:
+    if alias.model.kind not in Model.GENERATING_KINDS:
         raise WrongModelKindError.embedding_on_chat(alias.name)
     return alias
 

@@ -266,8 +266,8 @@ async def test_unknown_model_is_404_not_found_error(api_key):
         ),
         pytest.param(
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "messages[0].content",
-            id="image-block",
+            "messages[0].content[0].source",
+            id="image-block-without-source",
         ),
         pytest.param({"system": [{"type": "image"}]}, "system", id="system-image-block"),
         pytest.param({"stop_sequences": "END"}, "stop_sequences", id="stop-sequences-not-a-list"),
@@ -303,9 +303,9 @@ async def test_bad_input_is_400_invalid_request_error(tiny_alias, api_key, patch
 
 
 async def test_unsupported_content_says_so(tiny_alias, api_key):
-    image = {"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}
-    response = await post(message_body(messages=[image]), api_key)
-    assert "'image' are not supported" in response.json()["error"]["message"]
+    document = {"role": "user", "content": [{"type": "document", "source": {"type": "base64"}}]}
+    response = await post(message_body(messages=[document]), api_key)
+    assert "'document' are not supported" in response.json()["error"]["message"]
 
 
 async def test_disabled_options_and_consecutive_turns_are_accepted(tiny_alias, api_key, mlx_engine):

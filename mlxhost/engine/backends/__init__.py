@@ -22,7 +22,7 @@ def make_backend(name: str) -> Backend:
         script = name.partition(":")[2]
         return FakeBackend.from_script(Path(script)) if script else FakeBackend()
     if name == "mlx":
-        from mlxhost.engine.backends.mlx.backend import MlxBackend
+        from mlxhost.engine.backends.mlx.serving import ServingBackend
 
-        return MlxBackend()
+        return ServingBackend()
     raise ValueError(f"Unknown engine backend {name!r}; expected 'mlx', 'fake' or 'fake:SCRIPT.json'.")

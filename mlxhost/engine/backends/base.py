@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from mlxhost.engine.types import (
         AdapterRef,
         Grammar,
+        Image,
         Message,
         ModelSpec,
         SamplingParams,
@@ -234,6 +235,7 @@ class LoadedModel(Protocol):
         max_draft: int = 0,
         counts: DraftCounts | None = None,
         adapter: AdapterRef | None = None,
+        images: Sequence[Image] = (),
     ) -> Iterator[TokenStep | StepEnd]:
         """Feed `prompt_ids` on top of `kv`, then yield one `TokenStep` per token and one `StepEnd`,
         under `adapter` (a LoRA adapter on these weights, loaded on first use; None: the base).
@@ -243,7 +245,8 @@ class LoadedModel(Protocol):
         place; `cache_length(kv)` says how many tokens it then holds. `max_draft` > 0 lets a
         model with a draft model speculate (the request's alias has speculation on); the tokens
         are the same either way, and its drafted / accepted / passes / emitted counts are added
-        to `counts` as the tokens come.
+        to `counts` as the tokens come. `images` are the prompt's
+        decoded images, in order (a vision model's; any other raises ValueError on them).
         """
         ...
 
@@ -321,7 +324,7 @@ class EmbeddingModel(Protocol):
 
 
 class Backend(Protocol):
-    """Loads models: chat models (`load`) and embedding models (`load_embedder`). It may also
+    """Loads models: chat and vision models (`load`, by `spec.kind`) and embedding models (`load_embedder`). It may also
     define `thread_exit()`, which each worker thread calls as it ends, to free what the backend
     keeps per thread (MLX's streams)."""
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
     from pathlib import Path
 
-    from mlxhost.engine.types import AdapterRef, Grammar, Message, ModelSpec, SamplingParams, Tool
+    from mlxhost.engine.types import AdapterRef, Grammar, Image, Message, ModelSpec, SamplingParams, Tool
 
 # The fake's thinking and tool-call markers (models with `knows_tools`; thinking always).
 THINK = ("<think>", "</think>")
@@ -117,7 +117,11 @@ class FakeModel:
             backend.before_render(messages)  # runs off the loop, like real templating
         head = "".join(f"<tool>{tool.name}" for tool in tools)
         calls = ["".join(f"<call>{c.name}{c.arguments}" for c in m.tool_calls) for m in messages]
-        text = head + "".join(f"<{m.role}>{m.content}{c}" for m, c in zip(messages, calls, strict=True))
+        # A vision model's images: `<image WxH>` each, before the message's text.
+        seen = ["".join(f"<image {i.width}x{i.height}>" for i in m.images) for m in messages]
+        text = head + "".join(
+            f"<{m.role}>{i}{m.content}{c}" for m, i, c in zip(messages, seen, calls, strict=True)
+        )
         return self.encode(text if continue_final else text + "<assistant>")
 
     def splitter(self, prompt_ids: Sequence[int]) -> FakeSplitter | None:
@@ -149,8 +153,12 @@ class FakeModel:
         max_draft: int = 0,
         counts: DraftCounts | None = None,
         adapter: AdapterRef | None = None,
+        images: Sequence[Image] = (),
     ) -> Iterator[TokenStep | StepEnd]:
         backend, cache = self._backend, _fake(kv)
+        if images and self.spec.kind != "vision":
+            raise ValueError(f"This model reads no images (kind {self.spec.kind}).")
+        backend.images.append(tuple(images))
         backend.adapters.append(adapter.name if adapter else None)
         backend.history.append((self.spec.instance_id, list(prompt_ids), sampling))
         backend.contexts.append(list(context))
@@ -317,6 +325,7 @@ class FakeBackend:
         self.knows_tools = False  # models render tools natively and mark calls with TOOL_CALL
         self.markers = False  # models mark thinking (THINK) and, with knows_tools, calls
         self.renders: list[tuple[list[Message], list[Tool], dict[str, object]]] = []
+        self.images: list[tuple[Image, ...]] = []  # every exclusive generation's images, in order
         self.grammars: list[Grammar] = []  # every grammar checked, in order
         self._scripts: deque[list[str]] = deque()
         self.replies: list[ScriptedReply] = []  # answers by prompt, when nothing is enqueued

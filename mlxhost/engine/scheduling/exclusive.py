@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from mlxhost.engine.backends.base import StepEnd
 from mlxhost.engine.errors import GrammarFailedError
+from mlxhost.engine.images import request_images
 from mlxhost.engine.jobs import GenerateJob, JobResult, Turn, post_done
 from mlxhost.engine.scheduling.base import Scheduler
 from mlxhost.engine.stops import StopMatcher
@@ -101,15 +102,21 @@ class ExclusiveScheduler(Scheduler):
         the stop string that ended the turn (None unless a stop string did)."""
         generation, stats = job.generation, self._host.stats
         matcher = StopMatcher(job.sampling.stop)
-        steps = model.generate(
-            job.prompt_ids[reuse:],
-            job.sampling,
-            kv,
-            context=job.prompt_ids[:reuse],
-            max_draft=job.max_draft,
-            counts=stats.speculation,  # a draft model's drafts, as the batch counts its rows'
-            adapter=job.adapter,
-        )
+        images = request_images(generation.request.messages)
+        if images:  # a vision model's turn with images: never from a cached prefix (reuse is 0)
+            steps = model.generate(
+                job.prompt_ids[reuse:], job.sampling, kv, context=(), images=images, adapter=job.adapter
+            )
+        else:
+            steps = model.generate(
+                job.prompt_ids[reuse:],
+                job.sampling,
+                kv,
+                context=job.prompt_ids[:reuse],
+                max_draft=job.max_draft,
+                counts=stats.speculation,  # a draft model's drafts, as the batch counts its rows'
+                adapter=job.adapter,
+            )
         generated: list[int] = []
         logprobs: list[TokenLogprob] = []  # with a request for them: one per generated token
         sent = 0  # how many of `generated` the reader has been sent

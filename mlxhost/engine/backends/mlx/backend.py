@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from mlxhost.engine.types import (
         AdapterRef,
         Grammar,
+        Image,
         KVQuantization,
         Message,
         ModelSpec,
@@ -237,7 +238,10 @@ class MlxModel:
         max_draft: int = 0,
         counts: DraftCounts | None = None,
         adapter: AdapterRef | None = None,
+        images: Sequence[Image] = (),
     ) -> Iterator[TokenStep | StepEnd]:
+        if images:
+            raise ValueError("This model reads no images (kind chat).")
         slot = self.adapters.slot(adapter)  # InvalidAdapterError: it will not load
         self.adapters.hold(slot, 1)
         try:
@@ -466,7 +470,13 @@ class MlxBackend:
             raise ModelLoadError(f"The embedding model could not be loaded: {exc}") from exc
 
 
-def _load_folder(spec: ModelSpec, progress: ProgressCallback, what: str = "model") -> tuple[Path, Any, Any]:
+def model_folder(spec: ModelSpec, progress: ProgressCallback) -> Path:
+    """A chat or vision model's folder, validated and read once (a hub revision downloaded first),
+    then the "build" phase announced: what every load does before its library builds the model.
+
+    Raises:
+        ModelLoadError: the folder is unsafe or incomplete, or the hub cannot be reached.
+    """
     path = Path(spec.source)
     if path.is_absolute():
         validate_model_folder(path)
@@ -474,7 +484,13 @@ def _load_folder(spec: ModelSpec, progress: ProgressCallback, what: str = "model
         path = _download(spec.source, spec.revision, progress)
         validate_model_folder(path)
     _read_with_progress(path, progress)
-    progress(0, 0, "", "build")  # mlx-lm says nothing while it builds: a phase with no count
+    progress(0, 0, "", "build")  # the library says nothing while it builds: a phase with no count
+    return path
+
+
+def _load_folder(spec: ModelSpec, progress: ProgressCallback, what: str = "model") -> tuple[Path, Any, Any]:
+    """`model_folder`, then mlx-lm's load of it: (folder, model, tokenizer)."""
+    path = model_folder(spec, progress)
     try:
         model, tokenizer = mlx_load(str(path))[:2]
     except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: MLX's own reader
