@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from mlxhost.engine.backends.mlx import backend as mlx_backend
+from mlxhost.engine.backends.mlx import folders as mlx_folders
 from mlxhost.engine.backends.mlx.backend import MlxBackend
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.types import ModelSpec
@@ -20,7 +20,7 @@ def test_a_local_load_reports_every_chunk_up_to_the_folder_size_then_builds(tiny
     """OPS-4: progress climbs monotonically from 0 to the folder's byte size, chunk by chunk, in
     the "read" phase; then the "build" phase (mlx-lm makes the model) says so, with nothing to
     count, so a page never shows "100 %" for the seconds the build takes."""
-    monkeypatch.setattr(mlx_backend, "READ_CHUNK", 4096)
+    monkeypatch.setattr(mlx_folders, "READ_CHUNK", 4096)
     calls: list[tuple[int, int, str]] = []
 
     def progress(done: int, total: int, unit: str = "bytes", phase: str = "") -> None:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
-from mlx_lm import load as mlx_load
 from mlx_lm import stream_generate
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import (
@@ -42,6 +41,7 @@ from mlxhost.engine.backends.mlx.draft_model import (
 )
 from mlxhost.engine.backends.mlx.drafting import SpeculationConfig
 from mlxhost.engine.backends.mlx.embedding import MlxEmbedder, load_embedder
+from mlxhost.engine.backends.mlx.folders import download, load_folder, read_with_progress
 from mlxhost.engine.backends.mlx.grammar import (
     MlxSplitter,
     Vocabulary,
@@ -50,11 +50,9 @@ from mlxhost.engine.backends.mlx.grammar import (
     tool_markers,
 )
 from mlxhost.engine.errors import ModelLoadError
-from mlxhost.engine.hub import hub_download
 from mlxhost.engine.structure import template_messages, template_tools
 from mlxhost.engine.weights import validate_model_folder
 
-READ_CHUNK = 16 * 1024 * 1024
 # Tokens the single-stream scheduler drafts per step with a draft model: mlx_lm.server's default
 # (`--num-draft-tokens 3`); mlx-lm's `speculative_generate_step` does not adapt it.
 NUM_DRAFT_TOKENS = 3
@@ -443,12 +441,12 @@ class MlxBackend:
         Raises:
             ModelLoadError: the folder is unsafe or incomplete, or the hub cannot be reached.
         """
-        path, model, tokenizer = _load_folder(spec, progress)
+        path, model, tokenizer = load_folder(spec, progress)
         if spec.kv_quantization is not None:
             check_kv_quantization(model, spec.kv_quantization)
         loaded = MlxModel(model, tokenizer, path, spec.kv_quantization)
         if spec.draft is not None:  # speculative decoding: loaded, checked and freed with it
-            draft_path, draft, draft_tokenizer = _load_folder(spec.draft, progress, "draft model")
+            draft_path, draft, draft_tokenizer = load_folder(spec.draft, progress, "draft model")
             loaded.attach_draft(draft, draft_tokenizer, draft_path)
         return loaded
 
@@ -460,70 +458,11 @@ class MlxBackend:
         """
         path = Path(spec.source)
         if not path.is_absolute():
-            path = _download(spec.source, spec.revision, progress)
+            path = download(spec.source, spec.revision, progress)
         validate_model_folder(path)
-        _read_with_progress(path, progress)
+        read_with_progress(path, progress)
         progress(0, 0, "", "build")
         try:
             return load_embedder(path)
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise ModelLoadError(f"The embedding model could not be loaded: {exc}") from exc
-
-
-def model_folder(spec: ModelSpec, progress: ProgressCallback) -> Path:
-    """A chat or vision model's folder, validated and read once (a hub revision downloaded first),
-    then the "build" phase announced: what every load does before its library builds the model.
-
-    Raises:
-        ModelLoadError: the folder is unsafe or incomplete, or the hub cannot be reached.
-    """
-    path = Path(spec.source)
-    if path.is_absolute():
-        validate_model_folder(path)
-    else:
-        path = _download(spec.source, spec.revision, progress)
-        validate_model_folder(path)
-    _read_with_progress(path, progress)
-    progress(0, 0, "", "build")  # the library says nothing while it builds: a phase with no count
-    return path
-
-
-def _load_folder(spec: ModelSpec, progress: ProgressCallback, what: str = "model") -> tuple[Path, Any, Any]:
-    """`model_folder`, then mlx-lm's load of it: (folder, model, tokenizer)."""
-    path = model_folder(spec, progress)
-    try:
-        model, tokenizer = mlx_load(str(path))[:2]
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:  # RuntimeError: MLX's own reader
-        raise ModelLoadError(f"mlx-lm could not load the {what}: {exc}") from exc
-    return path, model, tokenizer
-
-
-def _read_with_progress(folder: Path, progress: ProgressCallback) -> None:
-    """Read the folder's files once, reporting bytes as they come in (OPS-4).
-
-    mlx-lm loads all weights in one call that says nothing while it runs; reading the files
-    first moves the slow part (the disk) here, where it can be shown, and leaves mlx-lm to
-    read them back from the page cache.
-    """
-    files = sorted(p for p in folder.glob("*") if p.is_file())
-    total = sum(p.stat().st_size for p in files)
-    done = 0
-    progress(0, total)
-    buffer = bytearray(READ_CHUNK)
-    for file in files:
-        try:
-            with file.open("rb", buffering=0) as handle:
-                while count := handle.readinto(buffer):
-                    done += count
-                    progress(min(done, total), total)
-        except OSError as exc:
-            raise ModelLoadError(f"Could not read {file.name}: {exc}") from exc
-    progress(total, total)
-
-
-def _download(repo_id: str, revision: str | None, progress: ProgressCallback) -> Path:
-    """The snapshot of the pinned commit (issue 28): a hub model's spec names a sha, resolved when
-    the model was saved, so a moved branch never changes what an instance loads."""
-    if not revision:
-        raise ModelLoadError(f"{repo_id} has no pinned commit: save the model again to pin one.")
-    return hub_download(repo_id, revision, progress)

@@ -236,15 +236,13 @@ class MlxBatch:
         adapter: AdapterRef | None = None,
     ) -> int:
         """Add a sequence under `adapter` (None: the base); returns its handle. With speculation on,
-        `prediction_ids` (the client's predicted output, OpenAI Predicted Outputs) is its drafts; without,
-        drafts come from its own prompt and output. `max_draft` caps its drafts per step below
-        the batch's own cap (0: it never drafts; None: the batch's cap)."""
+        `prediction_ids` (OpenAI Predicted Outputs) are its drafts, else its own prompt and output;
+        `max_draft` caps its drafts per step (0: it never drafts; None: the batch's cap)."""
         if self._kv_quantization is not None:  # every row enters as a mergeable one (quantized_kv.py)
             kv = batch_rows(cast("list[Any]", kv or make_prompt_cache(self._model)), self._kv_quantization)
         suffix = len(prompt_ids) - cached
         slot = self._rows.slot(adapter)  # InvalidAdapterError: the adapter will not load
-        # Fed alone while the batch decodes, within the per-step prefill budget (`prefill_step`
-        # tokens between two steps, as a prefill chunk has): the running streams wait no longer.
+        # Fed alone while the batch decodes, within one prefill chunk's budget (`prefill_step`).
         if self._decoding and suffix > 0 and self._fed_alone + suffix <= self._prefill_step:
             self._fed_alone += suffix
             self._rows.select(slot)  # its passes run under its adapter

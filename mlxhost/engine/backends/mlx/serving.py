@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mlxhost.engine.backends.mlx.backend import MlxBackend, MlxModel, model_folder
+from mlxhost.engine.backends.mlx.backend import MlxBackend, MlxModel
+from mlxhost.engine.backends.mlx.folders import model_folder
 from mlxhost.engine.errors import ModelLoadError
 from mlxhost.engine.weights import VISION_EXTRA
 
