@@ -1,5 +1,6 @@
 """Persistent state: models (weights and their lane), aliases (names and sampling), weights
-registrations (instances), API keys and their usage by day, and stored responses."""
+registrations (instances), API keys and their usage by day, and stored responses. The rows
+derived from a Model (quantized copies, LoRA adapters) are in `derived.py`."""
 
 from __future__ import annotations
 
@@ -433,21 +434,3 @@ class InstanceTombstone(models.Model):
 
     def __str__(self) -> str:
         return f"#{self.instance_id} for {self.response_public_id}"
-
-
-# Rows derived from a Model (its quantized copies, its LoRA adapters), kept in their own module and
-# registered here with the app's other models.
-from models_app.catalogue.tables import Adapter, QuantizedCopy  # noqa: E402
-
-__all__ = [
-    "Adapter",
-    "ApiKey",
-    "BaseModel",
-    "InstanceTombstone",
-    "Model",
-    "ModelAlias",
-    "ModelInstance",
-    "QuantizedCopy",
-    "StoredResponse",
-    "UsageDay",
-]

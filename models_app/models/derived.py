@@ -1,6 +1,6 @@
 """Catalogue rows derived from a Model (issue 28): its quantized copies, made by a Celery task, and
-its LoRA adapters. Django models of the `models_app` app, registered by `models_app.models`, which
-imports them (and from where the rest of the code imports them)."""
+its LoRA adapters. Django models of the `models_app` app; the rest of the code imports them from
+`models_app.models`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from django.db import models
 from django.db.models import TextChoices
 
 from mlxhost.engine import QUANT_BITS, QUANT_GROUP_SIZES
-from models_app.models import BaseModel, Model
+from models_app.models.core import BaseModel, Model
 
 
 class QuantizedCopy(BaseModel):
