@@ -24,7 +24,7 @@ from mlxhost.engine import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Sequence
+    from collections.abc import AsyncIterator, Callable, Sequence
 
     from api.errors import ApiError
 
@@ -104,9 +104,22 @@ async def chat_sse(turn: ChatTurn, generations: Sequence[Generation]) -> AsyncIt
     An async generator on purpose: Django buffers sync iterators under ASGI. When the client
     disconnects, Django cancels this generator and every choice's generation is cancelled.
     """
+    async for frame in choices_sse(turn, generations, _choice_sse, "chat.completion.chunk"):
+        yield frame
+
+
+async def choices_sse(
+    turn: ChatTurn,
+    generations: Sequence[Generation],
+    choice_sse: Callable[[ChatTurn, Generation, int, list[Done | Failed | None]], AsyncIterator[bytes]],
+    chunk_object: str,
+) -> AsyncIterator[bytes]:
+    """Every choice's chunks (`choice_sse` each), merged as they come; then the usage chunk (an
+    envelope of `chunk_object`) when asked for and every choice finished, the first error, and
+    `data: [DONE]`. Chat and text completions stream this way."""
     endings: list[Done | Failed | None] = [None] * len(generations)
     try:
-        streams = [_choice_sse(turn, g, index, endings) for index, g in enumerate(generations)]
+        streams = [choice_sse(turn, g, index, endings) for index, g in enumerate(generations)]
         async for frame in merged(streams):
             yield frame
     finally:
@@ -114,7 +127,7 @@ async def chat_sse(turn: ChatTurn, generations: Sequence[Generation]) -> AsyncIt
             generation.cancel()  # a no-op for those that ended
     dones = [ending for ending in endings if isinstance(ending, Done)]
     if turn.include_usage and dones and len(dones) == len(endings):
-        final = turn.envelope("chat.completion.chunk")
+        final = turn.envelope(chunk_object)
         final.update(choices=[], usage=usage_body(choices_usage([done.usage for done in dones])))
         yield sse_event(final)
     if (error := ending_error(endings)) is not None:

@@ -9,13 +9,13 @@ from rest_framework import serializers
 
 from api.auth import Caller, api_endpoint, caller_of
 from api.collect import collect_answers
-from api.errors import cut_short_error, error_body
+from api.errors import cut_short_error
 from api.openai.chat import (
     CUT_SHORT_FINISH,
     FINISH_REASONS,
     ChatTurn,
+    choices_sse,
     choices_usage,
-    ending_error,
     usage_body,
 )
 from api.openai.serializers import (
@@ -27,7 +27,7 @@ from api.openai.serializers import (
 )
 from api.openai.views import body_for_turn, chat_shaped_response, validated
 from api.sampling import sampling_overrides
-from api.sse import SSE_DONE, merged, sse_event
+from api.sse import sse_event
 from mlxhost.engine import Delta, Done, Failed, Generation, TokenLogprob
 from models_app.turns.turns import CacheScope, TurnRequest, turn_start
 
@@ -130,21 +130,8 @@ async def completion_sse(turn: ChatTurn, generations: Sequence[Generation]) -> A
     An async generator on purpose: Django buffers sync iterators under ASGI, and a client
     disconnect cancels this generator, which stops every choice's generation (LANE-6).
     """
-    endings: list[Done | Failed | None] = [None] * len(generations)
-    try:
-        streams = [_choice_sse(turn, g, index, endings) for index, g in enumerate(generations)]
-        async for frame in merged(streams):
-            yield frame
-    finally:
-        for generation in generations:
-            generation.cancel()  # a no-op for those that ended
-    dones = [ending for ending in endings if isinstance(ending, Done)]
-    if turn.include_usage and dones and len(dones) == len(endings):
-        usage = usage_body(choices_usage([done.usage for done in dones]))
-        yield sse_event({**turn.envelope(OBJECT), "choices": [], "usage": usage})
-    if (error := ending_error(endings)) is not None:
-        yield sse_event(error_body(error, "openai"))
-    yield SSE_DONE
+    async for frame in choices_sse(turn, generations, _choice_sse, OBJECT):
+        yield frame
 
 
 async def _choice_sse(
