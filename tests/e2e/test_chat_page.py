@@ -131,20 +131,35 @@ def send_in_view(page, height: int) -> None:
     assert top >= 0 and bottom <= height, f"Send spans {top}..{bottom}, outside the {height} px window"
 
 
-def stored(public_id: str):
+def stored(public_id: str, server=None):
     """The stored row `public_id`, once the server wrote it. Read from a thread of its own: the
-    ORM refuses the thread where Playwright's event loop runs."""
+    ORM refuses the thread where Playwright's event loop runs. A row that never lands fails with
+    the tails of the server's and its Celery worker's logs, which say why."""
     from models_app.models import StoredResponse
 
     def row():
         return wait_until(
             lambda: StoredResponse.objects.filter(public_id=public_id).first(),
-            timeout=20,
+            timeout=60,
             what=f"{public_id} to land",
         )
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(row).result()
+        try:
+            return pool.submit(row).result()
+        except AssertionError as missing:
+            raise AssertionError(f"{missing}\n{server_logs(server)}") from None
+
+
+def server_logs(server, lines: int = 40) -> str:
+    if server is None:
+        return ""
+    tails = []
+    for log in (server.log, server.log.with_name("celery.log")):
+        if log.exists():
+            tail = log.read_text(errors="replace").splitlines()[-lines:]
+            tails.append(f"--- {log.name} ---\n" + "\n".join(tail))
+    return "\n".join(tails)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +181,7 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
     first = finished_turn(page, 0)
     assert first.get_attribute("data-status") in ("completed", "incomplete")
     first_id = first.get_attribute("data-response-id")
-    assert stored(first_id).output_text  # it said something (the tiny model's words are noise)
+    assert stored(first_id, daphne_server).output_text  # it said something (the tiny model's words are noise)
     assert re.fullmatch(r"\d+ ms", figure(first, "queue"))
     assert re.fullmatch(r"\d+ ms", figure(first, "ttft"))
     assert figure(first, "cache").startswith("fresh")
@@ -189,7 +204,7 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
     assert second.locator(".chat-status").inner_text() == "Cut off at the token limit"
     assert figure(second, "cache").split(" ")[0] in ("hit", "cold_replay")
     second_id = second.get_attribute("data-response-id")
-    assert stored(second_id).previous_response_id == first_id
+    assert stored(second_id, daphne_server).previous_response_id == first_id
 
     # 3. Regenerate the last reply: a new response on the same parent, in its place.
     send_in_view(page, height)
@@ -201,7 +216,7 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
         arg=second_id,
     )
     regenerated_id = page.locator(TURN).nth(1).get_attribute("data-response-id")
-    assert stored(regenerated_id).previous_response_id == first_id
+    assert stored(regenerated_id, daphne_server).previous_response_id == first_id
     assert page.locator(TURN).nth(0).locator(".chat-regen").is_hidden()  # only the last reply
 
     # 4. Stop a running reply: it keeps what it wrote and says "Stopped".
@@ -225,7 +240,9 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
     first.locator(".chat-copy").click()
     first.locator(".chat-copy", has_text="Copied").wait_for()
     copied = page.evaluate("navigator.clipboard.readText()")
-    assert copied and copied == stored(first_id).output_text  # the reply as written, not as rendered
+    assert (
+        copied and copied == stored(first_id, daphne_server).output_text
+    )  # the reply as written, not as rendered
 
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     if width > 800:
@@ -234,7 +251,7 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
         page.screenshot(path=str(SCREENSHOTS / "chat-phone.png"))
 
     # 6. The server holds the conversation: a reload reopens it from the stored rows.
-    stored(stopped_id)
+    stored(stopped_id, daphne_server)
     first_figures = [figure(first, name) for name in ("queue", "ttft", "cache")]
     page.reload()
     page.wait_for_selector('#chat-socket[data-state="open"]')
@@ -257,7 +274,9 @@ def test_a_reply_streams_is_cut_off_regenerated_and_stopped(
     no_sideways_overflow(page, width)
     send_in_view(page, height)
     if width > 800:
-        stored_response_page(page, stored(stopped_id).pk, previous=regenerated_id, before=first_id)
+        stored_response_page(
+            page, stored(stopped_id, daphne_server).pk, previous=regenerated_id, before=first_id
+        )
 
 
 def in_a_thread(work):
