@@ -31,7 +31,7 @@ class PersistenceSettings:
 
     publish_timeout_s: float = 2.0  # publishing one persist task to the broker
     hard_timeout_s: float = 60.0  # a write still pending this long trips the breaker
-    wait_s: float = 2.0  # a read of a response still being written waits this long (PER-2)
+    wait_s: float = 10.0  # a read of a response still being written waits this long (PER-2)
     poll_s: float = 0.25  # and looks for its row this often
     tombstone_ttl_s: float = 2 * 3600.0  # a breaker tombstone waits this long for its late row
     # Without a broker (embedded default) the web process runs the periodic cleanups itself.
