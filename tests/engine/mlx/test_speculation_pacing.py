@@ -87,7 +87,8 @@ def test_measured_verify_passes_that_do_not_pay_stop_drafting():
 
 def test_measured_verify_costs_drift_back_so_the_batch_probes_again():
     cost = MeasuredCost(PassCost())
-    cost.record(1, 8, 0.100)
+    for _ in range(3):
+        cost.record(1, 8, 0.100)
     cost.record(3, 8, 0.400)
     before = cost(3, 8)
     for _ in range(600):
@@ -102,3 +103,32 @@ def test_hit_rates_weigh_the_optimistic_plan():
     table = PassCost()
     assert max(plan_widths(table, [0.7] * 4, [8] * 4, 8)) > 0
     assert max(plan_widths(table, [0.7] * 4, [8] * 4, 8, hits=[0.05] * 4)) == 0
+
+
+def test_a_verify_pass_timed_before_any_plain_step_is_priced_against_the_measured_one():
+    """On a loaded machine every step takes twice the table's time. A verify pass timed before
+    any plain step is not read as twice the table's ratio: it waits for the plain step's time,
+    and its ratio is to that."""
+    table = PassCost()
+    cost = MeasuredCost(table)
+    plain_ms = 2 * table(1, 4)
+    cost.record(2, 4, 1.3 * plain_ms / 1000)
+    assert cost(2, 4) / cost(1, 4) == pytest.approx(table(2, 4) / table(1, 4))  # not priced yet
+    for _ in range(3):
+        cost.record(1, 4, plain_ms / 1000)
+    assert cost(1, 4) == pytest.approx(plain_ms)
+    assert cost(2, 4) / cost(1, 4) == pytest.approx(1.3)
+
+
+def test_one_odd_interval_moves_a_plain_estimate_but_never_makes_it():
+    """A first plain interval of almost nothing (a step whose tokens were already computed) is
+    not taken as the plain step's cost, and the verify ratios are not priced against it."""
+    table = PassCost()
+    cost = MeasuredCost(table)
+    cost.record(3, 4, 2 * table(3, 4) / 1000)
+    cost.record(1, 4, 0.0002)  # 0.2 ms
+    assert cost(1, 4) == table(1, 4)
+    for _ in range(3):
+        cost.record(1, 4, 2 * table(1, 4) / 1000)
+    assert cost(1, 4) == pytest.approx(2 * table(1, 4))
+    assert cost(3, 4) / cost(1, 4) == pytest.approx(table(3, 4) / table(1, 4))

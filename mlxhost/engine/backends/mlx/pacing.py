@@ -25,9 +25,12 @@ if TYPE_CHECKING:
     from mlxhost.engine.backends.mlx.drafting import PassCost
 
 # Weight of a new measurement in the mean; a sample is clipped to CLIP times the current value
-# (a prefill or a pause between two steps is not the step's cost).
+# (a prefill or a pause between two steps is not the step's cost), and a plain one under 1/CLIP
+# of it is dropped (nor is a step that found its tokens already computed).
 WEIGHT = 0.25
 CLIP = 3.0
+# Plain steps timed before a verify pass's time is read as a ratio to theirs.
+PRICE_AFTER = 3
 # Per plain step, how far each verify entry at those rows moves back towards the table's ratio
 # (half-way in some 70 plain steps: one unlucky sample does not stop drafting for long).
 DRIFT = 0.01
@@ -40,12 +43,17 @@ class MeasuredCost:
     measured at the time, so that the machine's load, which moves both, does not bias one
     against the other."""
 
-    __slots__ = ("_plain", "_ratio", "table")
+    __slots__ = ("_plain", "_plain_samples", "_ratio", "_unpriced", "table")
 
     def __init__(self, table: PassCost) -> None:
         self.table = table
         self._plain: dict[int, float] = {}  # rows -> ms of a plain step
         self._ratio: dict[tuple[int, int], float] = {}  # (rows, width) -> verify ms / plain ms
+        # Verify passes timed before PRICE_AFTER plain steps: kept in ms until then, since a ratio
+        # to the table's plain time (or to one odd plain interval) would carry the machine's load
+        # as if it were the pass's own cost.
+        self._unpriced: dict[tuple[int, int], float] = {}
+        self._plain_samples = 0
 
     def __call__(self, width: int, rows: int) -> float:
         plain = self._plain.get(rows)
@@ -80,13 +88,26 @@ class MeasuredCost:
         ms = seconds * 1000.0
         if width == 1:
             old = self._plain.get(rows)
-            self._plain[rows] = ms if old is None else old + (min(ms, old * CLIP) - old) * WEIGHT
+            current = self(1, rows) if old is None else old
+            if ms < current / CLIP:
+                return  # a step whose tokens were already computed: no step's cost
+            ms = min(ms, current * CLIP)
+            self._plain[rows] = ms if old is None else old + (ms - old) * WEIGHT
             for (r, w), ratio in self._ratio.items():
                 if r == rows:
                     self._ratio[(r, w)] = ratio + (self._table_ratio(w, r) - ratio) * DRIFT
+            self._plain_samples += 1
+            if self._plain_samples == PRICE_AFTER:
+                unpriced, self._unpriced = self._unpriced, {}
+                for (r, w), verify_ms in unpriced.items():
+                    self._verified((r, w), verify_ms / self(1, r))
             return
-        ratio = ms / self(1, rows)
-        key = (rows, width)
+        if self._plain_samples < PRICE_AFTER:
+            self._unpriced[(rows, width)] = ms
+            return
+        self._verified((rows, width), ms / self(1, rows))
+
+    def _verified(self, key: tuple[int, int], ratio: float) -> None:
         old_ratio = self._ratio.get(key)
         if old_ratio is None:
             self._ratio[key] = ratio
