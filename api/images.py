@@ -63,8 +63,12 @@ def bound_images(messages: Sequence[Message], limits: ImageLimits) -> None:
     Raises:
         InvalidImageError: naming the first image over either bound.
     """
+    bound_read([image for message in messages for image in message.images], limits)
+
+
+def bound_read(images: Sequence[Image], limits: ImageLimits) -> None:
+    """`bound_images` of images read, in the request's order."""
     total = 0
-    images = [image for message in messages for image in message.images]
     for index, image in enumerate(images):
         if index >= limits.max_images:
             raise InvalidImageError(
@@ -97,6 +101,13 @@ def count_images(
         f"messages[{index}].{field}[{part}]{leaf}",
         f"a request may hold at most {limits.max_images} images; it has {total}.",
     )
+
+
+def stored_form(image: Image) -> dict[str, str]:
+    """An image read from a request as a stored turn keeps it (JSON): its declared type, its file
+    in base64 and the part that held it. `models_app.turns.images.stored_image` reads it back."""
+    data = binascii.b2a_base64(image.encoded, newline=False).decode()
+    return {"media_type": image.media_type, "data": data, "param": image.param}
 
 
 def anthropic_image(block: dict[str, Any], param: str, limits: ImageLimits) -> Image:

@@ -17,8 +17,14 @@ def input_item_id(response_id: str, index: int) -> str:
     return f"msg_{response_id.removeprefix('resp_')}_{index}"
 
 
-def input_items(response_id: str, turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The stored input turns as items, oldest first: messages (assistant text is `output_text`),
+IMAGE_URL_INCLUDE = "message.input_image.image_url"
+
+
+def input_items(
+    response_id: str, turns: list[dict[str, Any]], *, image_urls: bool = False
+) -> list[dict[str, Any]]:
+    """The stored input turns as items, oldest first: messages (assistant text is `output_text`,
+    a user's images `input_image` parts after the text, with their data URLs when `image_urls`),
     an assistant's calls as `function_call` items after its text, results as `function_call_output`."""
     items: list[dict[str, Any]] = []
     hex_id = response_id.removeprefix("resp_")
@@ -39,13 +45,15 @@ def input_items(response_id: str, turns: list[dict[str, Any]]) -> list[dict[str,
             part: dict[str, Any] = {"type": "input_text", "text": turn["content"]}
             if turn["role"] == "assistant":
                 part = {"type": "output_text", "text": turn["content"], "annotations": []}
+            parts = [part] if turn["content"] or not turn.get("images") else []
+            parts += [_image_part(image, image_urls) for image in turn.get("images") or ()]
             items.append(
                 {
                     "type": "message",
                     "id": input_item_id(response_id, index),
                     "role": turn["role"],
                     "status": "completed",
-                    "content": [part],
+                    "content": parts,
                 }
             )
         for k, call in enumerate(calls):
@@ -60,6 +68,11 @@ def input_items(response_id: str, turns: list[dict[str, Any]]) -> list[dict[str,
                 }
             )
     return items
+
+
+def _image_part(image: dict[str, str], with_url: bool) -> dict[str, Any]:
+    url = f"data:{image.get('media_type') or 'application/octet-stream'};base64,{image['data']}"
+    return {"type": "input_image", "detail": "auto", "file_id": None, "image_url": url if with_url else None}
 
 
 def _limit(query: QueryDict) -> int:

@@ -7,12 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 from rest_framework import serializers
 
+from api import images
 from api import tools as tool_inputs
 from api.fields import JsonInput, MetadataField
 from api.openai.serializers import StrictBooleanField
 from api.sampling import SamplingInput, max_tokens_field, sampling_overrides
-from mlxhost.engine import ToolChoice
+from mlxhost.engine import Image, InvalidImageError, ToolChoice
 from models_app.catalogue.specs import EFFORTS
+from models_app.turns import images as image_limits
 from models_app.turns.conversations import namespaced_name
 from models_app.turns.item_references import reference_turn
 from models_app.turns.response_request import ResponseRequest
@@ -108,7 +110,8 @@ def input_turns(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise serializers.ValidationError("input must be a string or a non-empty list of message items.")
     turns: list[dict[str, Any]] = []
-    for item in value:
+    read: list[Image] = []  # the request's images, in order
+    for position, item in enumerate(value):
         kind = _kind(item, "message")
         if kind == "item_reference":
             turns.append(_reference(item))
@@ -132,14 +135,52 @@ def input_turns(value: Any) -> list[dict[str, Any]]:
                 "A message's role must be user, assistant, system or developer."
             )
         content = item.get("content")
+        turn: dict[str, Any]
         if isinstance(content, str):
-            text = content
+            turn = {"role": role, "content": content}
         elif isinstance(content, list):
-            text = "".join(_part_text(part) for part in content)
+            turn = _message_parts(content, role, f"input[{position}]", read)
         else:
             raise serializers.ValidationError("A message's content must be a string or a list of text parts.")
-        turns.append({"role": role, "content": text})
+        turns.append(turn)
+    images.bound_read(read, image_limits.limits())
     return turns
+
+
+def _message_parts(content: list[Any], role: str, place: str, read: list[Image]) -> dict[str, Any]:
+    """A message item's parts as one turn: its text parts joined, and its `input_image` parts
+    (base64 data URLs, read and checked here, appended to `read`, the request's images so far) as
+    `images` in their stored form (api/images.py).
+
+    Raises:
+        serializers.ValidationError: a part of another kind.
+        InvalidImageError: an unreadable or remote image, a `file_id`, an image outside a user
+            turn, or one past `max_images` (refused before it is read).
+    """
+    limits = image_limits.limits()
+    texts: list[str] = []
+    mine: list[Image] = []
+    for index, part in enumerate(content):
+        if _kind(part, "") != "input_image":
+            texts.append(_part_text(part))
+            continue
+        param = f"{place}.content[{index}].image_url"
+        if role != "user":
+            raise InvalidImageError(param, "only user messages may hold images.")
+        if part.get("image_url") is None and part.get("file_id") is not None:
+            raise InvalidImageError(
+                f"{place}.content[{index}].file_id",
+                "files are not stored by this server; send the image as image_url, a base64 data URL.",
+            )
+        if len(read) >= limits.max_images:
+            raise InvalidImageError(param, f"a request may hold at most {limits.max_images} images.")
+        image = images.image_from_url(part.get("image_url"), param, limits)
+        read.append(image)
+        mine.append(image)
+    turn: dict[str, Any] = {"role": role, "content": "".join(texts)}
+    if mine:
+        turn["images"] = [images.stored_form(image) for image in mine]
+    return turn
 
 
 class TextConfigInput(JsonInput):

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import sync_to_async
 
 from api.auth import api_endpoint, caller_of
-from api.openai.input_items import input_items, input_items_page
+from api.openai.input_items import IMAGE_URL_INCLUDE, input_items, input_items_page
 from api.openai.responses import ResponseTurn, response_collect, response_shape, response_sse
 from api.openai.responses_input import ENGINE_NAMES, ResponsesInput, response_request
 from api.openai.views import body_for_turn, sse_response, validated
@@ -100,7 +100,9 @@ async def response_cancel(request: HttpRequest, public_id: str) -> HttpResponse:
 @api_endpoint(dialect="openai", methods=("GET",))
 async def response_input_items(request: HttpRequest, public_id: str) -> HttpResponse:
     """GET /v1/responses/{id}/input_items: this turn's input as message items, paged like OpenAI's
-    (`order`, `limit`, `after`, `before`)."""
+    (`order`, `limit`, `after`, `before`); an image's data URL only with
+    `include=message.input_image.image_url`, as OpenAI's."""
     row = await _owned(request, public_id)
-    items = input_items(row.public_id, (row.request or {}).get("input", []))
+    with_urls = IMAGE_URL_INCLUDE in request.GET.getlist("include") + request.GET.getlist("include[]")
+    items = input_items(row.public_id, (row.request or {}).get("input", []), image_urls=with_urls)
     return json_response(input_items_page(items, request.GET))

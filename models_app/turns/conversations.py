@@ -21,7 +21,7 @@ def namespaced_name(namespace: str | None, name: str) -> str:
     return f"{namespace}{NAMESPACE_JOIN}{name}" if namespace else name
 
 
-def conversation_of(*, parent: StoredResponse) -> tuple[str | None, list[dict[str, str]]]:
+def conversation_of(*, parent: StoredResponse) -> tuple[str | None, list[dict[str, Any]]]:
     """The parent's instructions and every turn through its answer, as role/content dicts (an
     assistant turn may carry `tool_calls`, a "tool" turn the `tool_call_id` it answers).
 

@@ -4,14 +4,15 @@ loop, a few at a time (`MLXHOST_IMAGE_DECODE_THREADS`), before the turn takes a 
 from __future__ import annotations
 
 import asyncio
+import binascii
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
-from mlxhost.engine import ImageLimits, ImagesNotSupportedError, decode_image, request_images
+from mlxhost.engine import Image, ImageLimits, ImagesNotSupportedError, decode_image, request_images
 from models_app.models import Model
 
 if TYPE_CHECKING:
@@ -62,4 +63,12 @@ async def turn_images(alias: ModelAlias, messages: tuple[Message, ...]) -> tuple
     )
     return tuple(
         replace(m, images=tuple(next(decoded) for _ in m.images)) if m.images else m for m in messages
+    )
+
+
+def stored_image(stored: dict[str, Any], param: str) -> Image:
+    """An image of a stored turn (`api.images.stored_form`: its declared type and its file in
+    base64) as the engine's `Image`, to be decoded again for a replay of the chain."""
+    return Image(
+        param=param, encoded=binascii.a2b_base64(stored["data"]), media_type=stored.get("media_type", "")
     )

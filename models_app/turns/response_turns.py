@@ -15,6 +15,7 @@ from models_app.catalogue import control
 from models_app.models import StoredResponse
 from models_app.persistence.persistence import ResponseRecord, persistence
 from models_app.turns import conversations, item_references, live_responses
+from models_app.turns.images import stored_image, turn_images
 from models_app.turns.response_ids import new_response_id
 from models_app.turns.turns import CacheScope, StartedTurn, TurnHooks, TurnRequest, TurnResult, turn_start
 
@@ -150,16 +151,22 @@ def output_items(
     return items
 
 
-def turn_message(turn: dict[str, Any], names: dict[str, str]) -> Message:
-    """A stored chain turn as the engine's Message: text, or an assistant's calls, or a call's
-    result (whose function is named by `names`, call id -> name, from earlier turns)."""
+def turn_message(turn: dict[str, Any], names: dict[str, str], *, current: bool = False) -> Message:
+    """A stored chain turn as the engine's Message: text with a user's images, or an assistant's
+    calls, or a call's result (whose function is named by `names`, call id -> name, from earlier
+    turns). `current`: a turn of this request, whose images' errors name their parts."""
     calls = tuple(ToolCall(c["id"], c["name"], c["arguments"]) for c in turn.get("tool_calls") or ())
     for call in calls:
         names[call.id] = call.name
     if turn["role"] == "tool":
         call_id = turn.get("tool_call_id") or ""
         return Message("tool", turn["content"], tool_call_id=call_id, name=names.get(call_id))
-    return Message(role=cast("Role", turn["role"]), content=turn["content"], tool_calls=calls)
+    # An error about an image names the request's part, or the parent for one of the chain's.
+    images = tuple(
+        stored_image(image, image.get("param", "") if current else "previous_response_id")
+        for image in turn.get("images") or ()
+    )
+    return Message(role=cast("Role", turn["role"]), content=turn["content"], tool_calls=calls, images=images)
 
 
 def usage_body(usage: Usage | None) -> dict[str, Any] | None:
@@ -215,13 +222,13 @@ class ResponseHooks(TurnHooks):
         self.turns: list[dict[str, Any]] = [dict(turn) for turn in request.turns]
         self.response_id = response_id
         self.instructions: str | None = None
-        self.history: list[dict[str, str]] = []  # earlier turns, through the parent's answer
+        self.history: list[dict[str, Any]] = []  # earlier turns, through the parent's answer
         self.alias: ModelAlias | None = None
         self.retention: Retention | None = None
         self.created_at = 0.0  # when the turn started (unix seconds, with the fraction)
 
     @property
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return [*self.history, *(t for t in self.turns if t["role"] != "system")]
 
     def messages(self) -> tuple[Message, ...]:
@@ -230,7 +237,12 @@ class ResponseHooks(TurnHooks):
         head: tuple[Message, ...] = (Message(role="system", content=instructions),) if instructions else ()
         # Input roles arrive normalised to the engine's (responses_input.INPUT_ROLES); system ones are above.
         names: dict[str, str] = {}
-        return head + tuple(turn_message(t, names) for t in self.conversation)
+        current = [t for t in self.turns if t["role"] != "system"]
+        return (
+            head
+            + tuple(turn_message(t, names) for t in self.history)
+            + tuple(turn_message(t, names, current=True) for t in current)
+        )
 
     async def prepare(
         self, engine: Engine, alias: ModelAlias, permit: Permit, turn: TurnRequest
@@ -262,11 +274,13 @@ class ResponseHooks(TurnHooks):
             previous_response_id=self.request.previous_response_id,
             keep_on_disk=self.request.store,
         )
+        # The chain's images, this turn's and its parents', decoded for the model (issue 29).
+        messages = await turn_images(alias, self.messages())
         return TurnRequest(
             turn.model,
             turn.owner_id,
             turn.sampling,
-            messages=self.messages(),
+            messages=messages,
             cache=cache,
             effort=self.request.effort,
             **_structure(self.request),
