@@ -91,3 +91,32 @@ def test_the_anthropic_sdk_sends_an_image_block_and_gets_an_answer_with_usage(
             ],
         )
     assert "sent as image/gif" in caught.value.message
+
+
+def test_the_sdk_sends_an_input_image_to_responses_and_continues_the_chain(client, vision_alias):
+    """`responses.create` with an `input_image` part, streamed and not; a continuation by
+    `previous_response_id` replays the stored image (its prompt holds the image's tokens again)."""
+    from mlxhost.engine.backends.mlx.tiny_vision import IMAGE_TOKENS
+
+    url = "data:image/png;base64," + base64.b64encode(pillow_image((48, 40), (10, 120, 200))).decode()
+    content = [
+        {"type": "input_text", "text": "Describe the picture."},
+        {"type": "input_image", "image_url": url},
+    ]
+    item = {"role": "user", "content": content}
+    first = client.responses.create(model="tiny-vision", input=[item], max_output_tokens=6, temperature=0)
+    assert first.usage.input_tokens > IMAGE_TOKENS
+    events = list(
+        client.responses.create(
+            model="tiny-vision", input=[item], max_output_tokens=6, temperature=0, store=False, stream=True
+        )
+    )
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == first.output_text  # greedy: the same answer either way
+    second = client.responses.create(
+        model="tiny-vision", input="And its colour?", previous_response_id=first.id, max_output_tokens=4
+    )
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    items = client.responses.input_items.list(first.id, include=["message.input_image.image_url"])
+    assert [part.type for part in items.data[0].content] == ["input_text", "input_image"]
+    assert items.data[0].content[1].image_url == url
