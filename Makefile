@@ -13,15 +13,23 @@ CHROMIUM := /usr/bin/chromium
 # `$(DEB_PACKAGE) PACKAGE PURPOSE [WITHOUT]`: apt-get installs a missing Debian package when root.
 DEB_PACKAGE := bash scripts/deb_package.sh
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# The end-to-end tests of `make test` (the chaos, agent-CLI and fleet ones have targets of their own).
+E2E := e2e and not chaos and not agent_cli and not fleet
 
-.PHONY: precommit typecheck fix run test test-celery test-chaos test-agents test-fleet fleet haproxy agent-clis ai-sdk install install-dev install-vision openblas chromium migrate demo bootstrap api-key worker lint clean bench-embeddings bench-edit
+.PHONY: precommit typecheck fix run test test-e2e test-celery test-chaos test-agents test-fleet fleet haproxy agent-clis ai-sdk install install-dev install-vision openblas chromium migrate demo bootstrap api-key worker lint clean bench-embeddings bench-edit
 
 run: install openblas migrate demo bootstrap
 	@echo "Serving on http://127.0.0.1:$(PORT)/ (Ctrl-C to stop)"
 	$(VENV)/bin/daphne -b 127.0.0.1 -p $(PORT) mlxhost.asgi:application
 
+# The default suite (under 15 minutes on CI's 2 cores), then the end-to-end one (marker `e2e`).
 test: install-dev install-vision openblas chromium ai-sdk
 	$(PY) -m pytest
+	$(PY) -m pytest -m "$(E2E)"
+
+# Only the end-to-end suite: real daphne, Celery worker, Chromium and Node.js processes.
+test-e2e: install-dev install-vision openblas chromium ai-sdk
+	$(PY) -m pytest -m "$(E2E)"
 
 # Only the tests with real Celery worker processes and Redis (part of `make test` too).
 test-celery: install-dev

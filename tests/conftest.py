@@ -16,6 +16,19 @@ from tests.support import register_alias
 TINY_FOLDER = "tiny-llama"
 
 
+# Where the tests run real processes (daphne, Celery workers, Chromium, Node.js): the `e2e` suite,
+# out of the default run (which stays under CI's 15 minutes) and run after it by `make test`.
+E2E_FOLDERS = ("e2e", "integration")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).parent
+    for item in items:
+        if item.path.relative_to(tests).parts[0] in E2E_FOLDERS:
+            item.add_marker(pytest.mark.e2e)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """In CI a missing PostgreSQL or Redis is a failure, never a skip."""
     if os.environ.get("MLXHOST_REQUIRE_SERVICES") != "1":
