@@ -15,7 +15,7 @@ from mlxhost.engine import ModelSpec, SamplingParams
 from mlxhost.engine.backends.mlx.backend import MlxBackend, MlxModel
 from mlxhost.engine.backends.mlx.batch import MlxBatch
 from mlxhost.engine.backends.mlx.drafting import PassCost, SpeculationConfig, plan_widths
-from mlxhost.engine.backends.mlx.pacing import MeasuredCost
+from mlxhost.engine.backends.mlx.pacing import RETRY_AFTER, WINDOW, DraftGovernor, MeasuredCost
 from mlxhost.engine.backends.mlx.speculative import SpeculativeGenerationBatch
 
 pytestmark = pytest.mark.timeout(300)
@@ -132,3 +132,71 @@ def test_one_odd_interval_moves_a_plain_estimate_but_never_makes_it():
         cost.record(1, 4, 2 * table(1, 4) / 1000)
     assert cost(1, 4) == pytest.approx(2 * table(1, 4))
     assert cost(3, 4) / cost(1, 4) == pytest.approx(table(3, 4) / table(1, 4))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_windows(governor, clock: FakeClock, rows: int, windows: int, rate: dict[bool, float]) -> list[bool]:
+    """Steps of one token per row, each taking rows / rate[mode] seconds; the mode of each step."""
+    modes = []
+    for _ in range(windows * (WINDOW + 1)):
+        allowed = governor.allowed(rows)
+        modes.append(allowed)
+        clock.now += rows / rate[allowed]
+        governor.stepped(rows, drafted=allowed)
+    return modes
+
+
+def test_the_governor_stops_drafting_where_the_realised_rate_is_lower_and_retries_it():
+    """Drafting allowed first; once its windows realise fewer tokens per second than plain ones,
+    plain steps run, and drafting gets one window again after RETRY_AFTER."""
+    clock = FakeClock()
+    governor = DraftGovernor(clock)
+    modes = run_windows(governor, clock, 4, 40, {True: 20.0, False: 30.0})
+    assert modes[0] is True
+    tail = modes[len(modes) // 2 :]
+    share = sum(tail) / len(tail)
+    assert 0 < share <= 1.5 / (RETRY_AFTER + 1)  # drafting only in its retry windows
+
+
+def test_the_governor_keeps_drafting_where_it_pays_and_learns_per_rows():
+    clock = FakeClock()
+    governor = DraftGovernor(clock)
+    modes = run_windows(governor, clock, 1, 40, {True: 25.0, False: 12.0})
+    tail = modes[len(modes) // 2 :]
+    assert sum(tail) / len(tail) >= 1 - 1.5 / (RETRY_AFTER + 1)
+    # At 4 rows nothing is known yet: drafting is tried first there too.
+    assert governor.allowed(4) is True
+
+
+def test_a_prefill_or_a_rows_change_is_not_counted_in_a_window():
+    """A window interrupted by a prefill (or rows joining or leaving) restarts: its long step
+    never makes drafting look slow."""
+    clock = FakeClock()
+    governor = DraftGovernor(clock)
+    for step in range(3 * WINDOW):
+        assert governor.allowed(2) is True
+        clock.now += 0.1
+        if step % (WINDOW // 2) == 0:
+            clock.now += 30.0  # a prefill, then the batch says so
+            governor.interrupt()
+        governor.stepped(2, drafted=True)
+    assert governor._rates == {}
+
+
+def test_windows_where_the_plan_drafted_nothing_count_as_plain_ones():
+    """Drafting allowed, but no pass drafted (rows that never draft): those windows are plain
+    ones, and drafting stays allowed until a window with a verify pass says what it gives."""
+    clock = FakeClock()
+    governor = DraftGovernor(clock)
+    for _ in range(5 * (WINDOW + 1)):
+        assert governor.allowed(3) is True
+        clock.now += 0.1
+        governor.stepped(3, drafted=False)
+    assert set(governor._rates) == {(3, False)}

@@ -22,6 +22,8 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from mlxhost.engine.backends.mlx.drafting import PassCost
 
 # Weight of a new measurement in the mean; a sample is clipped to CLIP times the current value
@@ -137,3 +139,91 @@ class StepClock:
     def interrupt(self) -> None:
         """Rows joined or the caller did other work: the running interval is not a step's cost."""
         self._since, self._kind = None, None
+
+
+# `DraftGovernor`: steps per window, the weight of a window's rate in its mode's mean, and how
+# many windows pass before the mode that lost is tried again for one window.
+WINDOW = 16
+RATE_WEIGHT = 0.3
+RETRY_AFTER = 8
+
+
+class DraftGovernor:
+    """Whether this batch may draft at all: what its own steps realised decides, not the plan.
+
+    `MeasuredCost` prices the passes the plan compares, but not everything drafting costs: the
+    pending-token read that empties mlx-lm's pipeline, the next plain step that runs without it,
+    the cache roll-back evaluated in a later step. So the batch's steps are also counted in windows
+    of WINDOW steps at one rows count, tokens emitted per second of wall time, with a verify pass
+    in the window or none, each kind kept as a weighted mean per rows count. The better mode
+    runs; the other gets one window again after RETRY_AFTER (the text, the load and the rows
+    change what pays). A change of rows or a prefill starts a new window: neither is a step's cost.
+    """
+
+    __slots__ = (
+        "_allowed",
+        "_clock",
+        "_drafted",
+        "_rates",
+        "_rows",
+        "_since",
+        "_steps",
+        "_tokens",
+        "_windows",
+    )
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._rates: dict[tuple[int, bool], float] = {}  # (rows, drafting allowed) -> tokens/s
+        self._rows = 0
+        self._allowed = True
+        self._since: float | None = None
+        self._steps = 0
+        self._tokens = 0
+        self._drafted = False  # a verify pass ran in this window: it counts as a drafting one
+        self._windows = 0  # windows run since the losing mode was last tried
+
+    def allowed(self, rows: int) -> bool:
+        """Whether the next step, over `rows` rows, may draft."""
+        if rows != self._rows:
+            self._rows = rows
+            self.interrupt()
+            self._allowed = self._choice()
+        return self._allowed
+
+    def stepped(self, tokens: int, *, drafted: bool) -> None:
+        """The step just run emitted `tokens` (over every row); `drafted`: it was a verify pass.
+        A window with drafting allowed but no verify pass (the plan found nothing worth it) is a
+        plain one."""
+        now = self._clock()
+        if self._since is None:  # the window's clock starts at the end of its first step
+            self._since = now
+            return
+        self._steps += 1
+        self._tokens += tokens
+        self._drafted = self._drafted or drafted
+        if self._steps < WINDOW:
+            return
+        rate = self._tokens / max(now - self._since, 1e-9)
+        key = (self._rows, self._drafted)
+        old = self._rates.get(key)
+        self._rates[key] = rate if old is None else old + (rate - old) * RATE_WEIGHT
+        self._windows += 1
+        self._allowed = self._choice()
+        self._since, self._steps, self._tokens, self._drafted = now, 0, 0, False
+
+    def interrupt(self) -> None:
+        """Rows joined (a prefill ran) or left: the running window is not the steps' cost."""
+        self._since, self._steps, self._tokens, self._drafted = None, 0, 0, False
+
+    def _choice(self) -> bool:
+        drafting, plain = self._rates.get((self._rows, True)), self._rates.get((self._rows, False))
+        if drafting is None:
+            return True  # drafting allowed until a window with a verify pass says what it gives
+        if plain is None:
+            return False
+        best = drafting >= plain
+        if self._windows >= RETRY_AFTER:
+            self._windows = 0
+            return not best
+        return best

@@ -61,7 +61,7 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
 from mlxhost.engine.backends.mlx.drafting import PredictionAligner, RowDrafter, SpeculationConfig, plan_widths
-from mlxhost.engine.backends.mlx.pacing import MeasuredCost, StepClock
+from mlxhost.engine.backends.mlx.pacing import DraftGovernor, MeasuredCost, StepClock
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -91,6 +91,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
     drafters: dict[int, RowDrafter]
     _seen: dict[int, int]
     clock: StepClock
+    governor: DraftGovernor  # whether drafting pays this batch at all, by its realised rate (pacing.py)
     _plain_run: bool  # the last step was a plain one (mlx-lm's pipeline is running)
     draft_rows: DraftModelRows | None  # the draft model's side (draft_model.py), if the model has one
     row_hook: Callable[[Sequence[int]], None] | None = None  # adapters.py: each row's LoRA adapter
@@ -106,6 +107,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         batch.drafters = {}
         batch._seen = {}
         batch.clock = StepClock(MeasuredCost(config.cost))
+        batch.governor = DraftGovernor()
         batch._plain_run = False
         return batch
 
@@ -128,6 +130,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
     def extend(self, batch: Any) -> None:
         super().extend(batch)
         self.clock.interrupt()  # the caller just ran a prefill: not a step's cost
+        self.governor.interrupt()
 
     @property
     def cost(self) -> Callable[[int, int], float]:
@@ -141,7 +144,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
             return []
         rows = len(self.uids)
         self.clock.step(1, rows, pipelined=self._plain_run)  # re-started below for a verify pass
-        planned = self._plan()
+        planned = self._plan() if self.governor.allowed(rows) else None
         if planned is None or not any(planned[0]):
             responses = cast("list[Any]", super().next())
             for response in responses:
@@ -151,11 +154,15 @@ class SpeculativeGenerationBatch(GenerationBatch):
             if self.draft_rows is not None:
                 self.draft_rows.cost.drift()
             self._plain_run = True
-            return responses
-        drafts, pending = planned
-        self.clock.step(1 + max(len(d) for d in drafts), rows, pipelined=False)
-        self._plain_run = False
-        return self._verify(drafts, pending)
+            drafted = False
+        else:
+            drafts, pending = planned
+            self.clock.step(1 + max(len(d) for d in drafts), rows, pipelined=False)
+            self._plain_run = False
+            responses = self._verify(drafts, pending)
+            drafted = True
+        self.governor.stepped(len(responses), drafted=drafted)
+        return responses
 
     def _drafter(self, row: int) -> RowDrafter | None:
         uid = self.uids[row]
