@@ -48,6 +48,7 @@ def logprobs(body: dict) -> list[float]:
 
 
 async def test_an_input_image_reaches_the_vision_model(api_key, vision_alias, mlx_engine):
+    """API-15: an input_image part is read into the prompt as the model's image tokens."""
     from mlxhost.engine.backends.mlx.tiny_vision import IMAGE_TOKENS
 
     text_only = await respond(api_key, "tiny-vision", image_input())
