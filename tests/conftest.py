@@ -296,3 +296,21 @@ def tiny_quantized_dir(request, tiny_model_dir: Path) -> Path:
 def tiny_tools_quantized_dir(tiny_tools_model_dir: Path) -> Path:
     """The tool-capable tiny llama at 4 bits (group size 32)."""
     return quantized_tiny(tiny_tools_model_dir, "4bit-g32")
+
+
+@pytest.fixture
+def batch_sizes(monkeypatch) -> list[int]:
+    """How many sequences produced a token at each `MlxBatch` step (a speculating step may hand
+    out several tokens of one sequence)."""
+    from mlxhost.engine.backends.mlx.batch import MlxBatch
+
+    sizes: list[int] = []
+    real_step = MlxBatch.step
+
+    def step(self):
+        steps = real_step(self)
+        sizes.append(len({s.handle for s in steps}))
+        return steps
+
+    monkeypatch.setattr(MlxBatch, "step", step)
+    return sizes

@@ -9,7 +9,6 @@ import threading
 
 import pytest
 
-from mlxhost.engine.backends.mlx.batch import MlxBatch
 from mlxhost.engine.worker import CallJob
 from tests.api.support import bearer, post_json
 from tests.api.test_tools_chat import PERSON, WEATHER, check_weather_arguments
@@ -30,20 +29,6 @@ def quantized_alias(tiny_quantized_dir):
 @pytest.fixture
 def quantized_tools_alias(tiny_tools_quantized_dir):
     return register_alias(name="tiny-q-tools", folder=tiny_tools_quantized_dir.name, temperature=0.0)
-
-
-@pytest.fixture
-def batch_sizes(monkeypatch) -> list[int]:
-    sizes: list[int] = []
-    real_step = MlxBatch.step
-
-    def step(self):
-        steps = real_step(self)
-        sizes.append(len({s.handle for s in steps}))
-        return steps
-
-    monkeypatch.setattr(MlxBatch, "step", step)
-    return sizes
 
 
 async def chat(api_key: str, model: str = "tiny-q", **fields):

@@ -25,22 +25,6 @@ pytestmark = pytest.mark.timeout(120)
 MARKERS = ("zebra", "quokka", "violin", "saffron", "tundra", "cobalt", "pixel", "lagoon")
 
 
-@pytest.fixture
-def batch_sizes(monkeypatch) -> list[int]:
-    """How many sequences produced a token at each batch step (a speculating step may hand out
-    several tokens of one sequence)."""
-    sizes: list[int] = []
-    real_step = MlxBatch.step
-
-    def step(self):
-        steps = real_step(self)
-        sizes.append(len({s.handle for s in steps}))
-        return steps
-
-    monkeypatch.setattr(MlxBatch, "step", step)
-    return sizes
-
-
 async def test_greedy_batched_output_equals_single_stream_output(engines, batch_sizes, tiny_eos_id):
     """LANE-1: six greedy requests (different prompt lengths, limits and processors) batched as one
     give exactly the tokens, text and usage each gets alone."""

@@ -16,7 +16,6 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from mlxhost.engine import Engine, EngineConfig, LaneSettings, Message, ModelSpec, Started
-from mlxhost.engine.backends.mlx.batch import MlxBatch
 from mlxhost.engine.backends.mlx.quantize import weights_bytes
 from tests.engine.conftest import collect, lane_idle, until
 from tests.engine.mlx.support import chat, outcome, run_together
@@ -50,20 +49,6 @@ async def engines(tiny_quantized_dir: Path):
     yield make
     for engine in made:
         await engine.shutdown()
-
-
-@pytest.fixture
-def batch_sizes(monkeypatch) -> list[int]:
-    sizes: list[int] = []
-    real_step = MlxBatch.step
-
-    def step(self):
-        steps = real_step(self)
-        sizes.append(len({s.handle for s in steps}))
-        return steps
-
-    monkeypatch.setattr(MlxBatch, "step", step)
-    return sizes
 
 
 def test_the_folder_holds_quantized_weights(tiny_quantized_dir, tiny_model_dir):
