@@ -14,7 +14,6 @@ from django.conf import settings
 from django.test import AsyncClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlxhost.engine.backends.mlx.batch import MlxBatch
 from mlxhost.engine.backends.mlx.tiny import build_tiny_adapter
 from mlxhost.engine.worker import CallJob
 from models_app.catalogue import adapters as adapter_services
@@ -92,17 +91,9 @@ async def test_each_alias_answers_as_mlx_lm_with_its_adapter_alone(aliases, api_
     )  # the adapters matter
 
 
-async def test_two_adapters_and_the_base_share_one_batch(aliases, api_key, mlx_engine, expected, monkeypatch):
+async def test_two_adapters_and_the_base_share_one_batch(aliases, api_key, mlx_engine, expected, batch_sizes):
     """Requests of three aliases held until all are admitted run as one batch, each with its own answer."""
-    sizes: list[int] = []
-    real_step = MlxBatch.step
-
-    def step(self):
-        steps = real_step(self)
-        sizes.append(len({s.handle for s in steps}))
-        return steps
-
-    monkeypatch.setattr(MlxBatch, "step", step)
+    sizes = batch_sizes
     await chat(api_key, "tiny-base", "warm up")  # loaded, so the held job below finds the worker
     instance_id = aliases.model.instance_id
     hold = threading.Event()
