@@ -83,6 +83,33 @@ def test_a_gif_gives_its_first_frame_only():
     assert decoded.pixels == first.pixels
 
 
+def test_a_gif_of_ten_thousand_frames_decodes_its_first_frame_and_seeks_no_other(monkeypatch):
+    """A small file (420 kB) of 10,000 frames costs one frame: Pillow is asked for frame 0 only,
+    never to walk the others (which a frame count or a seek past it would do)."""
+    from PIL import GifImagePlugin
+    from PIL import Image as PILImage
+
+    palette = [255, 0, 0, 0, 0, 255] + [0] * 762
+    frames = [PILImage.new("P", (4, 4), i % 2) for i in range(10_000)]
+    for frame in frames:
+        frame.putpalette(palette)
+    out = io.BytesIO()
+    frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:], duration=10)
+    assert len(out.getvalue()) < LIMITS.max_bytes
+    seeks: list[int] = []
+    real_seek = GifImagePlugin.GifImageFile._seek
+
+    def counted(self, frame, *args, **kwargs):
+        seeks.append(frame)
+        return real_seek(self, frame, *args, **kwargs)
+
+    monkeypatch.setattr(GifImagePlugin.GifImageFile, "_seek", counted)
+    decoded = decode_image(image(out.getvalue(), "image/gif"), LIMITS)
+    assert (decoded.width, decoded.height) == (4, 4)
+    assert decoded.pixels == bytes([255, 0, 0]) * 16  # frame 0's red
+    assert seeks == [0]
+
+
 def test_a_truncated_file_is_refused_not_padded():
     data = pillow_image((64, 64), fmt="PNG", compress_level=0)
     assert "could not be read" in refused(data[: len(data) // 2])
