@@ -11,6 +11,7 @@ from django.test import AsyncClient
 
 from tests.api.support import bearer, post_json
 from tests.api.test_images import data_url
+from tests.api.test_images import refusal as chat_refusal
 from tests.engine.test_images import pillow_image
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(180)]
@@ -30,10 +31,7 @@ async def respond(api_key: str, model: str, input_: object, **fields):
 
 
 def refusal(response, code: str, param: str = PART) -> str:
-    assert response.status_code == 400, response.content
-    error = response.json()["error"]
-    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param)
-    return error["message"]
+    return chat_refusal(response, code, param)
 
 
 def text_of(body: dict) -> str:

@@ -174,7 +174,7 @@ class DraftGovernor:
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._clock = clock
-        self._rates: dict[tuple[int, bool], float] = {}  # (rows, drafting allowed) -> tokens/s
+        self._rates: dict[tuple[int, bool], float] = {}  # (rows, a verify pass in the window) -> tokens/s
         self._rows = 0
         self._allowed = True
         self._since: float | None = None
